@@ -1,0 +1,97 @@
+"""The attention-backend contract: a plan step once per batch, a forward step once per layer.
+
+A backend owns how K/V are written into the paged cache and how attention reads it. The KV-cache
+layout is fixed for every backend and device (see docs/kv_cache_layout.md):
+
+    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+
+The model runner builds one `AttentionMetadata` per step from the scheduler output, calls
+`backend.plan(metadata)` once, then every attention layer calls `backend.forward(...)`.
+Requests are ordered decodes first: the first `num_decode_reqs` requests have exactly one query
+token each (tokens `[0, num_decode_tokens)`), the rest are prefill chunks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, as tensors on the compute device.
+
+    slot_mapping:     int64 [num_tokens]      cache slot (block * block_size + offset) of each new token; -1 = skip
+    block_tables:     int32 [num_reqs, max_blocks_per_req]  physical block ids, padded with 0
+    seq_lens:         int32 [num_reqs]        context length after this step (cached + new tokens)
+    query_start_loc:  int32 [num_reqs + 1]    prefix sums of query lengths
+    """
+
+    num_reqs: int
+    num_tokens: int
+    num_decode_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode_reqs
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Static per-layer attention parameters.
+
+    window_size: number of keys a query sees, itself included (Mistral's sliding_window); -1 = full.
+    softcap: logits soft-capping, softcap * tanh(s / softcap); 0 = off.
+    """
+
+    layer_idx: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window_size: int = -1
+    softcap: float = 0.0
+
+
+class BaseAttentionBackend(ABC):
+    """Interface every attention backend implements. Subclasses set `name`."""
+
+    name: str = "base"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.metadata: AttentionMetadata | None = None
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        """Whether the backend can run on `device`; the reason when it cannot."""
+        return True, ""
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        """Prepare for one step (once per batch, before any layer). Default: remember the metadata."""
+        self.metadata = metadata
+
+    @abstractmethod
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Write this step's K/V into the cache, then attend.
+
+        query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim]: causal attention of each token over its request's
+        cached context plus the chunk's earlier tokens (and itself).
+        """
