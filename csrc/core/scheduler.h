@@ -1,0 +1,154 @@
+// Iteration-level continuous-batching scheduler (unified prefill/decode, chunked prefill, preemption
+// by recompute, prefix caching, fork for n>1 sampling, spec-decode lookahead slots).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "core/block_manager.h"
+#include "core/request.h"
+#include "core/scheduler_config.h"
+#include "core/scheduler_output.h"
+#include "core/waiting_queue.h"
+
+namespace pagellm {
+
+// Thrown for a request id the scheduler does not know (Python: KeyError).
+class UnknownRequestError : public std::out_of_range {
+ public:
+  // Builds "unknown request '<id>'".
+  explicit UnknownRequestError(const std::string& id) : std::out_of_range("unknown request '" + id + "'") {}
+};
+
+// A request finished by the caller in update(): (request id, FINISHED_* status).
+using FinishedRequest = std::pair<std::string, RequestStatus>;
+
+// Step protocol: out = schedule(); run the model (apply out.cow_copies first); optionally fork();
+// update(out, ...). A step with rows is "pending" until its update(); schedule() refuses to run while
+// one is pending. Single-threaded.
+class Scheduler {
+ public:
+  // Throws std::invalid_argument naming an invalid config field.
+  Scheduler(const SchedulerConfig& config, const CacheConfig& cache_config);
+
+  // Queues a new request. Throws std::invalid_argument (state untouched) for an empty prompt, a prompt
+  // longer than max_model_len (or max_num_batched_tokens without chunked prefill, or the KV cache),
+  // or a live duplicate id.
+  void add_request(const std::string& request_id, std::vector<int64_t> prompt_token_ids,
+                   double arrival_time, int32_t priority = 0, uint64_t extra_key = 0);
+  // Builds the next batch (see SchedulerOutput). Throws std::logic_error if the previous step with
+  // scheduled rows has not been update()d.
+  std::unique_ptr<SchedulerOutput> schedule();
+  // Applies the model results of the pending step. Row i of num_new_tokens is the number of tokens
+  // accepted for scheduled row i (0 for non-sampling prefill chunks, 1 for a normal sample,
+  // 1..1+num_lookahead_tokens with spec decode), followed by one entry per child forked into the step
+  // (0 or 1: the drafts' KV was written for the parent only).
+  // new_token_ids holds those tokens back to back. Then finishes the `finished` requests.
+  // Throws std::invalid_argument (state untouched) on inconsistent input.
+  void update(uint64_t step_id, const int32_t* num_new_tokens, int64_t num_rows,
+              const int64_t* new_token_ids, int64_t num_new_token_ids,
+              const std::vector<FinishedRequest>& finished);
+  // Aborts a live request and frees its blocks at once; false if unknown or already finished.
+  bool abort(const std::string& request_id);
+  // Creates child_id as a RUNNING copy of parent_id sharing its blocks. Allowed when the parent is
+  // RUNNING and either (a) it is a sampling row (decode or last prefill chunk) of the pending step:
+  // the child joins that step as an extra row, or (b) it is not in a pending step and is decode-ready
+  // (num_computed == num_tokens - 1). Throws UnknownRequestError / std::invalid_argument otherwise.
+  void fork(const std::string& parent_id, const std::string& child_id);
+
+  // Requests waiting (new or preempted).
+  int32_t num_waiting() const { return waiting_.size(); }
+  // Requests running.
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  // Whether any request is waiting or running.
+  bool has_unfinished_requests() const { return !requests_.empty(); }
+  // Live request by id; throws UnknownRequestError (finished requests are forgotten).
+  const Request& get_request(const std::string& request_id) const;
+  // All live requests.
+  const std::unordered_map<std::string, std::unique_ptr<Request>>& requests() const { return requests_; }
+  // The KV block manager.
+  const BlockManager& block_manager() const { return bm_; }
+  // Drops every cached prefix hash (see BlockManager::reset_prefix_cache).
+  bool reset_prefix_cache() { return bm_.reset_prefix_cache(); }
+  // The scheduler config.
+  const SchedulerConfig& config() const { return config_; }
+  // The cache config.
+  const CacheConfig& cache_config() const { return cache_config_; }
+  // Whether a step with rows awaits update().
+  bool has_pending_step() const { return pending_.active; }
+
+  // C++ time of the last schedule() call, microseconds.
+  double last_schedule_us() const { return last_schedule_us_; }
+  // C++ time of the last update() call, microseconds.
+  double last_update_us() const { return last_update_us_; }
+  // Cumulative C++ time of schedule() calls, microseconds.
+  double total_schedule_us() const { return total_schedule_us_; }
+  // Cumulative C++ time of update() calls, microseconds.
+  double total_update_us() const { return total_update_us_; }
+  // Number of schedule() calls.
+  int64_t num_steps() const { return static_cast<int64_t>(step_counter_); }
+
+ private:
+  // One scheduled row while the batch is being built.
+  struct Row {
+    Request* req;
+    int32_t num_tokens;
+    bool sample;
+  };
+  // The step between schedule() and update().
+  struct PendingStep {
+    uint64_t step_id = 0;
+    bool active = false;
+    std::vector<Request*> rows;
+    std::vector<int32_t> num_tokens;
+    std::vector<uint8_t> sample;
+    size_t num_base_rows = 0;  // rows from schedule(); later rows are children forked into the step
+  };
+
+  // Live request or nullptr.
+  Request* find(const std::string& id) const;
+  // Grows running requests by one decode token or their next prefill chunk.
+  void schedule_running(int64_t& budget, std::vector<Row>& rows, std::vector<std::string>& preempted);
+  // Admits waiting requests while blocks, seats and budget allow.
+  void schedule_waiting(int64_t& budget, std::vector<Row>& rows);
+  // Tokens of r to compute this step given `computed` and the budget (0 = cannot schedule).
+  int64_t chunk_size(const Request& r, int64_t computed, int64_t budget) const;
+  // Running request with the largest (priority, arrival_time); latest in running order on ties.
+  Request* pick_victim() const;
+  // Preempts by recompute: frees blocks, resets progress, requeues at the front, unschedules.
+  void preempt(Request* victim, int64_t& budget, std::vector<Row>& rows, std::vector<std::string>& preempted);
+  // Fills the output arrays (decodes first) and records the pending step.
+  std::unique_ptr<SchedulerOutput> build_output(std::vector<Row>& rows, std::vector<std::string>& preempted);
+  // Fills the flat token arrays, block tables and copy-on-write pairs.
+  void fill_token_arrays(SchedulerOutput& out, const std::vector<Row>& rows, int32_t max_blocks);
+  // Records the rows of the step that update() will apply.
+  void record_pending(uint64_t step_id, const std::vector<Row>& rows);
+  // Fills the per-token arrays of one row starting at flat token index t.
+  void fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t) const;
+  // Checks update() arguments without changing anything; throws std::invalid_argument.
+  void validate_update(const int32_t* num_new, int64_t num_rows, int64_t num_new_token_ids,
+                       const std::vector<FinishedRequest>& finished) const;
+  // Finishes a live request with a FINISHED_* status and frees its blocks.
+  void finish_request(Request* r, RequestStatus status);
+  // Removes r from the running list.
+  void remove_running(Request* r);
+
+  SchedulerConfig config_;
+  CacheConfig cache_config_;
+  BlockManager bm_;
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
+  std::vector<std::unique_ptr<Request>> graveyard_;  // finished since the last schedule()
+  WaitingQueue waiting_;
+  std::vector<Request*> running_;
+  PendingStep pending_;
+  uint64_t step_counter_ = 0;
+  int32_t block_shift_ = 0;
+  double last_schedule_us_ = 0, last_update_us_ = 0, total_schedule_us_ = 0, total_update_us_ = 0;
+};
+
+}  // namespace pagellm

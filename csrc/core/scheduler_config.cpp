@@ -1,0 +1,33 @@
+#include "core/scheduler_config.h"
+
+#include <stdexcept>
+
+namespace pagellm {
+
+namespace {
+
+void require(bool ok, const std::string& field, const std::string& range, const std::string& got) {
+  if (!ok) throw std::invalid_argument(field + " must be " + range + " (got " + got + ")");
+}
+
+}  // namespace
+
+void SchedulerConfig::validate() const {
+  require(max_num_seqs >= 1, "max_num_seqs", ">= 1", std::to_string(max_num_seqs));
+  require(max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1", std::to_string(max_num_batched_tokens));
+  require(max_model_len >= 1, "max_model_len", ">= 1", std::to_string(max_model_len));
+  require(policy == "fcfs" || policy == "priority", "policy", "'fcfs' or 'priority'", "'" + policy + "'");
+  require(long_prefill_token_threshold >= 0, "long_prefill_token_threshold", ">= 0 (0 = off)",
+          std::to_string(long_prefill_token_threshold));
+  require(num_lookahead_tokens >= 0 && num_lookahead_tokens <= 256, "num_lookahead_tokens", "in [0, 256]",
+          std::to_string(num_lookahead_tokens));
+}
+
+void CacheConfig::validate() const {
+  require(num_blocks >= 1, "num_blocks", ">= 1", std::to_string(num_blocks));
+  require(block_size >= 1 && block_size <= 256 && (block_size & (block_size - 1)) == 0, "block_size",
+          "a power of two in [1, 256]", std::to_string(block_size));
+  require(watermark >= 0.0 && watermark < 1.0, "watermark", "in [0, 1)", std::to_string(watermark));
+}
+
+}  // namespace pagellm

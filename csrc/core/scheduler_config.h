@@ -1,0 +1,36 @@
+// Scheduler and KV cache configuration with validation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace pagellm {
+
+// Batching limits and policy.
+struct SchedulerConfig {
+  int32_t max_num_seqs = 256;
+  int32_t max_num_batched_tokens = 2048;
+  int32_t max_model_len = 8192;
+  bool enable_chunked_prefill = true;
+  std::string policy = "fcfs";  // "fcfs" | "priority"
+  int32_t long_prefill_token_threshold = 0;  // 0 = off; else max tokens of one prefill chunk
+  int32_t num_lookahead_tokens = 0;          // spec-decode slots reserved after each sampled token
+
+  // Throws std::invalid_argument naming the bad field and its allowed range.
+  void validate() const;
+  // True for policy "priority".
+  bool priority_policy() const { return policy == "priority"; }
+};
+
+// Paged KV cache shape.
+struct CacheConfig {
+  int32_t num_blocks = 1024;
+  int32_t block_size = 16;
+  bool enable_prefix_caching = true;
+  double watermark = 0.01;
+
+  // Throws std::invalid_argument naming the bad field and its allowed range.
+  void validate() const;
+};
+
+}  // namespace pagellm

@@ -1,0 +1,37 @@
+// The per-step batch description handed from the scheduler to the model runner.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pagellm {
+
+// One scheduling step. Rows (requests) are ordered decodes first (query length exactly 1), then
+// prefill chunks. Flat token arrays have total_num_scheduled_tokens entries.
+struct SchedulerOutput {
+  uint64_t step_id = 0;                         // matches the update() of this step
+  std::vector<std::string> request_ids;         // [R]
+  std::vector<int32_t> num_scheduled_tokens;    // [R] query length per row
+  std::vector<int32_t> query_start_loc;         // [R+1] prefix sums of num_scheduled_tokens
+  std::vector<int32_t> num_computed_tokens;     // [R] context already in the cache before this chunk
+  std::vector<int32_t> seq_lens;                // [R] num_computed + num_scheduled
+  std::vector<int64_t> input_ids;               // [T] token ids to compute
+  std::vector<int64_t> positions;               // [T]
+  std::vector<int64_t> slot_mapping;            // [T] block_id * block_size + offset
+  std::vector<int32_t> block_tables;            // [R, max_blocks_in_batch] row-major, 0-padded
+  int32_t max_blocks_in_batch = 0;
+  std::vector<uint8_t> do_sample;               // [R] last prefill chunk or decode
+  std::vector<int64_t> logits_indices;          // [num_sampling] flat token index of each sampling row
+  std::vector<int64_t> cow_copies;              // [C, 2] (src, dst) block copies to apply first, in order
+  std::vector<std::string> preempted_request_ids;
+  int32_t num_decode_reqs = 0;
+  int64_t total_num_scheduled_tokens = 0;
+
+  // Number of scheduled rows.
+  int32_t num_reqs() const { return static_cast<int32_t>(num_scheduled_tokens.size()); }
+  // Number of copy-on-write pairs.
+  int32_t num_cow_copies() const { return static_cast<int32_t>(cow_copies.size() / 2); }
+};
+
+}  // namespace pagellm

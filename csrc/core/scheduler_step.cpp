@@ -1,0 +1,194 @@
+// Scheduler::schedule(): batch construction, preemption and the SchedulerOutput arrays.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "core/scheduler.h"
+
+namespace pagellm {
+
+std::unique_ptr<SchedulerOutput> Scheduler::schedule() {
+  const auto t0 = std::chrono::steady_clock::now();
+  if (pending_.active && !pending_.rows.empty()) {
+    throw std::logic_error("schedule(): call update() for step " + std::to_string(pending_.step_id) + " first");
+  }
+  graveyard_.clear();  // no pending step can reference finished requests any more
+  int64_t budget = config_.max_num_batched_tokens;
+  std::vector<Row> rows;
+  rows.reserve(running_.size() + 8);
+  std::vector<std::string> preempted;
+  schedule_running(budget, rows, preempted);
+  if (preempted.empty()) schedule_waiting(budget, rows);  // no admissions in a step that preempted
+  auto out = build_output(rows, preempted);
+  last_schedule_us_ = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  total_schedule_us_ += last_schedule_us_;
+  return out;
+}
+
+int64_t Scheduler::chunk_size(const Request& r, int64_t computed, int64_t budget) const {
+  const int64_t remaining = r.num_tokens() - computed;
+  if (!config_.enable_chunked_prefill) return remaining <= budget ? remaining : 0;
+  int64_t n = remaining;
+  if (config_.long_prefill_token_threshold > 0) n = std::min<int64_t>(n, config_.long_prefill_token_threshold);
+  return std::min(n, budget);
+}
+
+void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::vector<std::string>& preempted) {
+  const std::vector<Request*> snapshot = running_;  // preemption edits running_
+  const int32_t lookahead = config_.num_lookahead_tokens;
+  for (Request* r : snapshot) {
+    if (budget <= 0 || static_cast<int32_t>(rows.size()) >= config_.max_num_seqs) break;
+    if (r->status() != RequestStatus::RUNNING) continue;  // preempted earlier in this loop
+    const int64_t computed = r->num_computed_tokens();
+    const int64_t n = chunk_size(*r, computed, budget);
+    if (n <= 0) continue;
+    const bool sample = computed + n == r->num_tokens();
+    bool scheduled = true;
+    while (!bm_.append_slots(r->seq_handle(), computed, n, sample ? lookahead : 0)) {
+      Request* victim = pick_victim();
+      preempt(victim, budget, rows, preempted);
+      if (victim == r) {
+        scheduled = false;
+        break;
+      }
+    }
+    if (!scheduled) break;
+    rows.push_back(Row{r, static_cast<int32_t>(n), sample});
+    budget -= n;
+  }
+}
+
+void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
+  const int32_t lookahead = config_.num_lookahead_tokens;
+  while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+    Request* r = waiting_.front();
+    const std::vector<int64_t>& tokens = r->all_token_ids();
+    const PrefixMatch match = bm_.find_cached_prefix(tokens.data(), r->num_tokens(), r->extra_key());
+    const int64_t computed = match.num_tokens(cache_config_.block_size);
+    const int64_t n = chunk_size(*r, computed, budget);
+    if (n <= 0) break;  // head of line does not fit the budget (chunked prefill off)
+    const bool sample = computed + n == r->num_tokens();
+    const int32_t h = bm_.allocate(r->request_id(), match, n, sample ? lookahead : 0, r->extra_key());
+    if (h < 0) break;  // not enough free blocks above the watermark
+    waiting_.pop_front();
+    r->set_seq_handle(h);
+    r->set_status(RequestStatus::RUNNING);
+    r->set_num_computed_tokens(computed);
+    r->set_num_cached_tokens(computed);
+    running_.push_back(r);
+    rows.push_back(Row{r, static_cast<int32_t>(n), sample});
+    budget -= n;
+  }
+}
+
+Request* Scheduler::pick_victim() const {
+  Request* victim = nullptr;
+  for (Request* r : running_) {
+    if (victim == nullptr || r->priority() > victim->priority() ||
+        (r->priority() == victim->priority() && r->arrival_time() >= victim->arrival_time())) {
+      victim = r;
+    }
+  }
+  return victim;
+}
+
+void Scheduler::preempt(Request* victim, int64_t& budget, std::vector<Row>& rows,
+                        std::vector<std::string>& preempted) {
+  bm_.free(victim->seq_handle());
+  victim->set_seq_handle(-1);
+  victim->set_status(RequestStatus::PREEMPTED);
+  victim->set_num_computed_tokens(0);
+  victim->add_preemption();
+  remove_running(victim);
+  waiting_.push_front(victim);
+  preempted.push_back(victim->request_id());
+  const auto it = std::find_if(rows.begin(), rows.end(), [victim](const Row& row) { return row.req == victim; });
+  if (it != rows.end()) {
+    budget += it->num_tokens;
+    rows.erase(it);
+  }
+}
+
+void Scheduler::fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t) const {
+  const Request& r = *row.req;
+  const int64_t c = r.num_computed_tokens();
+  const int64_t* ids = r.all_token_ids().data();
+  const int32_t* table = bm_.block_table(r.seq_handle()).data();
+  const int64_t mask = cache_config_.block_size - 1;
+  for (int64_t k = 0; k < row.num_tokens; ++k) {
+    const int64_t p = c + k;
+    out.input_ids[static_cast<size_t>(t + k)] = ids[p];
+    out.positions[static_cast<size_t>(t + k)] = p;
+    out.slot_mapping[static_cast<size_t>(t + k)] = (static_cast<int64_t>(table[p >> block_shift_]) << block_shift_) | (p & mask);
+  }
+}
+
+std::unique_ptr<SchedulerOutput> Scheduler::build_output(std::vector<Row>& rows, std::vector<std::string>& preempted) {
+  std::stable_partition(rows.begin(), rows.end(), [](const Row& r) { return r.num_tokens == 1; });
+  auto out = std::make_unique<SchedulerOutput>();
+  const size_t R = rows.size();
+  out->step_id = ++step_counter_;
+  out->preempted_request_ids = std::move(preempted);
+  out->request_ids.reserve(R);
+  out->num_scheduled_tokens.resize(R);
+  out->query_start_loc.resize(R + 1);
+  out->num_computed_tokens.resize(R);
+  out->seq_lens.resize(R);
+  out->do_sample.resize(R);
+  int64_t total = 0;
+  int32_t max_blocks = 0;
+  for (size_t i = 0; i < R; ++i) {
+    const Row& row = rows[i];
+    out->request_ids.push_back(row.req->request_id());
+    out->num_scheduled_tokens[i] = row.num_tokens;
+    out->query_start_loc[i] = static_cast<int32_t>(total);
+    out->num_computed_tokens[i] = static_cast<int32_t>(row.req->num_computed_tokens());
+    out->seq_lens[i] = out->num_computed_tokens[i] + row.num_tokens;
+    out->do_sample[i] = row.sample ? 1 : 0;
+    out->num_decode_reqs += row.num_tokens == 1 ? 1 : 0;
+    total += row.num_tokens;
+    max_blocks = std::max(max_blocks, static_cast<int32_t>(bm_.block_table(row.req->seq_handle()).size()));
+    if (row.sample) out->logits_indices.push_back(total - 1);
+  }
+  out->query_start_loc[R] = static_cast<int32_t>(total);
+  fill_token_arrays(*out, rows, max_blocks);
+  record_pending(out->step_id, rows);
+  return out;
+}
+
+void Scheduler::fill_token_arrays(SchedulerOutput& o, const std::vector<Row>& rows, int32_t max_blocks) {
+  SchedulerOutput* out = &o;
+  const size_t R = rows.size();
+  const int64_t total = out->query_start_loc[R];
+  out->total_num_scheduled_tokens = total;
+  out->input_ids.resize(static_cast<size_t>(total));
+  out->positions.resize(static_cast<size_t>(total));
+  out->slot_mapping.resize(static_cast<size_t>(total));
+  out->max_blocks_in_batch = max_blocks;
+  out->block_tables.assign(R * static_cast<size_t>(max_blocks), 0);
+  for (size_t i = 0; i < R; ++i) {
+    fill_row_tokens(*out, rows[i], out->query_start_loc[i]);
+    const std::vector<int32_t>& table = bm_.block_table(rows[i].req->seq_handle());
+    std::memcpy(out->block_tables.data() + i * static_cast<size_t>(max_blocks), table.data(), table.size() * sizeof(int32_t));
+  }
+  for (const auto& c : bm_.take_cow_copies()) {
+    out->cow_copies.push_back(c.first);
+    out->cow_copies.push_back(c.second);
+  }
+}
+
+void Scheduler::record_pending(uint64_t step_id, const std::vector<Row>& rows) {
+  pending_.step_id = step_id;
+  pending_.active = true;
+  pending_.rows.clear();
+  pending_.num_tokens.clear();
+  pending_.sample.clear();
+  pending_.num_base_rows = rows.size();
+  for (const Row& row : rows) {
+    pending_.rows.push_back(row.req);
+    pending_.num_tokens.push_back(row.num_tokens);
+    pending_.sample.push_back(row.sample ? 1 : 0);
+  }
+}
+
+}  // namespace pagellm

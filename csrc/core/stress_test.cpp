@@ -1,0 +1,272 @@
+// Randomized stress test of the scheduler + block manager with a simulated KV cache: after every
+// operation the block/ref-count/hash-index invariants are checked, and after every step the simulated
+// KV content of every running request is compared with its tokens.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+#include <set>
+#include <vector>
+
+#include "core/scheduler.h"
+
+namespace pagellm {
+namespace {
+
+class StressHarness {
+ public:
+  StressHarness(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed)
+      : s_(c, k), rng_(seed), kv_(static_cast<size_t>(k.num_blocks) * k.block_size, -7) {
+    for (int i = 0; i < 4; ++i) prefixes_.push_back(random_tokens(8 + 8 * i));
+  }
+
+  void run(int num_ops) {
+    for (int op = 0; op < num_ops; ++op) {
+      const int dice = static_cast<int>(rng_() % 100);
+      if (dice < 25) {
+        if (s_.num_waiting() < 24) arrive();
+      } else if (dice < 85) {
+        do_step();
+      } else if (dice < 93) {
+        abort_random();
+      } else {
+        fork_decode_ready();
+      }
+      check_invariants();
+      if (::testing::Test::HasFailure()) {
+        ADD_FAILURE() << "first failure at op " << op << " (dice " << dice << ")";
+        return;
+      }
+    }
+    for (const auto& id : live_ids()) s_.abort(id);
+    check_invariants();
+    const BlockManager& bm = s_.block_manager();
+    EXPECT_EQ(bm.num_free_blocks(), bm.num_blocks());
+    EXPECT_FALSE(s_.has_unfinished_requests());
+  }
+
+  // Prefix-cache hit tokens so far.
+  int64_t prefix_hits() const { return s_.block_manager().prefix_cache_hits(); }
+  int64_t preemptions = 0, forks = 0, cow_copies = 0, steps = 0;
+
+ private:
+  std::vector<int64_t> random_tokens(int n) {
+    std::vector<int64_t> v(static_cast<size_t>(n));
+    for (auto& t : v) t = static_cast<int64_t>(rng_() % 50);
+    return v;
+  }
+
+  std::vector<std::string> live_ids() const {
+    std::vector<std::string> ids;
+    for (const auto& kv : s_.requests()) ids.push_back(kv.first);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  }
+
+  void arrive() {
+    std::vector<int64_t> prompt = prefixes_[rng_() % prefixes_.size()];
+    prompt.resize(static_cast<size_t>(1 + rng_() % prompt.size()));
+    const auto tail = random_tokens(static_cast<int>(rng_() % 12));
+    prompt.insert(prompt.end(), tail.begin(), tail.end());
+    const std::string id = "r" + std::to_string(next_id_++);
+    s_.add_request(id, prompt, static_cast<double>(next_id_), static_cast<int32_t>(rng_() % 3),
+                   rng_() % 8 == 0 ? 1 : 0);
+  }
+
+  void abort_random() {
+    const auto ids = live_ids();
+    if (ids.empty() || rng_() % 10 == 0) {
+      EXPECT_FALSE(s_.abort("unknown"));
+      return;
+    }
+    EXPECT_TRUE(s_.abort(ids[rng_() % ids.size()]));
+  }
+
+  void fork_decode_ready() {
+    for (const auto& id : live_ids()) {
+      const Request& r = s_.get_request(id);
+      if (r.status() == RequestStatus::RUNNING && r.num_computed_tokens() == r.num_tokens() - 1) {
+        s_.fork(id, "f" + std::to_string(next_id_++));
+        ++forks;
+        return;
+      }
+    }
+  }
+
+  // Simulated runner: copies, then writes the scheduled tokens' "KV" (the token id) into their slots.
+  void run_model(const SchedulerOutput& out) {
+    const int64_t bs = s_.cache_config().block_size;
+    for (int32_t c = 0; c < out.num_cow_copies(); ++c) {
+      const int64_t src = out.cow_copies[2 * c], dst = out.cow_copies[2 * c + 1];
+      std::copy_n(kv_.begin() + src * bs, bs, kv_.begin() + dst * bs);
+    }
+    cow_copies += out.num_cow_copies();
+    std::set<int64_t> slots;
+    for (int64_t t = 0; t < out.total_num_scheduled_tokens; ++t) {
+      ASSERT_TRUE(slots.insert(out.slot_mapping[t]).second) << "two tokens share a slot";
+      ASSERT_EQ(s_.block_manager().pool().block(static_cast<int32_t>(out.slot_mapping[t] / bs)).ref_count, 1)
+          << "write into a shared block";
+      kv_[static_cast<size_t>(out.slot_mapping[t])] = out.input_ids[t];
+    }
+  }
+
+  // Slot of position p of a request's block table.
+  int64_t slot_of(const Request& r, int64_t p) const {
+    const int64_t bs = s_.cache_config().block_size;
+    return s_.block_manager().block_table(r.seq_handle())[static_cast<size_t>(p / bs)] * bs + p % bs;
+  }
+
+  void do_step() {
+    auto out = s_.schedule();
+    ++steps;
+    preemptions += static_cast<int64_t>(out->preempted_request_ids.size());
+    for (int32_t i = 0; i < out->num_reqs(); ++i) {
+      if (i > 0) ASSERT_EQ(out->num_scheduled_tokens[i] == 1 && out->num_scheduled_tokens[i - 1] != 1, false);
+    }
+    run_model(*out);
+    const int32_t L = s_.config().num_lookahead_tokens;
+    std::vector<int32_t> n;
+    std::vector<int64_t> toks;
+    std::vector<FinishedRequest> finished;
+    std::vector<std::string> rows(out->request_ids);
+    if (rng_() % 4 == 0) {  // n>1 sampling: fork a sampling row into the pending step
+      for (int32_t i = 0; i < out->num_reqs(); ++i) {
+        if (out->do_sample[i] && rng_() % 2 == 0) {
+          const std::string child = "c" + std::to_string(next_id_++);
+          s_.fork(out->request_ids[i], child);
+          log_ += "fork " + out->request_ids[i] + "->" + child + " seq_len " + std::to_string(out->seq_lens[i]) + "; ";
+          rows.push_back(child);
+          ++forks;
+          break;
+        }
+      }
+    }
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const bool base = i < out->request_ids.size();
+      const bool sample = base ? out->do_sample[i] != 0 : true;
+      const Request& r = s_.get_request(rows[i]);
+      int32_t m = sample ? (base ? 1 + static_cast<int32_t>(rng_() % (L + 1)) : 1) : 0;
+      if (sample) {
+        // Drafts accepted beyond the first token had their KV written in the lookahead slots.
+        const int64_t seq_len = base ? out->seq_lens[i] : 0;  // children get no draft KV
+        const auto drafts = random_tokens(m);
+        for (int32_t k = 0; base && k < L; ++k) kv_[static_cast<size_t>(slot_of(r, seq_len + k))] = k < m - 1 ? drafts[k] : -1;
+        toks.insert(toks.end(), drafts.begin(), drafts.end());
+        if (r.num_tokens() + m + L + 1 >= s_.config().max_model_len) {
+          finished.emplace_back(rows[i], RequestStatus::FINISHED_LENGTH);
+        } else if (rng_() % 20 == 0) {
+          finished.emplace_back(rows[i], RequestStatus::FINISHED_STOPPED);
+        }
+      }
+      n.push_back(m);
+    }
+    s_.update(out->step_id, n.data(), static_cast<int64_t>(n.size()), toks.data(), static_cast<int64_t>(toks.size()), finished);
+    check_kv_content();
+  }
+
+  // Every running request's cached positions hold exactly its tokens.
+  void check_kv_content() {
+    for (const auto& kv : s_.requests()) {
+      const Request& r = *kv.second;
+      if (r.status() != RequestStatus::RUNNING) continue;
+      for (int64_t p = 0; p < r.num_computed_tokens(); ++p) {
+        ASSERT_EQ(kv_[static_cast<size_t>(slot_of(r, p))], r.all_token_ids()[static_cast<size_t>(p)])
+            << r.request_id() << " position " << p;
+      }
+    }
+  }
+
+  void check_invariants() {
+    const BlockManager& bm = s_.block_manager();
+    const BlockPool& pool = bm.pool();
+    const int64_t bs = bm.block_size();
+    std::vector<int32_t> holders(static_cast<size_t>(bm.num_blocks()), 0);
+    for (const auto& kv : s_.requests()) {
+      const Request& r = *kv.second;
+      if (r.status() != RequestStatus::RUNNING) {
+        ASSERT_EQ(r.seq_handle(), -1);
+        continue;
+      }
+      const SeqBlocks& seq = bm.seq(r.seq_handle());
+      ASSERT_GE(static_cast<int64_t>(seq.blocks.size()) * bs, r.num_computed_tokens());
+      for (int32_t b : seq.blocks) ++holders[static_cast<size_t>(b)];
+      for (int32_t j = 0; j < seq.num_hashed; ++j) {  // registered content matches the owner's tokens
+        const KVBlock& blk = pool.block(seq.blocks[static_cast<size_t>(j)]);
+        if (!blk.cached) continue;
+        ASSERT_TRUE(std::equal(blk.token_ids.begin(), blk.token_ids.end(), r.all_token_ids().begin() + j * bs))
+            << r.request_id() << " block index " << j << " id " << blk.id << " computed " << r.num_computed_tokens()
+            << " tokens " << r.num_tokens() << " hashed " << seq.num_hashed << " table " << seq.blocks.size()
+            << " blk " << blk.token_ids[0] << "," << blk.token_ids[1] << " req " << r.all_token_ids()[j * bs] << "," << r.all_token_ids()[j * bs + 1]
+            << " log " << log_;
+      }
+    }
+    ASSERT_EQ(bm.num_seqs(), s_.num_running());
+    ASSERT_TRUE(bm.pending_cow_copies().empty());
+    int32_t free_count = 0, cached = 0;
+    for (int32_t b = 0; b < bm.num_blocks(); ++b) {
+      const KVBlock& blk = pool.block(b);
+      ASSERT_EQ(blk.ref_count, holders[static_cast<size_t>(b)]) << "block " << b;
+      ASSERT_EQ(blk.in_free_queue, blk.ref_count == 0) << "block " << b;
+      free_count += blk.ref_count == 0 ? 1 : 0;
+      if (blk.cached) {
+        ++cached;
+        ASSERT_EQ(pool.indexed_block(blk.hash.hash), b);
+        ASSERT_EQ(hash_block_tokens(blk.parent_hash, blk.token_ids.data(), bs, blk.extra_key), blk.hash);
+        for (int64_t k = 0; k < bs; ++k) ASSERT_EQ(kv_[static_cast<size_t>(b * bs + k)], blk.token_ids[static_cast<size_t>(k)]);
+      }
+    }
+    ASSERT_EQ(free_count, bm.num_free_blocks());
+    ASSERT_EQ(static_cast<int32_t>(pool.free_queue().to_vector().size()), free_count);
+    ASSERT_EQ(cached, bm.num_cached_blocks());
+  }
+
+  Scheduler s_;
+  std::mt19937 rng_;
+  std::vector<int64_t> kv_;
+  std::vector<std::vector<int64_t>> prefixes_;
+  int64_t next_id_ = 0;
+  std::string log_;
+};
+
+void run_stress(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, int ops) {
+  StressHarness h(c, k, seed);
+  h.run(ops);
+  EXPECT_GT(h.preemptions, 0);
+  EXPECT_GT(h.prefix_hits(), 0);
+  EXPECT_GT(h.forks, 0);
+  EXPECT_GT(h.cow_copies, 0);
+  std::printf("steps=%lld preemptions=%lld prefix_hit_tokens=%lld forks=%lld cow=%lld\n",
+              static_cast<long long>(h.steps), static_cast<long long>(h.preemptions),
+              static_cast<long long>(h.prefix_hits()), static_cast<long long>(h.forks),
+              static_cast<long long>(h.cow_copies));
+}
+
+TEST(Stress, FcfsNoLookahead) {
+  SchedulerConfig c;
+  c.max_num_seqs = 12;
+  c.max_num_batched_tokens = 48;
+  c.max_model_len = 96;
+  CacheConfig k;
+  k.num_blocks = 40;
+  k.block_size = 4;
+  run_stress(c, k, 1234, 50000);
+}
+
+TEST(Stress, PriorityLookaheadThreshold) {
+  SchedulerConfig c;
+  c.max_num_seqs = 10;
+  c.max_num_batched_tokens = 40;
+  c.max_model_len = 80;
+  c.policy = "priority";
+  c.num_lookahead_tokens = 2;
+  c.long_prefill_token_threshold = 12;
+  CacheConfig k;
+  k.num_blocks = 48;
+  k.block_size = 2;
+  k.watermark = 0.05;
+  run_stress(c, k, 99, 50000);
+}
+
+}  // namespace
+}  // namespace pagellm
