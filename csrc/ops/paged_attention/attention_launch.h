@@ -1,0 +1,67 @@
+// Host-side, torch-free entry points of the paged-attention CUDA kernels (decode_kernels.cu, prefill_kernels.cu).
+// KV cache (every device): key_cache, value_cache [num_blocks, num_kv_heads, block_size, head_dim], contiguous.
+// GQA: query head h reads kv head h / (num_heads / num_kv_heads).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/cuda_common/dtype.h"
+
+namespace pagellm::cuda {
+
+// Head dims with a compiled kernel.
+inline bool attention_head_dim_supported(int d) { return d == 64 || d == 80 || d == 96 || d == 112 || d == 128 || d == 256; }
+
+// Decode: one query token per sequence, at position seq_lens[s] - 1.
+// query/out element (s, h, d) at s * stride_tok + h * stride_head + d (d contiguous).
+struct DecodeArgs {
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;  // [num_seqs, max_blocks], row stride bt_stride
+  const int32_t* seq_lens;      // [num_seqs]
+  // Split-context (flash-decoding) scratch, fp32, needed when num_splits > 1:
+  // tmp_out [num_seqs, num_heads, num_splits, head_dim], tmp_max / tmp_sum [num_seqs, num_heads, num_splits].
+  float* tmp_out;
+  float* tmp_max;
+  float* tmp_sum;
+  int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, bt_stride;
+  int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t num_blocks;
+  int num_splits;  // from decode_num_splits()
+  int window;      // keys a query sees, itself included; <= 0: all
+  float scale;
+  float softcap;   // > 0: s = softcap * tanh(s / softcap)
+};
+
+// How many context splits the decode launch uses (1 = no split, no scratch). max_context is an upper bound of
+// every seq_len (e.g. max_blocks * block_size). Queries the current device's SM count (cached per device).
+int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window);
+
+cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
+
+// Prefill / chunked prefill / prefix hits: sequence s has query tokens [qsl[s], qsl[s+1]) which are its LAST
+// q_len positions of seq_lens[s] keys; causal (and windowed) masking by absolute position.
+struct PrefillArgs {
+  void* out;
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, bt_stride;
+  int num_seqs, num_tokens, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t num_blocks;
+  int window;
+  float scale;
+  float softcap;
+};
+
+// Half/bfloat16 use tensor cores (mma.sync m16n8k16, sm_80+) and need 16-byte aligned query/out rows
+// (strides multiples of 8 elements, base 16-byte aligned); fp32 uses a scalar path without that requirement.
+cudaError_t launch_paged_attention_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream);
+
+}  // namespace pagellm::cuda

@@ -1,0 +1,276 @@
+// Paged-attention decode on the GPU (one query token per sequence). Torch-free.
+//
+// grid = (num_seqs, num_kv_heads * head_groups, num_splits), block = 128 threads (4 warps).
+// A CTA serves up to kDecodeMaxHeads query heads that share one kv head (GQA: every K/V element is read once
+// per CTA), over one contiguous split of the context [t0, t1). It walks the split in chunks of kDecodeChunk
+// tokens; per chunk:
+//   1. QK: a group of TG lanes reads one key row with 16-byte loads (lane l takes vectors l, l+TG, ...), forms
+//      the dot products with every query head (q in shared memory, fp32) and reduces them with shuffles;
+//      logits go to shared memory.
+//   2. softmax: warp w owns heads w, w+4: chunk max, running max / sum update (fp32 online softmax),
+//      p = exp(s - m) written back over the logits, the rescale factor of the old accumulator in alpha_s.
+//   3. PV: thread (r, c) owns 16-byte column c of V and token lane r (tokens r, r+R, ...); it rescales its
+//      fp32 accumulator [heads][vec] by alpha and adds p * v.
+// At the end the R token lanes are summed into shared memory (deterministic order). num_splits == 1: the CTA
+// writes out = acc / l. Otherwise it writes the unnormalized acc, its max and its sum to the fp32 scratch, and
+// paged_decode_reduce_kernel merges the splits (grid = (num_seqs, num_heads), 128 threads).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/paged_attention/attention_launch.h"
+#include "ops/cuda_common/vec.cuh"
+
+namespace pagellm::cuda {
+
+constexpr int kDecodeThreads = 128;
+constexpr int kDecodeWarps = kDecodeThreads / 32;
+constexpr int kDecodeMaxHeads = 8;          // query heads per CTA
+constexpr int kDecodeChunk = 256;           // tokens whose logits sit in shared memory at once
+constexpr int kDecodeMinSplitTokens = 256;  // a split covers at least this many tokens
+constexpr int kDecodeMaxSplits = 64;
+
+// Largest power of two <= cap dividing n.
+__host__ __device__ constexpr int pow2_divisor(int n, int cap) { return (cap > 1 && n % cap == 0) ? cap : (cap > 1 ? pow2_divisor(n, cap / 2) : 1); }
+
+__device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ float apply_softcap(float s, float softcap) {
+  return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeArgs p) {
+  constexpr int kVec = VecTraits<T>::kElems;  // elements per 16-byte vector
+  static_assert(D % kVec == 0, "head_dim must be a multiple of the vector width");
+  constexpr int NV = D / kVec;                // vectors per row
+  constexpr int TG = pow2_divisor(NV, 8);     // lanes per key row in the QK phase (divides 32)
+  constexpr int VPL = NV / TG;                // vectors per lane in the QK phase
+  constexpr int kRowsPerIter = kDecodeThreads / TG;
+  constexpr int R = kDecodeThreads / NV;      // token lanes in the PV phase
+  constexpr int GC = kDecodeMaxHeads;
+  static_assert(R >= 1 && TG >= 1 && 32 % TG == 0, "bad decode tiling");
+
+  __shared__ float q_s[GC][D];
+  __shared__ float logit_s[GC][kDecodeChunk];
+  __shared__ float out_s[GC][D];
+  __shared__ float m_s[GC], l_s[GC], alpha_s[GC];
+
+  const T* __restrict__ query = static_cast<const T*>(p.query);
+  const T* __restrict__ key_cache = static_cast<const T*>(p.key_cache);
+  const T* __restrict__ value_cache = static_cast<const T*>(p.value_cache);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int seq = blockIdx.x;
+  const int G = p.num_heads / p.num_kv_heads;
+  const int groups = (G + GC - 1) / GC;
+  const int kvh = blockIdx.y / groups;
+  const int grp = blockIdx.y - kvh * groups;
+  const int h0 = kvh * G + grp * GC;  // first query head of this CTA
+  const int gc = min(GC, G - grp * GC);
+  const int split = blockIdx.z;
+
+  const int64_t L = max(p.seq_lens[seq], 0);
+  const int64_t start = p.window > 0 ? max64(0, L - p.window) : 0;
+  const int64_t range = L - start;
+  const int64_t per = max64(ceil_div(range, p.num_splits), kDecodeMinSplitTokens);
+  const int64_t t0 = min64(L, start + split * per);
+  const int64_t t1 = min64(L, t0 + per);
+
+  for (int i = tid; i < GC * D; i += kDecodeThreads) {
+    const int g = i / D, d = i - g * D;
+    q_s[g][d] = g < gc ? to_float(query[seq * p.q_stride_tok + (h0 + g) * p.q_stride_head + d]) : 0.f;
+    out_s[g][d] = 0.f;
+  }
+  if (tid < GC) {
+    m_s[tid] = -INFINITY;
+    l_s[tid] = 0.f;
+    alpha_s[tid] = 1.f;
+  }
+  __syncthreads();
+
+  const int32_t* __restrict__ bt = p.block_tables + seq * p.bt_stride;
+  const int64_t block_elems = static_cast<int64_t>(p.num_kv_heads) * p.block_size * D;
+  const int64_t head_off = static_cast<int64_t>(kvh) * p.block_size * D;
+  // Element offset of token t's row in the caches, or -1 when the block table / block id is out of range.
+  auto row_offset = [&](int64_t t) -> int64_t {
+    const int64_t bi = t / p.block_size;
+    if (bi >= p.max_blocks) return -1;
+    const int64_t blk = bt[bi];
+    if (blk < 0 || blk >= p.num_blocks) return -1;
+    return blk * block_elems + head_off + (t - bi * p.block_size) * D;
+  };
+
+  const int qk_row = tid / TG, qk_lane = tid % TG;
+  const int pv_row = tid / NV, pv_col = tid % NV;
+  const bool pv_active = pv_row < R;
+  float acc[GC][kVec];
+#pragma unroll
+  for (int g = 0; g < GC; ++g)
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) acc[g][e] = 0.f;
+
+  for (int64_t c0 = t0; c0 < t1; c0 += kDecodeChunk) {
+    const int n = static_cast<int>(min64(kDecodeChunk, t1 - c0));
+    // 1. QK. The trip count is uniform over the block so all lanes reach the shuffles.
+    for (int base = 0; base < n; base += kRowsPerIter) {
+      const int i = base + qk_row;
+      float k[VPL][kVec];
+      int64_t off = -1;
+      if (i < n) off = row_offset(c0 + i);
+      if (off >= 0) {
+#pragma unroll
+        for (int v = 0; v < VPL; ++v) {
+          const Vec16<T> kv = load16<T>(key_cache + off + (qk_lane + v * TG) * kVec);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) k[v][e] = to_float(kv.elem[e]);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < VPL; ++v)
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) k[v][e] = 0.f;
+      }
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        if (g < gc) {  // uniform over the block
+          float dot = 0.f;
+#pragma unroll
+          for (int v = 0; v < VPL; ++v)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) dot = fmaf(q_s[g][(qk_lane + v * TG) * kVec + e], k[v][e], dot);
+#pragma unroll
+          for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          if (i < n && qk_lane == 0) logit_s[g][i] = off >= 0 ? apply_softcap(dot * p.scale, p.softcap) : -INFINITY;
+        }
+      }
+    }
+    __syncthreads();
+    // 2. Online softmax over the chunk, one warp per head.
+    for (int g = warp; g < gc; g += kDecodeWarps) {
+      float mx = -INFINITY;
+      for (int i = lane; i < n; i += 32) mx = fmaxf(mx, logit_s[g][i]);
+      mx = warp_reduce_max(mx);
+      const float m_old = m_s[g];
+      const float m_new = fmaxf(m_old, mx);
+      const float m_use = m_new == -INFINITY ? 0.f : m_new;  // all masked so far: keep exp() finite
+      float sum = 0.f;
+      for (int i = lane; i < n; i += 32) {
+        const float e = __expf(logit_s[g][i] - m_use);
+        logit_s[g][i] = e;
+        sum += e;
+      }
+      sum = warp_reduce_sum(sum);
+      if (lane == 0) {
+        const float alpha = __expf(m_old - m_use);
+        alpha_s[g] = alpha;
+        l_s[g] = l_s[g] * alpha + sum;
+        m_s[g] = m_new;
+      }
+    }
+    __syncthreads();
+    // 3. PV.
+    if (pv_active) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        if (g < gc) {
+          const float a = alpha_s[g];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[g][e] *= a;
+        }
+      }
+      for (int i = pv_row; i < n; i += R) {
+        const int64_t off = row_offset(c0 + i);
+        if (off < 0) continue;
+        const Vec16<T> vv = load16<T>(value_cache + off + pv_col * kVec);
+        float v[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) v[e] = to_float(vv.elem[e]);
+#pragma unroll
+        for (int g = 0; g < GC; ++g) {
+          if (g < gc) {
+            const float pr = logit_s[g][i];
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e]);
+          }
+        }
+      }
+    }
+    __syncthreads();  // logit_s / alpha_s are rewritten by the next chunk
+  }
+
+  // Sum the token lanes, one lane row at a time (deterministic).
+  for (int r = 0; r < R; ++r) {
+    if (pv_active && pv_row == r) {
+#pragma unroll
+      for (int g = 0; g < GC; ++g) {
+        if (g < gc) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) out_s[g][pv_col * kVec + e] += acc[g][e];
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if (p.num_splits == 1) {
+    T* __restrict__ out = static_cast<T*>(p.out);
+    for (int i = tid; i < gc * D; i += kDecodeThreads) {
+      const int g = i / D, d = i - g * D;
+      const float l = l_s[g];
+      out[seq * p.o_stride_tok + (h0 + g) * p.o_stride_head + d] = from_float<T>(l > 0.f ? out_s[g][d] / l : 0.f);
+    }
+  } else {
+    for (int i = tid; i < gc * D; i += kDecodeThreads) {
+      const int g = i / D, d = i - g * D;
+      const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + h0 + g) * p.num_splits + split;
+      p.tmp_out[row * D + d] = out_s[g][d];
+    }
+    if (tid < gc) {
+      const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + h0 + tid) * p.num_splits + split;
+      p.tmp_max[row] = m_s[tid];
+      p.tmp_sum[row] = l_s[tid];
+    }
+  }
+}
+
+// Merge the splits of one (seq, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
+// grid = (num_seqs, num_heads), block = 128 threads.
+template <typename T>
+__global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeArgs p) {
+  __shared__ float w_s[kDecodeMaxSplits];
+  __shared__ float inv_s;
+  const int seq = blockIdx.x, h = blockIdx.y, S = p.num_splits, D = p.head_dim;
+  const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + h) * S;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    float mx = -INFINITY;
+    for (int s = lane; s < S; s += 32)
+      if (p.tmp_sum[row0 + s] > 0.f) mx = fmaxf(mx, p.tmp_max[row0 + s]);
+    mx = warp_reduce_max(mx);
+    float denom = 0.f;
+    for (int s = lane; s < S; s += 32) {
+      const float l = p.tmp_sum[row0 + s];
+      const float w = l > 0.f ? __expf(p.tmp_max[row0 + s] - mx) : 0.f;
+      w_s[s] = w;
+      denom += w * l;
+    }
+    denom = warp_reduce_sum(denom);
+    if (lane == 0) inv_s = denom > 0.f ? 1.f / denom : 0.f;
+  }
+  __syncthreads();
+  T* __restrict__ out = static_cast<T*>(p.out);
+  const float inv = inv_s;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float w = w_s[s];
+      if (w > 0.f) a = fmaf(w, p.tmp_out[(row0 + s) * D + d], a);
+    }
+    out[seq * p.o_stride_tok + h * p.o_stride_head + d] = from_float<T>(a * inv);
+  }
+}
+
+}  // namespace pagellm::cuda

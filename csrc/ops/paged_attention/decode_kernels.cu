@@ -1,0 +1,86 @@
+// Raw-pointer launchers of the paged-attention decode kernels (declared in attention_launch.h). Torch-free.
+#include <atomic>
+#include <cstdint>
+
+#include "ops/paged_attention/attention_launch.h"
+#include "ops/paged_attention/decode_cuda.cuh"
+
+namespace pagellm::cuda {
+
+namespace {
+int sm_count() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) return 1;
+  if (dev >= 0 && dev < 64) {
+    const int cached = cache[dev].load(std::memory_order_relaxed);
+    if (cached > 0) return cached;
+  }
+  int n = 0;
+  if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) return 1;
+  if (dev >= 0 && dev < 64) cache[dev].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <typename T, int D>
+cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
+  const int G = a.num_heads / a.num_kv_heads;
+  const int groups = (G + kDecodeMaxHeads - 1) / kDecodeMaxHeads;
+  const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads * groups),
+                  static_cast<unsigned>(a.num_splits));
+  paged_decode_kernel<T, D><<<grid, kDecodeThreads, 0, s>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.num_splits == 1) return err;
+  const dim3 rgrid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_heads));
+  paged_decode_reduce_kernel<T><<<rgrid, 128, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t decode_dispatch(const DecodeArgs& a, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 64: return decode_typed<T, 64>(a, s);
+    case 80: return decode_typed<T, 80>(a, s);
+    case 96: return decode_typed<T, 96>(a, s);
+    case 112: return decode_typed<T, 112>(a, s);
+    case 128: return decode_typed<T, 128>(a, s);
+    case 256: return decode_typed<T, 256>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+}  // namespace
+
+int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window) {
+  if (num_seqs <= 0 || num_kv_heads <= 0 || num_heads <= 0) return 1;
+  const int G = num_heads / num_kv_heads;
+  const int64_t ctas = static_cast<int64_t>(num_seqs) * num_kv_heads * ((G + kDecodeMaxHeads - 1) / kDecodeMaxHeads);
+  const int64_t sms = sm_count();
+  if (ctas >= sms) return 1;
+  int64_t ctx = max_context;
+  if (window > 0 && window < ctx) ctx = window;
+  const int64_t by_len = ceil_div(ctx, kDecodeMinSplitTokens);
+  int64_t splits = ceil_div(2 * sms, ctas);  // aim at about two CTAs per SM
+  if (splits > by_len) splits = by_len;
+  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
+  return splits < 1 ? 1 : static_cast<int>(splits);
+}
+
+cudaError_t launch_paged_attention_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) {
+  if (a.num_seqs == 0 || a.num_heads == 0) return cudaSuccess;
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (a.num_splits < 1 || a.num_splits > kDecodeMaxSplits) return cudaErrorInvalidValue;
+  if (a.num_splits > 1 && (a.tmp_out == nullptr || a.tmp_max == nullptr || a.tmp_sum == nullptr))
+    return cudaErrorInvalidValue;
+  const int G = a.num_heads / a.num_kv_heads;
+  if (static_cast<int64_t>(a.num_kv_heads) * ((G + kDecodeMaxHeads - 1) / kDecodeMaxHeads) > 65535 ||
+      a.num_heads > 65535)
+    return cudaErrorInvalidConfiguration;
+  switch (dtype) {
+    case DType::kFloat32: return decode_dispatch<float>(a, stream);
+    case DType::kFloat16: return decode_dispatch<__half>(a, stream);
+    case DType::kBFloat16: return decode_dispatch<__nv_bfloat16>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace pagellm::cuda

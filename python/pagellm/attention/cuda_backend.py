@@ -1,0 +1,46 @@
+"""The `cuda` attention backend: the CUDA kernels behind torch.ops.pagellm.* on CUDA tensors.
+
+Decodes (the first num_decode_reqs requests, one token each) go through paged_attention_decode
+(GQA-grouped, flash-decoding split for long contexts / small batches), the remaining prefill chunks
+through paged_attention_prefill (tensor-core flash attention over the paged cache); both write into
+one preallocated output. See docs/cuda.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm import ops
+from pagellm.attention.registry import register_attention_backend
+from pagellm.attention.torch_backend import PagedBackendBase
+
+
+def _has_cuda_kernel(op_name: str) -> bool:
+    """Whether torch.ops.pagellm.<op_name> has a CUDA kernel registered (pagellm._C built with CUDA)."""
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key(f"pagellm::{op_name}", "CUDA"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@register_attention_backend("cuda")
+class CudaAttentionBackend(PagedBackendBase):
+    """CUDA paged attention (sm_80+; head dims 64, 80, 96, 112, 128, 256)."""
+
+    @classmethod
+    def is_available(cls, device: torch.device) -> tuple[bool, str]:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return False, f"the cuda backend runs on CUDA tensors only, not {device}"
+        ok, why = ops.ops_available()
+        if not ok:
+            return False, why
+        if not torch.cuda.is_available():
+            return False, "torch.cuda.is_available() is False"
+        if not _has_cuda_kernel("paged_attention_decode"):
+            return False, "pagellm._C was built without CUDA kernels (torch without CUDA or no nvcc at build time)"
+        return True, ""
+
+    _write = staticmethod(ops.reshape_and_cache)
+    _decode = staticmethod(ops.paged_attention_decode)
+    _prefill = staticmethod(ops.paged_attention_prefill)
