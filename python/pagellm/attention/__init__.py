@@ -11,6 +11,7 @@ from pagellm.attention.registry import (
 # Built-in backends register themselves on import.
 from pagellm.attention import torch_backend as _torch_backend  # noqa: E402,F401
 from pagellm.attention import cpu_backend as _cpu_backend  # noqa: E402,F401
+from pagellm.attention import cuda_backend as _cuda_backend  # noqa: E402,F401
 
 __all__ = [
     "AttentionLayerSpec",

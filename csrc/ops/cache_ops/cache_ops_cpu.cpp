@@ -1,0 +1,95 @@
+// CPU glue for reshape_and_cache / copy_blocks: validation (including every slot and block id, since a
+// bad one would be an out-of-bounds write) then the byte-moving kernels in cache_ops_cpu_kernels.h.
+#include <torch/library.h>
+
+#include <vector>
+
+#include "ops/cache_ops/cache_ops_cpu_kernels.h"
+#include "ops/common/checks.h"
+
+namespace pagellm::cpu {
+namespace {
+
+void check_cache(const at::Tensor& c, const char* name) {
+  check_cpu(c, name);
+  check_dim(c, 4, name);
+  check_contiguous(c, name);
+  const int64_t bs = c.size(2);
+  TORCH_CHECK(bs >= 1 && bs <= 256 && (bs & (bs - 1)) == 0, name,
+              ": block_size (dim 2) must be a power of two in [1, 256], got ", bs);
+}
+
+void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key,
+                       const at::Tensor& value, const at::Tensor& slot_mapping) {
+  check_cache(key_cache, "key_cache");
+  check_cache(value_cache, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " must equal key_cache shape ", key_cache.sizes());
+  for (auto* p : {&key, &value}) {
+    const char* name = p == &key ? "key" : "value";
+    check_cpu(*p, name);
+    check_dim(*p, 3, name);
+    check_last_contiguous(*p, name);
+    check_same_dtype(*p, key_cache, name, "key_cache");
+  }
+  check_same_dtype(value_cache, key_cache, "value_cache", "key_cache");
+  check_cpu(slot_mapping, "slot_mapping");
+  check_dtype(slot_mapping, at::kLong, "slot_mapping");
+  check_dim(slot_mapping, 1, "slot_mapping");
+  const int64_t T = slot_mapping.size(0), H = key_cache.size(1), D = key_cache.size(3);
+  TORCH_CHECK(key.size(0) == T && key.size(1) == H && key.size(2) == D, "key must have shape [",
+              T, ", ", H, ", ", D, "] (num_tokens from slot_mapping, heads/head_dim from key_cache), got ",
+              key.sizes());
+  TORCH_CHECK(value.sizes() == key.sizes(), "value shape ", value.sizes(), " must equal key shape ", key.sizes());
+  auto slots_c = slot_mapping.contiguous();
+  const int64_t* slots = slots_c.data_ptr<int64_t>();
+  const int64_t num_slots = key_cache.size(0) * key_cache.size(2);
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
+                " is out of range [-1, ", num_slots, ")");
+  }
+  CacheWriteArgs a{static_cast<char*>(key_cache.data_ptr()), static_cast<char*>(value_cache.data_ptr()),
+                   static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()), slots,
+                   T, H, D, key_cache.size(2), static_cast<int64_t>(key_cache.element_size()),
+                   key.stride(0), key.stride(1), value.stride(0), value.stride(1)};
+  reshape_and_cache_kernel(a);
+}
+
+void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
+  TORCH_CHECK(key_caches.size() == value_caches.size(), "key_caches and value_caches must have the same length, got ",
+              key_caches.size(), " and ", value_caches.size());
+  check_cpu(block_mapping, "block_mapping");
+  check_dtype(block_mapping, at::kLong, "block_mapping");
+  TORCH_CHECK(block_mapping.dim() == 2 && block_mapping.size(1) == 2,
+              "block_mapping must have shape [num_pairs, 2], got ", block_mapping.sizes());
+  const int64_t L = static_cast<int64_t>(key_caches.size()), P = block_mapping.size(0);
+  if (L == 0 || P == 0) return;
+  auto map_c = block_mapping.contiguous();
+  const int64_t* map = map_c.data_ptr<int64_t>();
+  std::vector<char*> kptr(L), vptr(L);
+  std::vector<int64_t> block_bytes(L);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor& k = key_caches[l];
+    const at::Tensor& v = value_caches[l];
+    check_cache(k, "key_caches[i]");
+    check_cache(v, "value_caches[i]");
+    TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "key_caches[", l,
+                "] and value_caches[", l, "] must have the same shape and dtype");
+    for (int64_t p = 0; p < 2 * P; ++p) {
+      TORCH_CHECK(map[p] >= 0 && map[p] < k.size(0), "block_mapping[", p / 2, "][", p % 2, "] = ", map[p],
+                  " is out of range [0, ", k.size(0), ") for key_caches[", l, "]");
+    }
+    kptr[l] = static_cast<char*>(k.data_ptr());
+    vptr[l] = static_cast<char*>(v.data_ptr());
+    block_bytes[l] = k.stride(0) * k.element_size();
+  }
+  copy_blocks_kernel(kptr.data(), vptr.data(), L, map, P, block_bytes.data());
+}
+
+}  // namespace
+}  // namespace pagellm::cpu
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("reshape_and_cache", &pagellm::cpu::reshape_and_cache);
+  m.impl("copy_blocks", &pagellm::cpu::copy_blocks);
+}

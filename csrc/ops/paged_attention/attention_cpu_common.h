@@ -1,0 +1,73 @@
+// Shared pieces of the CPU paged-attention kernels: argument bundle, paged cache addressing,
+// soft-capping and a dynamically scheduled parallel loop (work items of very different cost).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+
+#include "ops/common/cpu_vec.h"
+
+namespace pagellm::cpu {
+
+// Cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous. Query/out: [tokens, heads, head_dim]
+// with arbitrary token/head strides (last dim contiguous).
+template <typename T>
+struct PagedAttnArgs {
+  T* out;
+  const T* query;
+  const T* key_cache;
+  const T* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;  // prefill only
+  int64_t bt_stride;
+  int64_t num_seqs, num_heads, num_kv_heads, head_dim, block_size, log2_block_size;
+  int64_t q_stride_t, q_stride_h, out_stride_t, out_stride_h;
+  int64_t cache_block_stride, cache_head_stride;
+  float scale;
+  int64_t window;  // -1 = full context
+  float softcap;   // 0 = off
+
+  int64_t group() const { return num_heads / num_kv_heads; }
+
+  // Row of token `pos` of sequence `s` for kv head `h` in `cache`.
+  const T* row(const T* cache, int64_t s, int64_t pos, int64_t h) const {
+    const int64_t block = block_tables[s * bt_stride + (pos >> log2_block_size)];
+    return cache + block * cache_block_stride + h * cache_head_stride + (pos & (block_size - 1)) * head_dim;
+  }
+  const T* q_row(int64_t t, int64_t head) const { return query + t * q_stride_t + head * q_stride_h; }
+  T* out_row(int64_t t, int64_t head) const { return out + t * out_stride_t + head * out_stride_h; }
+  // First key position visible to the query at absolute position p.
+  int64_t window_begin(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
+};
+
+// x = softcap * tanh(x / softcap) on n values.
+inline void apply_softcap(float* x, int64_t n, float softcap) {
+  const VecF c = vset1(softcap), inv = vset1(1.0f / softcap);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(x + i, vmul(c, vtanh(vmul(vload(x + i), inv))));
+  if (i < n) {
+    const int m = static_cast<int>(n - i);
+    vstore(x + i, vmul(c, vtanh(vmul(vload(x + i, m), inv))), m);
+  }
+}
+
+// Runs body(claim) on every thread of at::parallel_for; claim() hands out item indices 0, 1, ...
+// (body loops until claim() >= n). Per-thread scratch lives inside body.
+template <typename Body>
+void parallel_dynamic(int64_t n, const Body& body) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  auto claim = [&next]() { return next.fetch_add(1, std::memory_order_relaxed); };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t w = begin; w < end; ++w) body(claim);
+  });
+}
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+}  // namespace pagellm::cpu

@@ -1,0 +1,333 @@
+// Paged attention for decode (one query token per sequence), flash-decoding style.
+//
+// Work item = (sequence, kv head, context partition). Each item loads the group of G query heads that
+// share the kv head, then streams the partition's keys/values ONCE in tiles of kTile tokens: scores for
+// all G heads, an online-softmax update (fp32), and a V accumulation held in registers per 16-lane
+// column block. With one partition per sequence the item writes the output directly; otherwise it
+// writes (acc, max, sum) partials that decode_reduce merges. Memory-bound: every cache byte read once.
+#pragma once
+
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "ops/paged_attention/attention_cpu_common.h"
+
+namespace pagellm::cpu {
+
+constexpr int64_t kDecodeTile = 32;
+
+// sc[g * kDecodeTile + j] = q_g . k_j for heads g0..g0+GN (q pre-scaled, fp32). Two keys per pass
+// give 2*GN independent FMA chains (latency hiding); each key row is converted once for all heads.
+template <int GN, typename T>
+inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_t D, int64_t g0, float* sc) {
+  int64_t j = 0;
+  for (; j + 2 <= n; j += 2) {
+    VecF a0[GN], a1[GN];
+    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = vzero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const VecF k0 = vload(kp[j] + d), k1 = vload(kp[j + 1] + d);
+      for (int g = 0; g < GN; ++g) {
+        const VecF q = vload(qf + (g0 + g) * D + d);
+        a0[g] = vfma(k0, q, a0[g]);
+        a1[g] = vfma(k1, q, a1[g]);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      sc[(g0 + g) * kDecodeTile + j] = vsum(a0[g]);
+      sc[(g0 + g) * kDecodeTile + j + 1] = vsum(a1[g]);
+    }
+  }
+  for (; j < n; ++j) {
+    VecF acc[GN];
+    for (int g = 0; g < GN; ++g) acc[g] = vzero();
+    for (int64_t d = 0; d < D; d += kLanes) {
+      const VecF k = vload(kp[j] + d);
+      for (int g = 0; g < GN; ++g) acc[g] = vfma(k, vload(qf + (g0 + g) * D + d), acc[g]);
+    }
+    for (int g = 0; g < GN; ++g) sc[(g0 + g) * kDecodeTile + j] = vsum(acc[g]);
+  }
+}
+
+#if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
+#define PAGELLM_DECODE_BF16_DOT 1
+// bf16 x bf16 -> fp32 pair dot products (vdpbf16ps, 32 elements per instruction): no conversions.
+// q is the raw (unscaled) bf16 query; sc = scale * q . k. Two keys per pass for ILP.
+inline __m512i load_bf16x32(const c10::BFloat16* p, int64_t left) {
+  return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
+}
+template <int GN>
+inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
+                               int64_t g0, float scale, float* sc) {
+  for (int64_t j = 0; j < n; j += 2) {
+    const c10::BFloat16* k1p = kp[j + 1 < n ? j + 1 : j];
+    __m512 a0[GN], a1[GN];
+    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh k0 = (__m512bh)load_bf16x32(kp[j] + d, D - d), k1 = (__m512bh)load_bf16x32(k1p + d, D - d);
+      for (int g = 0; g < GN; ++g) {
+        const __m512bh q = (__m512bh)load_bf16x32(qb + (g0 + g) * D + d, D - d);
+        a0[g] = _mm512_dpbf16_ps(a0[g], k0, q);
+        a1[g] = _mm512_dpbf16_ps(a1[g], k1, q);
+      }
+    }
+    for (int g = 0; g < GN; ++g) {
+      sc[(g0 + g) * kDecodeTile + j] = scale * _mm512_reduce_add_ps(a0[g]);
+      if (j + 1 < n) sc[(g0 + g) * kDecodeTile + j + 1] = scale * _mm512_reduce_add_ps(a1[g]);
+    }
+  }
+}
+#endif
+
+// acc[g, d:d+16*NC] += sum_j p[g, j] * v_j[d:d+16*NC]: NC column blocks at once for NC*GN FMA chains.
+template <int GN, int NC, typename T>
+inline void decode_accum_cols(float* acc, const float* p, const T* const* vp, int64_t n, int64_t D, int64_t g0,
+                              int64_t d) {
+  VecF a[NC][GN];
+  for (int c = 0; c < NC; ++c)
+    for (int g = 0; g < GN; ++g) a[c][g] = vload(acc + (g0 + g) * D + d + c * kLanes);
+  for (int64_t j = 0; j < n; ++j) {
+    VecF v[NC];
+    for (int c = 0; c < NC; ++c) v[c] = vload(vp[j] + d + c * kLanes);
+    for (int g = 0; g < GN; ++g) {
+      const VecF pj = vset1(p[(g0 + g) * kDecodeTile + j]);
+      for (int c = 0; c < NC; ++c) a[c][g] = vfma(pj, v[c], a[c][g]);
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    for (int g = 0; g < GN; ++g) vstore(acc + (g0 + g) * D + d + c * kLanes, a[c][g]);
+}
+
+// acc[g, :] += sum_j p[g, j] * v_j for heads g0..g0+GN (registers: NC*GN accumulators, <= 16).
+template <int GN, typename T>
+inline void decode_accum(float* acc, const float* p, const T* const* vp, int64_t n, int64_t D, int64_t g0) {
+  constexpr int NC = GN <= 2 ? 4 : (GN <= 4 ? 2 : 1);
+  int64_t d = 0;
+  for (; d + NC * kLanes <= D; d += NC * kLanes) decode_accum_cols<GN, NC>(acc, p, vp, n, D, g0, d);
+  for (; d < D; d += kLanes) decode_accum_cols<GN, 1>(acc, p, vp, n, D, g0, d);
+}
+
+// Dispatches a head-group kernel in register-sized chunks of at most 8 heads.
+template <template <int> class K, typename... Args>
+inline void for_head_chunks(int64_t G, Args&&... args) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    switch (std::min<int64_t>(8, G - g0)) {
+      case 1: K<1>::run(g0, args...); break;
+      case 2: K<2>::run(g0, args...); break;
+      case 3: K<3>::run(g0, args...); break;
+      case 4: K<4>::run(g0, args...); break;
+      case 5: K<5>::run(g0, args...); break;
+      case 6: K<6>::run(g0, args...); break;
+      case 7: K<7>::run(g0, args...); break;
+      default: K<8>::run(g0, args...); break;
+    }
+  }
+}
+
+template <int GN>
+struct ScoresK {
+  template <typename T>
+  static void run(int64_t g0, const float* qf, const T* const* kp, int64_t n, int64_t D, float* sc) {
+    decode_scores<GN>(qf, kp, n, D, g0, sc);
+  }
+};
+#ifdef PAGELLM_DECODE_BF16_DOT
+template <int GN>
+struct ScoresBf16K {
+  static void run(int64_t g0, const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
+                  float scale, float* sc) {
+    decode_scores_bf16<GN>(qb, kp, n, D, g0, scale, sc);
+  }
+};
+#endif
+template <int GN>
+struct AccumK {
+  template <typename T>
+  static void run(int64_t g0, float* acc, const float* p, const T* const* vp, int64_t n, int64_t D) {
+    decode_accum<GN>(acc, p, vp, n, D, g0);
+  }
+};
+
+// Online softmax on one head's tile scores (in place -> probabilities); returns the rescale factor.
+inline float softmax_update(float* s, int64_t n, float& m, float& l) {
+  float mt = kNegInf;
+  for (int64_t j = 0; j < n; ++j) mt = std::max(mt, s[j]);
+  const float m_new = std::max(m, mt);
+  const float corr = std::exp(m - m_new);  // m = -inf on the first tile -> 0
+  const VecF mv = vset1(m_new);
+  VecF sum = vzero();
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const int c = static_cast<int>(std::min<int64_t>(kLanes, n - j));
+    vstore(s + j, vexp(vsub(vload(s + j, c), mv)), c);
+    sum = vadd(sum, vload(s + j, c));  // masked reload: lanes >= c are 0
+  }
+  l = l * corr + vsum(sum);
+  m = m_new;
+  return corr;
+}
+
+struct DecodeScratch {
+  std::vector<float> qf, sc;
+  std::vector<c10::BFloat16> qb;
+  std::vector<const void*> kp, vp;
+  DecodeScratch(int64_t G, int64_t D) : qf(G * D), sc(G * kDecodeTile), qb(G * D), kp(kDecodeTile), vp(kDecodeTile) {}
+};
+
+template <typename T>
+constexpr bool use_bf16_dot() {
+#ifdef PAGELLM_DECODE_BF16_DOT
+  return std::is_same_v<T, c10::BFloat16>;
+#else
+  return false;
+#endif
+}
+
+template <typename T>
+inline void decode_tile_scores(const PagedAttnArgs<T>& a, DecodeScratch& w, const T* const* kp, int64_t n) {
+#ifdef PAGELLM_DECODE_BF16_DOT
+  if constexpr (use_bf16_dot<T>()) {
+    for_head_chunks<ScoresBf16K>(a.group(), static_cast<const c10::BFloat16*>(w.qb.data()), kp, n, a.head_dim,
+                                 a.scale, w.sc.data());
+    return;
+  }
+#endif
+  for_head_chunks<ScoresK>(a.group(), static_cast<const float*>(w.qf.data()), kp, n, a.head_dim, w.sc.data());
+}
+
+// Attends keys [kbeg, kend) of sequence s for kv head h; leaves unnormalized acc [G, D], m [G], l [G].
+template <typename T>
+void decode_item(const PagedAttnArgs<T>& a, int64_t s, int64_t h, int64_t kbeg, int64_t kend, DecodeScratch& w,
+                 float* acc, float* m, float* l) {
+  const int64_t G = a.group(), D = a.head_dim;
+  for (int64_t g = 0; g < G; ++g) {
+    if constexpr (use_bf16_dot<T>()) {
+      std::memcpy(w.qb.data() + g * D, a.q_row(s, h * G + g), D * sizeof(T));
+    } else {
+      load_row_f32(a.q_row(s, h * G + g), w.qf.data() + g * D, D, a.scale);
+    }
+    m[g] = kNegInf;
+    l[g] = 0.f;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  auto** kp = reinterpret_cast<const T**>(w.kp.data());
+  auto** vp = reinterpret_cast<const T**>(w.vp.data());
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
+  for (int64_t start = kbeg; start < kend; start += kDecodeTile) {
+    const int64_t n = std::min(kDecodeTile, kend - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
+      kp[j] = block_start ? a.row(a.key_cache, s, start + j, h) : kp[j - 1] + D;  // rows contiguous in a block
+      vp[j] = block_start ? a.row(a.value_cache, s, start + j, h) : vp[j - 1] + D;
+    }
+    // Prefetch the next tile while this one computes (its rows live in other, random blocks).
+    const int64_t next_end = std::min(kend, start + 2 * kDecodeTile);
+    for (int64_t j = start + kDecodeTile; j < next_end;) {
+      const int64_t run = std::min(a.block_size - (j & (a.block_size - 1)), next_end - j);
+      prefetch_bytes(a.row(a.key_cache, s, j, h), run * row_bytes);
+      prefetch_bytes(a.row(a.value_cache, s, j, h), run * row_bytes);
+      j += run;
+    }
+    decode_tile_scores(a, w, static_cast<const T* const*>(kp), n);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = w.sc.data() + g * kDecodeTile;
+      if (a.softcap > 0.f) apply_softcap(sg, n, a.softcap);
+      const float corr = softmax_update(sg, n, m[g], l[g]);
+      if (corr != 1.0f) store_row(acc + g * D, acc + g * D, D, corr);
+    }
+    for_head_chunks<AccumK>(G, acc, static_cast<const float*>(w.sc.data()), static_cast<const T* const*>(vp), n, D);
+  }
+}
+
+// Writes acc / l (0 where l == 0, i.e. an empty context).
+template <typename T>
+inline void write_normalized(T* dst, const float* acc, float l, int64_t D) {
+  store_row(acc, dst, D, l > 0.f ? 1.0f / l : 0.0f);
+}
+
+struct DecodePart {
+  int64_t seq, kbeg, kend;
+};
+
+// Splits each sequence's visible context into partitions so that there are enough work items
+// (num_seqs * num_kv_heads * partitions) to keep every thread busy; part_off[s] indexes seq s's parts.
+template <typename T>
+std::vector<DecodePart> plan_decode(const PagedAttnArgs<T>& a, std::vector<int64_t>& part_off) {
+  const int64_t threads = at::get_num_threads();
+  int64_t max_len = 0;
+  for (int64_t s = 0; s < a.num_seqs; ++s) max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
+  const int64_t units = a.num_seqs * a.num_kv_heads;
+  int64_t part = std::max<int64_t>(max_len, 1);
+  if (units < 4 * threads) {
+    const int64_t want = (4 * threads + units - 1) / units;  // partitions per sequence
+    part = std::max<int64_t>(256, (max_len + want - 1) / want);
+    part = (part + kDecodeTile - 1) / kDecodeTile * kDecodeTile;
+  }
+  std::vector<DecodePart> parts;
+  part_off.assign(a.num_seqs + 1, 0);
+  for (int64_t s = 0; s < a.num_seqs; ++s) {
+    const int64_t len = a.seq_lens[s];
+    const int64_t beg = a.window_begin(len - 1);
+    int64_t k = beg;
+    do {
+      parts.push_back({s, k, std::min(len, k + part)});
+      k += part;
+    } while (k < len);
+    part_off[s + 1] = static_cast<int64_t>(parts.size());
+  }
+  return parts;
+}
+
+// Merges the partials of (seq, kv head) into the output.
+template <typename T>
+void decode_reduce(const PagedAttnArgs<T>& a, const std::vector<int64_t>& part_off, const float* partials) {
+  const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
+  const int64_t item_floats = G * (D + 2);
+  at::parallel_for(0, a.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t s = u / H, h = u % H;
+      for (int64_t g = 0; g < G; ++g) {
+        float M = kNegInf, L = 0.f;
+        for (int64_t p = part_off[s]; p < part_off[s + 1]; ++p) M = std::max(M, partials[(p * H + h) * item_floats + G * D + g]);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = part_off[s]; p < part_off[s + 1]; ++p) {
+          const float* it = partials + (p * H + h) * item_floats;
+          if (it[G * D + G + g] == 0.f) continue;  // empty partition
+          const float w = std::exp(it[G * D + g] - M);
+          L += w * it[G * D + G + g];
+          for (int64_t d = 0; d < D; d += kLanes) {
+            vstore(acc.data() + d, vfma(vset1(w), vload(it + g * D + d), vload(acc.data() + d)));
+          }
+        }
+        write_normalized(a.out_row(s, h * G + g), acc.data(), L, D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void paged_attention_decode_kernel(const PagedAttnArgs<T>& a) {
+  std::vector<int64_t> part_off;
+  const std::vector<DecodePart> parts = plan_decode(a, part_off);
+  const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
+  const bool split = static_cast<int64_t>(parts.size()) > a.num_seqs;
+  const int64_t item_floats = G * (D + 2);
+  std::vector<float> partials(split ? parts.size() * H * item_floats : 0);
+  const int64_t n_items = static_cast<int64_t>(parts.size()) * H;
+  parallel_dynamic(n_items, [&](auto claim) {
+    DecodeScratch w(G, D);
+    std::vector<float> own(item_floats);
+    for (int64_t i = claim(); i < n_items; i = claim()) {
+      const DecodePart& p = parts[i / H];
+      const int64_t h = i % H;
+      float* it = split ? partials.data() + i * item_floats : own.data();
+      decode_item(a, p.seq, h, p.kbeg, p.kend, w, it, it + G * D, it + G * D + G);
+      if (!split) {
+        for (int64_t g = 0; g < G; ++g) write_normalized(a.out_row(p.seq, h * G + g), it + g * D, it[G * D + G + g], D);
+      }
+    }
+  });
+  if (split) decode_reduce(a, part_off, partials.data());
+}
+
+}  // namespace pagellm::cpu

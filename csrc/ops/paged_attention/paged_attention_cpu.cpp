@@ -1,0 +1,144 @@
+// CPU glue for paged_attention_decode / paged_attention_prefill: validation of shapes, dtypes and
+// (cheaply) every block-table entry a sequence will read, then the kernels in *_cpu_kernels.h.
+#include <torch/library.h>
+
+#include "ops/common/checks.h"
+#include "ops/paged_attention/decode_cpu_kernels.h"
+#include "ops/paged_attention/prefill_cpu_kernels.h"
+
+namespace pagellm::cpu {
+namespace {
+
+struct Common {
+  int64_t num_blocks, num_kv_heads, block_size, head_dim, num_heads;
+};
+
+Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+  check_cpu(out, "out");
+  check_cpu(query, "query");
+  check_cpu(key_cache, "key_cache");
+  check_cpu(value_cache, "value_cache");
+  check_cpu(block_tables, "block_tables");
+  check_cpu(seq_lens, "seq_lens");
+  check_float(query, "query");
+  check_same_dtype(out, query, "out", "query");
+  check_same_dtype(key_cache, query, "key_cache", "query");
+  check_same_dtype(value_cache, query, "value_cache", "query");
+  check_dim(query, 3, "query");
+  check_dim(key_cache, 4, "key_cache");
+  check_contiguous(key_cache, "key_cache");
+  check_contiguous(value_cache, "value_cache");
+  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
+              " must equal key_cache shape ", key_cache.sizes());
+  TORCH_CHECK(out.sizes() == query.sizes(), "out shape ", out.sizes(), " must equal query shape ", query.sizes());
+  check_last_contiguous(query, "query");
+  check_last_contiguous(out, "out");
+  check_dtype(block_tables, at::kInt, "block_tables");
+  check_dim(block_tables, 2, "block_tables");
+  check_dtype(seq_lens, at::kInt, "seq_lens");
+  check_dim(seq_lens, 1, "seq_lens");
+  Common c{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3), query.size(1)};
+  TORCH_CHECK(c.block_size >= 1 && c.block_size <= 256 && (c.block_size & (c.block_size - 1)) == 0,
+              "key_cache: block_size (dim 2) must be a power of two in [1, 256], got ", c.block_size);
+  TORCH_CHECK(c.head_dim % 16 == 0 && c.head_dim >= 16 && c.head_dim <= 512,
+              "key_cache: head_dim (dim 3) must be a multiple of 16 in [16, 512], got ", c.head_dim);
+  TORCH_CHECK(query.size(2) == c.head_dim, "query head_dim ", query.size(2), " must equal key_cache head_dim ",
+              c.head_dim);
+  TORCH_CHECK(c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "query num_heads ", c.num_heads,
+              " must be a multiple of key_cache num_kv_heads ", c.num_kv_heads);
+  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "block_tables must have one row per sequence (",
+              seq_lens.size(0), " from seq_lens), got shape ", block_tables.sizes());
+  TORCH_CHECK(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, "block_tables must be row-contiguous");
+  return c;
+}
+
+// Checks 0 <= seq_len <= capacity and that the blocks the sequence reads are valid ids.
+void check_tables(const at::Tensor& block_tables, const int32_t* lens, const Common& c) {
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1), stride = block_tables.stride(0);
+  for (int64_t s = 0; s < block_tables.size(0); ++s) {
+    TORCH_CHECK(lens[s] >= 0 && lens[s] <= max_blocks * c.block_size, "seq_lens[", s, "] = ", lens[s],
+                " is out of range [0, ", max_blocks * c.block_size, "] (block_tables width x block_size)");
+    const int64_t used = (lens[s] + c.block_size - 1) / c.block_size;
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t id = bt[s * stride + b];
+      TORCH_CHECK(id >= 0 && id < c.num_blocks, "block_tables[", s, "][", b, "] = ", id, " is out of range [0, ",
+                  c.num_blocks, ")");
+    }
+  }
+}
+
+template <typename T>
+PagedAttnArgs<T> make_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                           const at::Tensor& value_cache, const at::Tensor& block_tables, const int32_t* lens,
+                           const int32_t* qsl, const Common& c, double scale, int64_t window, double softcap) {
+  int64_t log2_bs = 0;
+  while ((int64_t{1} << log2_bs) < c.block_size) ++log2_bs;
+  return PagedAttnArgs<T>{out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
+                          block_tables.data_ptr<int32_t>(), lens, qsl, block_tables.stride(0), block_tables.size(0),
+                          c.num_heads, c.num_kv_heads, c.head_dim, c.block_size, log2_bs, query.stride(0),
+                          query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
+                          static_cast<float>(scale), window, static_cast<float>(softcap)};
+}
+
+void check_scalars(int64_t window_size, double softcap) {
+  TORCH_CHECK(window_size == -1 || window_size > 0, "window_size must be -1 (full) or positive, got ", window_size);
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0 = off), got ", softcap);
+}
+
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, int64_t window_size, double softcap) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+  check_scalars(window_size, softcap);
+  TORCH_CHECK(query.size(0) == seq_lens.size(0), "query must have one token per sequence (", seq_lens.size(0),
+              " from seq_lens), got shape ", query.sizes());
+  if (query.size(0) == 0) return;
+  auto lens = seq_lens.contiguous();
+  check_tables(block_tables, lens.data_ptr<int32_t>(), c);
+  PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_decode", [&] {
+    paged_attention_decode_kernel(make_args<scalar_t>(out, query, key_cache, value_cache, block_tables,
+                                                      lens.data_ptr<int32_t>(), nullptr, c, scale, window_size,
+                                                      softcap));
+  });
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                             int64_t window_size, double softcap) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+  check_scalars(window_size, softcap);
+  check_cpu(query_start_loc, "query_start_loc");
+  check_dtype(query_start_loc, at::kInt, "query_start_loc");
+  const int64_t S = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.dim() == 1 && query_start_loc.size(0) == S + 1,
+              "query_start_loc must have shape [num_seqs + 1] = [", S + 1, "], got ", query_start_loc.sizes());
+  auto lens = seq_lens.contiguous();
+  auto qsl = query_start_loc.contiguous();
+  const int32_t* l = lens.data_ptr<int32_t>();
+  const int32_t* q = qsl.data_ptr<int32_t>();
+  TORCH_CHECK(q[0] >= 0 && q[S] <= query.size(0), "query_start_loc must lie in [0, num_tokens = ", query.size(0),
+              "], got first ", q[0], " last ", q[S]);
+  for (int64_t s = 0; s < S; ++s) {
+    TORCH_CHECK(q[s] <= q[s + 1], "query_start_loc must be non-decreasing, got [", s, "] = ", q[s], " > [", s + 1,
+                "] = ", q[s + 1]);
+    TORCH_CHECK(q[s + 1] - q[s] <= l[s], "seq_lens[", s, "] = ", l[s], " is smaller than the chunk's query length ",
+                q[s + 1] - q[s]);
+  }
+  if (S == 0 || query.size(0) == 0) return;
+  check_tables(block_tables, l, c);
+  PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
+    paged_attention_prefill_kernel(
+        make_args<scalar_t>(out, query, key_cache, value_cache, block_tables, l, q, c, scale, window_size, softcap));
+  });
+}
+
+}  // namespace
+}  // namespace pagellm::cpu
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("paged_attention_decode", &pagellm::cpu::paged_attention_decode);
+  m.impl("paged_attention_prefill", &pagellm::cpu::paged_attention_prefill);
+}

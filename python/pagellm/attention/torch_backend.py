@@ -1,0 +1,74 @@
+"""The `torch` attention backend: pure-torch reference write + attention (pagellm.ops.reference).
+
+Always available on every device; slow (a Python loop over requests). The yardstick for the others.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagellm.attention.base import AttentionLayerSpec, AttentionMetadata, BaseAttentionBackend
+from pagellm.attention.registry import register_attention_backend
+from pagellm.ops import reference
+
+
+class _SplitBatch:
+    """Decode/prefill views of one step's metadata, computed once in plan()."""
+
+    def __init__(self, md: AttentionMetadata) -> None:
+        nd = md.num_decode_reqs
+        self.num_decode = nd
+        self.num_tokens = md.num_tokens
+        self.decode_block_tables = md.block_tables[:nd]
+        self.decode_seq_lens = md.seq_lens[:nd]
+        self.has_prefill = md.num_reqs > nd
+        self.prefill_block_tables = md.block_tables[nd : md.num_reqs]
+        self.prefill_seq_lens = md.seq_lens[nd : md.num_reqs]
+        # Decodes are one token each, so the prefill tokens start at token nd.
+        self.prefill_query_start_loc = (md.query_start_loc[nd : md.num_reqs + 1] - nd).to(torch.int32)
+
+
+class PagedBackendBase(BaseAttentionBackend):
+    """Shared forward(): write K/V, decodes through `_decode`, prefill chunks through `_prefill`."""
+
+    def plan(self, metadata: AttentionMetadata) -> None:
+        super().plan(metadata)
+        self._split = _SplitBatch(metadata)
+
+    def forward(
+        self,
+        layer: AttentionLayerSpec,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        if self.metadata is None:
+            raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
+        md, sp = self.metadata, self._split
+        n = sp.num_tokens
+        self._write(key_cache, value_cache, key[:n], value[:n], md.slot_mapping[:n])
+        out = torch.empty_like(query)
+        if query.shape[0] > n:
+            out[n:].zero_()  # padded tokens
+        args = (layer.scale, layer.window_size, layer.softcap)
+        nd = sp.num_decode
+        if nd:
+            self._decode(out[:nd], query[:nd], key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
+        if sp.has_prefill:
+            self._prefill(
+                out[nd:n], query[nd:n], key_cache, value_cache, sp.prefill_block_tables,
+                sp.prefill_query_start_loc, sp.prefill_seq_lens, *args,
+            )  # fmt: skip
+        return out
+
+    # Subclasses bind these to their ops (same signatures as pagellm.ops).
+    _write = staticmethod(reference.reshape_and_cache)
+    _decode = staticmethod(reference.paged_attention_decode)
+    _prefill = staticmethod(reference.paged_attention_prefill)
+
+
+@register_attention_backend("torch")
+class TorchAttentionBackend(PagedBackendBase):
+    """Reference backend: pure torch, any device."""

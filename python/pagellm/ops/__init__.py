@@ -1,0 +1,206 @@
+"""torch.ops.pagellm kernels (C++/CUDA), with thin Python wrappers of the same names.
+
+Importing this module loads pagellm._C (which registers the ops) and their fake implementations.
+Each wrapper validates cheaply what it can (raising TypeError/ValueError naming the argument) and
+calls torch.ops.pagellm.<name>; the C++ side checks everything again (RuntimeError). All ops write
+into given tensors and return None. Pure-torch equivalents: pagellm.ops.reference.
+KV-cache layout: docs/kv_cache_layout.md.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_LOAD_ERROR: Exception | None = None
+try:
+    import pagellm._C  # noqa: F401  (registers torch.ops.pagellm.*)
+except ImportError as e:  # pragma: no cover - depends on the build
+    _LOAD_ERROR = e
+else:
+    from pagellm.ops.fake import register_fakes
+
+    register_fakes()
+
+__all__ = [
+    "ops_available",
+    "reshape_and_cache",
+    "copy_blocks",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "gelu_and_mul",
+]
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def ops_available() -> tuple[bool, str]:
+    """Whether the compiled ops are loaded; the import error when not."""
+    return (_LOAD_ERROR is None, "" if _LOAD_ERROR is None else f"pagellm._C failed to import: {_LOAD_ERROR}")
+
+
+def _tensor(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    return x
+
+
+def _float(x: object, name: str) -> None:
+    if _tensor(x, name).dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def _dtype(x: object, dtype: torch.dtype, name: str) -> None:
+    if _tensor(x, name).dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
+
+
+def _ndim(x: torch.Tensor, ndim: int, name: str) -> None:
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+
+
+def _same(x: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
+    if x.dtype != ref.dtype:
+        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {x.dtype}")
+    if x.device != ref.device:
+        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {x.device}")
+
+
+def _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens) -> None:
+    _float(query, "query")
+    for t, n in ((out, "out"), (key_cache, "key_cache"), (value_cache, "value_cache")):
+        _tensor(t, n)
+        _same(t, query, n, "query")
+    _ndim(query, 3, "query")
+    _ndim(key_cache, 4, "key_cache")
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} must equal query shape {tuple(query.shape)}")
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} must equal key_cache's {tuple(key_cache.shape)}")
+    if query.shape[2] != key_cache.shape[3] or query.shape[1] % key_cache.shape[1]:
+        raise ValueError(
+            f"query [tokens, heads, head_dim] = {tuple(query.shape)} does not match key_cache "
+            f"[blocks, kv_heads, block_size, head_dim] = {tuple(key_cache.shape)}"
+        )
+    _dtype(block_tables, torch.int32, "block_tables")
+    _dtype(seq_lens, torch.int32, "seq_lens")
+
+
+def reshape_and_cache(
+    key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes key/value [num_tokens, num_kv_heads, head_dim] into the paged caches at slot_mapping (-1 = skip)."""
+    _float(key_cache, "key_cache")
+    for t, n in ((value_cache, "value_cache"), (key, "key"), (value, "value")):
+        _tensor(t, n)
+        _same(t, key_cache, n, "key_cache")
+    _dtype(slot_mapping, torch.int64, "slot_mapping")
+    torch.ops.pagellm.reshape_and_cache(key_cache, value_cache, key, value, slot_mapping)
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """For every layer, copies cache block src -> dst for each row (src, dst) of block_mapping [num_pairs, 2]."""
+    if len(key_caches) != len(value_caches):
+        raise ValueError(f"key_caches and value_caches must have the same length, got {len(key_caches)} and {len(value_caches)}")
+    _dtype(block_mapping, torch.int64, "block_mapping")
+    torch.ops.pagellm.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """out[i] = attention of query[i] (position seq_lens[i]-1) over sequence i's paged context."""
+    _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens)
+    torch.ops.pagellm.paged_attention_decode(
+        out, query, key_cache, value_cache, block_tables, seq_lens, float(scale), int(window_size), float(softcap)
+    )
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """Causal attention of each chunk's queries (the last q_len positions of its sequence) over its context."""
+    _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens)
+    _dtype(query_start_loc, torch.int32, "query_start_loc")
+    torch.ops.pagellm.paged_attention_prefill(
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        float(scale), int(window_size), float(softcap),
+    )  # fmt: skip
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """out = T(input * rsqrt(mean(input^2) + eps)) * weight, fp32 math (HF Llama rounding)."""
+    _float(input, "input")
+    _tensor(out, "out")
+    _same(out, input, "out", "input")
+    _tensor(weight, "weight")
+    _same(weight, input, "weight", "input")
+    torch.ops.pagellm.rms_norm(out, input, weight, float(epsilon))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """residual += input; input = rms_norm(residual) * weight (both in place)."""
+    _float(input, "input")
+    _tensor(residual, "residual")
+    _same(residual, input, "residual", "input")
+    _tensor(weight, "weight")
+    _same(weight, input, "weight", "input")
+    torch.ops.pagellm.fused_add_rms_norm(input, residual, weight, float(epsilon))
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """Rotates query/key [T, heads*head_size] (or [T, heads, head_size]) in place; cache [max_pos, rot] = cos|sin."""
+    _dtype(positions, torch.int64, "positions")
+    _float(query, "query")
+    _tensor(key, "key")
+    _same(key, query, "key", "query")
+    _float(cos_sin_cache, "cos_sin_cache")
+    if int(head_size) <= 0:
+        raise ValueError(f"head_size must be positive, got {head_size}")
+    torch.ops.pagellm.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache, bool(is_neox))
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    """out [..., d] = silu(input[..., :d]) * input[..., d:]."""
+    _float(input, "input")
+    _tensor(out, "out")
+    _same(out, input, "out", "input")
+    torch.ops.pagellm.silu_and_mul(out, input)
+
+
+def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "none") -> None:
+    """out [..., d] = gelu(input[..., :d], approximate) * input[..., d:]; approximate is "none" or "tanh"."""
+    _float(input, "input")
+    _tensor(out, "out")
+    _same(out, input, "out", "input")
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
+    torch.ops.pagellm.gelu_and_mul(out, input, approximate)

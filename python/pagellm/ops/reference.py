@@ -1,0 +1,185 @@
+"""Readable pure-torch references of every torch.ops.pagellm op (same signatures, same in-place outputs).
+
+They define the semantics the C++/CUDA kernels are tested against and power the `torch` attention
+backend. Math is fp32; results are rounded once into the output dtype (RMSNorm follows HF Llama's
+rounding order: normalize in fp32, cast to the input dtype, then multiply by the weight).
+KV-cache layout: docs/kv_cache_layout.md.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "reshape_and_cache",
+    "copy_blocks",
+    "paged_attention_decode",
+    "paged_attention_prefill",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+    "gelu_and_mul",
+]
+
+
+# ---------------------------------------------------------------- cache ops
+
+
+def reshape_and_cache(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """cache[slot // block_size, :, slot % block_size, :] = key/value[t]; slot -1 is skipped."""
+    block_size = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    key_cache[blocks, :, offsets, :] = key[keep]
+    value_cache[blocks, :, offsets, :] = value[keep]
+
+
+def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
+    """For every layer, copy block src -> dst for each (src, dst) row of block_mapping."""
+    src, dst = block_mapping[:, 0], block_mapping[:, 1]
+    for cache in [*key_caches, *value_caches]:
+        cache[dst] = cache[src].clone()
+
+
+# ---------------------------------------------------------------- attention
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, num_kv_heads, head_dim] of one sequence, read through its block table."""
+    block_size = cache.shape[2]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    blocks = cache[block_table[:n_blocks].long()]  # [n, H, bs, D]
+    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float, window_size: int, softcap: float
+) -> torch.Tensor:
+    """Causal (optionally windowed, soft-capped) attention in fp32. q [n, Hq, D]; k, v [L, Hkv, D]."""
+    group = q.shape[1] // k.shape[1]
+    qf = q.float().transpose(0, 1)  # [Hq, n, D]
+    kf = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, L, D]
+    vf = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, n, L]
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    k_pos = torch.arange(k.shape[0], device=q.device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    if window_size > 0:
+        visible &= k_pos[None, :] > q_pos[:, None] - window_size
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty context -> zeros
+    return torch.matmul(probs, vf).transpose(0, 1)  # [n, Hq, D]
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """One query token per sequence, at position seq_len - 1."""
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        k = _gather_context(key_cache, block_tables[i], seq_len)
+        v = _gather_context(value_cache, block_tables[i], seq_len)
+        pos = torch.tensor([seq_len - 1], device=query.device)
+        out[i : i + 1] = _attend(query[i : i + 1], k, v, pos, scale, window_size, softcap).to(out.dtype)
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """Chunk i's q_len = qsl[i+1] - qsl[i] queries are the LAST q_len positions of its seq_lens[i] context."""
+    qsl = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        k = _gather_context(key_cache, block_tables[i], seq_len)
+        v = _gather_context(value_cache, block_tables[i], seq_len)
+        pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
+        out[start:end] = _attend(query[start:end], k, v, pos, scale, window_size, softcap).to(out.dtype)
+
+
+# ---------------------------------------------------------------- norms and rotary
+
+
+def _rms_normalize(x: torch.Tensor, weight: torch.Tensor, epsilon: float) -> torch.Tensor:
+    """HF Llama order: fp32 normalize, cast to x.dtype, multiply by weight."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + epsilon)
+    return weight * xf.to(x.dtype)
+
+
+def rms_norm(out: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    out.copy_(_rms_normalize(input, weight, epsilon))
+
+
+def fused_add_rms_norm(input: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, epsilon: float) -> None:
+    """residual += input (rounded to its dtype); input = rms_norm(residual) * weight."""
+    residual.add_(input)
+    input.copy_(_rms_normalize(residual, weight, epsilon))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox: bool) -> torch.Tensor:
+    """x [T, H, rot] in fp32; cos/sin [T, 1, rot/2]."""
+    if is_neox:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """Rotates the first rotary_dim = cos_sin_cache.shape[1] dims of every head of query and key in place."""
+    rot = cos_sin_cache.shape[1]
+    cos, sin = cos_sin_cache[positions.reshape(-1)].float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    for x in (query, key):
+        heads = x.view(x.shape[0], -1, head_size)
+        heads[..., :rot] = _rotate(heads[..., :rot].float(), cos, sin, is_neox).to(x.dtype)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def silu_and_mul(out: torch.Tensor, input: torch.Tensor) -> None:
+    d = input.shape[-1] // 2
+    x = input.float()
+    out.copy_(F.silu(x[..., :d]) * x[..., d:])
+
+
+def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "none") -> None:
+    d = input.shape[-1] // 2
+    x = input.float()
+    out.copy_(F.gelu(x[..., :d], approximate=approximate) * x[..., d:])

@@ -1,0 +1,111 @@
+"""torch.library.opcheck on every op (schema, fake/meta, autograd registration, aot dispatch) and
+clear errors for bad arguments (Python wrappers: TypeError/ValueError; C++ checks: RuntimeError)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import ops
+from ops.op_helpers import random_block_tables, random_caches, requires_ops
+
+pytestmark = requires_ops
+OP = torch.ops.pagellm
+
+
+def _attn_inputs(dtype=torch.float32, chunks=((3, 9), (1, 4))):
+    seq_lens = [s for _, s in chunks]
+    tables, nb = random_block_tables(seq_lens, 4)
+    kc, vc = random_caches(nb, 2, 4, 64, dtype, "cpu")
+    qsl = torch.tensor([0] + torch.tensor([q for q, _ in chunks]).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(int(qsl[-1]), 4, 64).to(dtype)
+    return q, kc, vc, tables, qsl, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def _cases():
+    q, kc, vc, bt, qsl, lens = _attn_inputs()
+    x = torch.randn(5, 128)
+    w = torch.randn(128)
+    cache = torch.randn(64, 32)
+    yield "reshape_and_cache", (kc.clone(), vc.clone(), torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.tensor([0, -1, 5]))
+    yield "copy_blocks", ([kc.clone()], [vc.clone()], torch.tensor([[0, 1]]))
+    yield "paged_attention_decode", (torch.empty(2, 4, 64), q[:2].clone(), kc, vc, bt, lens, 0.125, -1, 0.0)
+    yield "paged_attention_prefill", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, 0.125, 4, 5.0)
+    yield "rms_norm", (torch.empty_like(x), x, w, 1e-6)
+    yield "fused_add_rms_norm", (x.clone(), x.clone(), w, 1e-6)
+    yield "rotary_embedding", (torch.tensor([1, 7, 3]), torch.randn(3, 128), torch.randn(3, 64), 64, cache, True)
+    yield "silu_and_mul", (torch.empty(5, 64), x)
+    yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
+
+
+@pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(OP, name).default, args)
+
+
+def test_compile_rms_norm():
+    """The fake impls let torch.compile trace the mutating ops."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+
+    def f(x, w):
+        out = torch.empty_like(x)
+        ops.rms_norm(out, x, w, 1e-6)
+        return out * 2
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, w), f(x, w))
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_python_wrapper_errors():
+    q, kc, vc, bt, qsl, lens = _attn_inputs()
+    out = torch.empty(2, 4, 64)
+    with pytest.raises(TypeError, match="seq_lens"):
+        ops.paged_attention_decode(out, q[:2], kc, vc, bt, lens.long(), 0.1)
+    with pytest.raises(TypeError, match="key_cache"):
+        ops.paged_attention_decode(out, q[:2], kc.double(), vc, bt, lens, 0.1)
+    with pytest.raises(ValueError, match="out shape"):
+        ops.paged_attention_decode(torch.empty(3, 4, 64), q[:2], kc, vc, bt, lens, 0.1)
+    with pytest.raises(TypeError, match="input"):
+        ops.silu_and_mul(torch.empty(2, 2, dtype=torch.int32), torch.zeros(2, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="approximate"):
+        ops.gelu_and_mul(torch.empty(2, 2), torch.zeros(2, 4), "fast")
+    with pytest.raises(TypeError, match="slot_mapping"):
+        ops.reshape_and_cache(kc, vc, torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.tensor([0, 1, 2], dtype=torch.int32))
+    with pytest.raises(TypeError, match="weight"):
+        ops.rms_norm(torch.empty(2, 8), torch.randn(2, 8), torch.randn(8, dtype=torch.bfloat16), 1e-6)
+
+
+def test_cpp_errors_name_the_argument():
+    q, kc, vc, bt, qsl, lens = _attn_inputs()
+    out = torch.empty(2, 4, 64)
+    cases = [
+        ("block_tables", lambda: OP.paged_attention_decode(out, q[:2], kc, vc, torch.full_like(bt, 10_000), lens, 0.1)),
+        ("seq_lens", lambda: OP.paged_attention_decode(out, q[:2], kc, vc, bt, lens * 100, 0.1)),
+        ("query", lambda: OP.paged_attention_decode(out, q[:2, :3], kc, vc, bt, lens, 0.1)),
+        ("head_dim", lambda: OP.paged_attention_decode(out[..., :40], q[:2, :, :40], kc[..., :40].contiguous(), vc[..., :40].contiguous(), bt, lens, 0.1)),
+        ("query_start_loc", lambda: OP.paged_attention_prefill(torch.empty_like(q), q, kc, vc, bt, qsl[:2], lens, 0.1)),
+        ("window_size", lambda: OP.paged_attention_decode(out, q[:2], kc, vc, bt, lens, 0.1, 0)),
+        ("slot_mapping", lambda: OP.reshape_and_cache(kc, vc, torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([10**6]))),
+        ("key", lambda: OP.reshape_and_cache(kc, vc, torch.randn(1, 3, 64), torch.randn(1, 3, 64), torch.tensor([0]))),
+        ("block_mapping", lambda: OP.copy_blocks([kc], [vc], torch.tensor([[0, 10**6]]))),
+        ("key_cache", lambda: OP.reshape_and_cache(kc.transpose(1, 2), vc, torch.randn(1, 2, 64), torch.randn(1, 2, 64), torch.tensor([0]))),
+        ("positions", lambda: OP.rotary_embedding(torch.tensor([100]), torch.randn(1, 64), torch.randn(1, 64), 64, torch.randn(10, 64), True)),
+        ("head_size", lambda: OP.rotary_embedding(torch.tensor([1]), torch.randn(1, 64), torch.randn(1, 64), 48, torch.randn(10, 32), True)),
+        ("weight", lambda: OP.rms_norm(torch.empty(2, 8), torch.randn(2, 8), torch.randn(9), 1e-6)),
+        ("out", lambda: OP.silu_and_mul(torch.empty(2, 3), torch.randn(2, 8))),
+        ("input", lambda: OP.silu_and_mul(torch.empty(2, 3), torch.randn(2, 7))),
+    ]
+    for name, fn in cases:
+        with pytest.raises(RuntimeError, match=name):
+            fn()
+            pytest.fail(f"no error for a bad {name}")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_device_mismatch_is_an_error():
+    x = torch.randn(2, 8)
+    with pytest.raises((RuntimeError, ValueError), match="weight|device"):
+        ops.rms_norm(torch.empty_like(x), x, torch.randn(8, device="cuda"), 1e-6)
