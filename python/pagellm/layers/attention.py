@@ -1,0 +1,43 @@
+"""The attention layer: reshapes q/k/v to heads and hands them to the step's attention backend."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.attention.base import AttentionLayerSpec
+
+
+class Attention(nn.Module):
+    """Holds one layer's static `AttentionLayerSpec`; the backend and this layer's KV cache come from `ctx`.
+
+    forward(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D], ctx) -> [T, Hq*D]
+    """
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
+                 window_size: int = -1, softcap: float = 0.0) -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+        self.spec = AttentionLayerSpec(
+            layer_idx=layer_idx,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            scale=float(head_dim**-0.5 if scale is None else scale),
+            window_size=int(window_size) if window_size and window_size > 0 else -1,
+            softcap=float(softcap or 0.0),
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+        s = self.spec
+        T = q.shape[0]
+        query = q.reshape(T, s.num_heads, s.head_dim)
+        key = k.reshape(T, s.num_kv_heads, s.head_dim)
+        value = v.reshape(T, s.num_kv_heads, s.head_dim)
+        key_cache, value_cache = ctx.kv_caches[s.layer_idx]
+        out = ctx.attn_backend.forward(s, query, key, value, key_cache, value_cache)
+        return out.reshape(T, s.num_heads * s.head_dim)
+
+    def extra_repr(self) -> str:
+        return repr(self.spec)

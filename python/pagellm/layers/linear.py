@@ -1,0 +1,105 @@
+"""Linear layers whose parameters know how to load themselves.
+
+Every parameter carries a `weight_loader(param, loaded_weight, shard_id=None)` that copies a
+checkpoint tensor into the preallocated parameter (shape-checked). Merged layers (QKV, gate/up)
+load each HF tensor into its slice of the merged weight, selected by `shard_id`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor's shape does not match the parameter (or shard) it loads into."""
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """Copy `loaded_weight` into `param` (dtype-converting), after checking the shape."""
+    if shard_id is not None:
+        raise ValueError(f"parameter does not take shards (got shard_id={shard_id!r})")
+    if tuple(param.shape) != tuple(loaded_weight.shape):
+        raise WeightShapeError(f"shape mismatch: expected {tuple(param.shape)}, got {tuple(loaded_weight.shape)}")
+    with torch.no_grad():
+        param.data.copy_(loaded_weight)
+
+
+def _param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b), HF `nn.Linear` layout: weight [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = _param((out_features, in_features), dtype, device)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = _param((out_features,), dtype, device)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class MergedLinear(Linear):
+    """Several HF linears with the same input stacked along the output dim (e.g. gate_proj + up_proj).
+
+    `shard_sizes[i]` output rows belong to shard `shard_ids[i]` (shard ids default to 0, 1, ...).
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False,
+                 dtype: torch.dtype | None = None, device=None, shard_ids: list | None = None) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias, dtype=dtype, device=device)
+        ids = list(range(len(shard_sizes))) if shard_ids is None else list(shard_ids)
+        if len(ids) != len(shard_sizes):
+            raise ValueError("shard_ids and shard_sizes differ in length")
+        self.shard_sizes = list(shard_sizes)
+        self.shard_offsets: dict = {}
+        off = 0
+        for sid, size in zip(ids, shard_sizes):
+            self.shard_offsets[sid] = (off, size)
+            off += size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None:  # an already-merged checkpoint tensor
+            default_weight_loader(param, loaded_weight)
+            return
+        if shard_id not in self.shard_offsets:
+            raise ValueError(f"unknown shard {shard_id!r}; expected one of {list(self.shard_offsets)}")
+        off, size = self.shard_offsets[shard_id]
+        target = param.data.narrow(0, off, size)
+        if tuple(target.shape) != tuple(loaded_weight.shape):
+            raise WeightShapeError(
+                f"shape mismatch for shard {shard_id!r}: expected {tuple(target.shape)}, got {tuple(loaded_weight.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(loaded_weight)
+
+
+class QKVLinear(MergedLinear):
+    """q_proj, k_proj, v_proj merged: output rows [q (num_heads*head_dim) | k | v (num_kv_heads*head_dim)]."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, dtype: torch.dtype | None = None, device=None) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=bias, dtype=dtype,
+                         device=device, shard_ids=["q", "k", "v"])
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

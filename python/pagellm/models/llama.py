@@ -1,0 +1,164 @@
+"""Llama (and Mistral, same code with a sliding window). Qwen2/Qwen3 reuse these blocks.
+
+Op order follows transformers' LlamaForCausalLM so float32 results match it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.layers.activation import get_act_and_mul
+from pagellm.layers.attention import Attention
+from pagellm.layers.embedding import LMHead, VocabEmbedding
+from pagellm.layers.linear import Linear, MergedLinear, QKVLinear
+from pagellm.layers.norm import RMSNorm
+from pagellm.layers.rotary import get_rope_from_config
+from pagellm.models.base import CausalLMBase
+from pagellm.models.registry import register_model
+
+
+def config_head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_window_size(config, layer_idx: int) -> int:
+    """Keys a query sees in layer `layer_idx` (itself included); -1 = full attention.
+
+    transformers 5.x configs list `layer_types` ("sliding_attention"/"full_attention"); older ones
+    have `use_sliding_window` + `max_window_layers` (Qwen: layers >= max_window_layers slide) or a
+    bare `sliding_window` (Mistral: every layer).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return -1
+    if getattr(config, "use_sliding_window", True) is False:
+        return -1
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return int(window) if layer_types[layer_idx] == "sliding_attention" else -1
+    max_window_layers = getattr(config, "max_window_layers", None)
+    if max_window_layers is not None and hasattr(config, "use_sliding_window"):
+        return int(window) if layer_idx >= max_window_layers else -1
+    return int(window)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.act_fn = get_act_and_mul(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    qk_norm = False  # Qwen3: RMSNorm over each head of q and k, before rope
+
+    @staticmethod
+    def qkv_bias(config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    @staticmethod
+    def o_bias(config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
+
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = config_head_dim(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
+                                  bias=self.qkv_bias(config), dtype=dtype)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=self.o_bias(config), dtype=dtype)
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
+        self.rotary_emb = get_rope_from_config(config, self.head_dim, dtype=dtype)
+        self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim**-0.5, window_size=window_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        T = hidden.shape[0]
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, self.q_size)
+            k = self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim)).view(T, self.kv_size)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class LlamaDecoderLayer(nn.Module):
+    attention_cls = LlamaAttention
+    mlp_cls = LlamaMLP
+
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1) -> None:
+        super().__init__()
+        self.self_attn = self.attention_cls(config, layer_idx, dtype, window_size)
+        self.mlp = self.mlp_cls(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, positions, hidden, residual, ctx):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, ctx)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer], window_fn) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(
+            [layer_cls(config, i, dtype, window_fn(config, i)) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+
+    def forward(self, input_ids, positions, ctx):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+@register_model("LlamaForCausalLM")
+class LlamaForCausalLM(CausalLMBase):
+    layer_cls = LlamaDecoderLayer
+
+    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
+                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+
+    @staticmethod
+    def window_size_for_layer(config, layer_idx: int) -> int:
+        return layer_window_size(config, layer_idx)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+
+@register_model("MistralForCausalLM")
+class MistralForCausalLM(LlamaForCausalLM):
+    """Llama with `sliding_window` on every layer (-> AttentionLayerSpec.window_size)."""
