@@ -4,4 +4,27 @@ import torch  # noqa: F401  (loads libtorch before the _C extension)
 
 from pagellm.version import __version__
 
-__all__ = ["__version__"]
+# Public API, imported lazily so `import pagellm` stays light (and works while parts are absent).
+_LAZY = {
+    "LLM": "pagellm.llm",
+    "LLMEngine": "pagellm.engine.llm_engine",
+    "EngineArgs": "pagellm.config",
+    "SamplingParams": "pagellm.sampling_params",
+    "RequestOutput": "pagellm.outputs",
+    "CompletionOutput": "pagellm.outputs",
+    "Logprob": "pagellm.outputs",
+}
+
+
+def __getattr__(name: str):
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'pagellm' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(mod), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["__version__", *_LAZY]

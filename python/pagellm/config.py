@@ -1,0 +1,205 @@
+"""Engine configuration: frozen, validated dataclasses, built from LLM(...) keyword arguments.
+
+    ModelConfig      what to load and how (model, tokenizer, dtype, device, max_model_len, seed)
+    CacheConfig      the paged KV cache (block size, memory budget, prefix caching)
+    SchedulerConfig  batching limits (max_num_seqs, max_num_batched_tokens, chunked prefill)
+    EngineConfig     the three together
+
+Invalid values raise ValueError naming the field and its allowed range. `cpp_kwargs()` gives the
+keyword arguments of pagellm._C.Scheduler (its C++ configs) for the C++ scheduler.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
+_POLICIES = ("fcfs", "priority")
+
+
+def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # path / HF-style name; None = the default model
+    tokenizer: str | None = None  # defaults to the model's tokenizer
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None = the model's maximum
+    seed: int = 0
+    device: str = "cpu"
+    attention_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.model is None or isinstance(self.model, str), "model", "a path or name (str) or None", self.model)
+        _require(str(self.dtype) in _DTYPES or not isinstance(self.dtype, str), "dtype", f"one of {_DTYPES} or a torch.dtype", self.dtype)
+        _require(self.max_model_len is None or (_is_int(self.max_model_len) and self.max_model_len >= 1),
+                 "max_model_len", "an integer >= 1 or None", self.max_model_len)
+        _require(_is_int(self.seed) and self.seed >= 0, "seed", "an integer >= 0", self.seed)
+        _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+                 "device", "'cpu', 'cuda' or 'cuda:N'", self.device)
+
+    @property
+    def torch_dtype(self):
+        """The dtype to load weights in ("auto": bfloat16 on CUDA, float32 on CPU)."""
+        import torch
+
+        if not isinstance(self.dtype, str):
+            return self.dtype
+        d = self.dtype
+        if d == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return {
+            "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+        }[d]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None  # explicit KV budget (GiB)
+    kv_cache_fraction: float = 0.9  # else: this fraction of the free memory after the weights
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None  # override the computed number of blocks (tests, tuning)
+    watermark: float = 0.01
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(_is_int(bs) and 1 <= bs <= 256 and (bs & (bs - 1)) == 0, "block_size", "a power of two in [1, 256]", bs)
+        _require(self.kv_cache_memory_gb is None or (isinstance(self.kv_cache_memory_gb, (int, float))
+                 and math.isfinite(self.kv_cache_memory_gb) and self.kv_cache_memory_gb > 0),
+                 "kv_cache_memory_gb", "a number > 0 or None", self.kv_cache_memory_gb)
+        _require(isinstance(self.kv_cache_fraction, (int, float)) and 0.0 < self.kv_cache_fraction <= 1.0,
+                 "kv_cache_fraction", "in (0, 1]", self.kv_cache_fraction)
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "a bool", self.enable_prefix_caching)
+        _require(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
+                 "num_kv_blocks", "an integer >= 1 or None", self.num_kv_blocks)
+        _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark", "in [0, 1)", self.watermark)
+
+    def cpp_kwargs(self, num_blocks: int) -> dict[str, Any]:
+        """Keyword arguments of pagellm._C.Scheduler for the C++ CacheConfig."""
+        return {
+            "num_blocks": int(num_blocks),
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "watermark": float(self.watermark),
+        }
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None  # None = max(2048, max_model_len) without chunking; 2048 with
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1", self.max_num_seqs)
+        _require(_is_int(self.max_model_len) and self.max_model_len >= 1, "max_model_len", "an integer >= 1", self.max_model_len)
+        if self.max_num_batched_tokens is None:
+            default = 2048 if self.enable_chunked_prefill else max(2048, self.max_model_len)
+            object.__setattr__(self, "max_num_batched_tokens", default)
+        _require(_is_int(self.max_num_batched_tokens) and self.max_num_batched_tokens >= 1,
+                 "max_num_batched_tokens", "an integer >= 1", self.max_num_batched_tokens)
+        if not self.enable_chunked_prefill:
+            _require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
+                     f">= max_model_len ({self.max_model_len}) without chunked prefill", self.max_num_batched_tokens)
+        _require(self.policy in _POLICIES, "policy", f"one of {_POLICIES}", self.policy)
+
+    def cpp_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of pagellm._C.Scheduler for the C++ SchedulerConfig."""
+        return {
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_model_len": self.max_model_len,
+            "enable_chunked_prefill": self.enable_chunked_prefill,
+            "policy": self.policy,
+        }
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+
+@dataclass
+class EngineArgs:
+    """LLM(...) / LLMEngine.from_engine_args keyword arguments, turned into an EngineConfig once the
+    model's own maximum length is known."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    block_size: int = 16
+    kv_cache_memory_gb: float | None = None
+    gpu_memory_utilization: float | None = None  # alias of kv_cache_fraction
+    kv_cache_fraction: float = 0.9
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str | None = None
+    seed: int = 0
+    device: str = "cpu"
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"unexpected engine arguments: {unknown}; known: {sorted(known)}")
+        return cls(**kwargs)
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(
+            model=None if self.model is None else str(self.model),
+            tokenizer=None if self.tokenizer is None else str(self.tokenizer),
+            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+            device=str(self.device), attention_backend=self.attention_backend,
+        )
+
+    def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
+        """`model_max_len`: the model's max_position_embeddings (caps / defaults max_model_len)."""
+        mc = self.model_config()
+        max_len = self.max_model_len
+        if max_len is None:
+            max_len = model_max_len or 2048
+        elif model_max_len is not None and max_len > model_max_len:
+            raise ValueError(f"max_model_len must be <= the model's maximum length ({model_max_len}), got {max_len}")
+        mc = replace(mc, max_model_len=max_len)
+        fraction = self.kv_cache_fraction if self.gpu_memory_utilization is None else self.gpu_memory_utilization
+        cc = CacheConfig(
+            block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_memory_gb, kv_cache_fraction=fraction,
+            enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
+        )
+        sc = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+        )
+        return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+__all__ = ["CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "SchedulerConfig"]

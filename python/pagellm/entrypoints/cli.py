@@ -1,0 +1,103 @@
+"""`pagellm` command line: `pagellm generate "prompt"` (serve / bench subcommands plug in here)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model path or name (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
+                block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                attention_backend=a.attention_backend, seed=a.seed)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from pagellm.config import EngineArgs
+    from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(a)))
+    tok = engine.get_tokenizer()
+    if a.no_chat_template or getattr(tok, "chat_template", None) is None:
+        prompt = a.prompt
+    else:
+        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}], tokenize=False, add_generation_prompt=True)
+        prompt = {"prompt_token_ids": list(tok(text, add_special_tokens=False)["input_ids"])}
+    gen = engine.generation_config
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature if a.temperature is not None else gen.get("temperature", 1.0) or 0.0,
+        top_p=a.top_p if a.top_p is not None else gen.get("top_p", 1.0) or 1.0,
+        top_k=a.top_k if a.top_k is not None else gen.get("top_k", -1) or -1,
+        seed=a.sampling_seed, stop=a.stop or None, ignore_eos=a.ignore_eos,
+    )
+    start = time.time()
+    engine.add_request("cli-0", prompt, params, arrival_time=start)
+    shown = 0
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+            final = out
+    sys.stdout.write("\n")
+    if final is not None:
+        m = final.metrics
+        n_out = len(final.outputs[0].token_ids)
+        ttft = m.ttft or 0.0
+        decode_time = (m.finished_time or time.time()) - (m.first_token_time or start)
+        tps = (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
+        print(f"[TTFT {ttft * 1000:.1f} ms | decode {tps:.1f} tok/s | prompt {len(final.prompt_token_ids)} tokens | "
+              f"output {n_out} tokens | finish {final.outputs[0].finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: a readable LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion for one prompt, streamed to the terminal")
+    g.add_argument("prompt")
+    _add_engine_args(g)
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=None, help="default: the model's generation_config")
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    g.set_defaults(func=cmd_generate)
+    from pagellm.entrypoints import bench, serve  # their heavy imports (fastapi, ...) stay lazy
+
+    serve.add_serve_parser(sub)
+    bench.add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

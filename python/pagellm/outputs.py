@@ -1,0 +1,103 @@
+"""What generation returns: RequestOutput > CompletionOutput, logprobs as vLLM shapes them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability, its rank among the vocabulary (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One dict per position: {token_id: Logprob}, the sampled/actual token always included.
+SampleLogprobs = list[dict[int, Logprob]]
+# Prompt logprobs: the first prompt token has no logprob (None).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (time.time()) of a request's life and the derived latencies in seconds."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_generation_tokens: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (over the longest completion)."""
+        end = self.finished_time or self.last_token_time
+        n = self.num_generation_tokens
+        if self.first_token_time is None or end is None or n < 2:
+            return None
+        return (end - self.first_token_time) / (n - 1)
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request.
+
+    finish_reason: None while running, then "stop" | "length" | "abort".
+    stop_reason: the stop string or stop token id that ended it (None for EOS or length).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})"
+        )
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request: its prompt and its n completions (one per child sequence)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    num_cached_tokens: int = 0
+    encoder_prompt: str | None = field(default=None, repr=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+            f"outputs={self.outputs}, finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+        )

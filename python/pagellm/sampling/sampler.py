@@ -1,0 +1,179 @@
+"""The sampler: logits [N, V] -> one token per row (+ logprobs), batched over requests.
+
+Order of operations (each batched over rows, a no-op for rows that do not use it):
+    logit_bias -> min_tokens (mask EOS / stop ids) -> penalties (repetition, frequency, presence)
+    -> greedy rows: argmax (no temperature, so greedy is the argmax of the raw logits unless a
+       bias/penalty/min_tokens is set for that row)
+    -> temperature -> min_p -> top-k -> top-p -> sample with exponential races
+Seeded rows draw their noise from their own torch.Generator, so their tokens do not depend on the
+rest of the batch; unseeded rows share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagellm.sampling.metadata import SamplingMetadata
+
+
+@dataclass
+class LogprobsTensors:
+    """Column 0 is the sampled (or target) token; columns 1..K the top-K tokens, best first."""
+
+    token_ids: torch.Tensor  # int64 [N, 1 + K]
+    logprobs: torch.Tensor  # float32 [N, 1 + K]
+    ranks: torch.Tensor  # int64 [N, 1 + K] (1 = most likely)
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [N]
+    logprobs: LogprobsTensors | None = None
+
+
+def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.bias_rows is not None:
+        logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
+    return logits
+
+
+def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.min_tok_rows is not None:
+        logits[md.min_tok_rows, md.min_tok_tokens] = float("-inf")
+    return logits
+
+
+def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int64 [N, L] padded with vocab_size -> counts [N, V]."""
+    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.int32, device=ids.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """Repetition (HF: seen in prompt or output -> positive / p, negative * p), then frequency and
+    presence on output tokens (OpenAI: logit -= f * count + p * [count > 0])."""
+    if md.repetition_penalty is None:
+        return logits
+    v = md.vocab_size
+    out_counts = _token_counts(md.output_token_ids, v)
+    out_seen = out_counts > 0
+    rp = md.repetition_penalty.unsqueeze(1)
+    if md.prompt_token_ids is not None:
+        seen = out_seen | (_token_counts(md.prompt_token_ids, v) > 0)
+        penalized = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen & (rp != 1.0), penalized, logits)
+    logits = logits - md.frequency_penalty.unsqueeze(1) * out_counts.to(logits.dtype)
+    logits = logits - md.presence_penalty.unsqueeze(1) * out_seen.to(logits.dtype)
+    return logits
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (with -inf) tokens outside each row's top-k and nucleus. Ties at the k-th value are kept."""
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+        mask |= sorted_logits == float("-inf")
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # drop a token when the mass strictly before it already reaches top_p (the first is always kept)
+        mask |= (cum - probs) >= top_p.unsqueeze(1)
+        mask[:, 0] = False
+    full_mask = torch.empty_like(mask).scatter_(1, sorted_idx, mask)
+    return logits.masked_fill(full_mask, float("-inf"))
+
+
+def compute_logprobs_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """logprobs [N, V] float32, token_ids [N] -> sampled/target token + top-k, with ranks."""
+    tok = token_ids.to(torch.int64).unsqueeze(1)
+    tok_lp = logprobs.gather(1, tok)
+    tok_rank = (logprobs > tok_lp).sum(dim=-1, keepdim=True) + 1
+    if k > 0:
+        top_lp, top_ids = logprobs.topk(k, dim=-1)
+        top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(logprobs.shape[0], k)
+        return LogprobsTensors(
+            token_ids=torch.cat([tok, top_ids], dim=1),
+            logprobs=torch.cat([tok_lp, top_lp], dim=1),
+            ranks=torch.cat([tok_rank, top_ranks], dim=1),
+        )
+    return LogprobsTensors(token_ids=tok, logprobs=tok_lp, ranks=tok_rank)
+
+
+class Sampler(torch.nn.Module):
+    """Batched sampler. `generator` draws the noise of unseeded rows (seeded from LLM(seed=...))."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        super().__init__()
+        self.generator = generator
+
+    @torch.inference_mode()
+    def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        logits = logits.to(torch.float32)
+        raw_logprobs = None
+        if md.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits, dim=-1)
+
+        processed = logits
+        if md.bias_rows is not None or md.min_tok_rows is not None or md.repetition_penalty is not None:
+            processed = logits.clone()
+            processed = apply_logit_bias(processed, md)
+            processed = apply_min_tokens(processed, md)
+            processed = apply_penalties(processed, md)
+
+        greedy_tokens = processed.argmax(dim=-1) if not md.all_random else None
+        if md.all_greedy:
+            sampled = greedy_tokens
+            final = processed
+        else:
+            final = processed / md.temperature.unsqueeze(1)
+            if md.min_p is not None:
+                final = apply_min_p(final, md.min_p)
+            final = apply_top_k_top_p(final, md.top_k, md.top_p)
+            probs = torch.softmax(final, dim=-1)
+            random_tokens = self._sample(probs, md)
+            sampled = random_tokens if greedy_tokens is None else torch.where(md.greedy_mask, greedy_tokens, random_tokens)
+
+        lp_out = None
+        if md.max_num_logprobs is not None:
+            lps = raw_logprobs
+            if md.any_processed:
+                proc_lp = torch.log_softmax(final, dim=-1)
+                lps = torch.where(md.processed_logprobs_rows.unsqueeze(1), proc_lp, raw_logprobs)
+            lp_out = compute_logprobs_tensors(lps, sampled, md.max_num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=lp_out)
+
+    def _sample(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """argmax(probs / q), q ~ Exp(1): a draw from probs (Gumbel-max in another guise)."""
+        q = torch.empty_like(probs)
+        n = probs.shape[0]
+        if md.generators:
+            seeded = torch.zeros(n, dtype=torch.bool)
+            for i, g in md.generators.items():
+                q[i].exponential_(generator=g)
+                seeded[i] = True
+            unseeded = (~seeded).nonzero().flatten().tolist()
+            if unseeded:
+                idx = torch.tensor(unseeded, device=probs.device)
+                noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(generator=self.generator)
+                q[idx] = noise
+        else:
+            q.exponential_(generator=self.generator)
+        return probs.div(q).argmax(dim=-1)
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, k: int) -> LogprobsTensors:
+    """Prompt logprobs (raw): logits [P, V] at prompt positions, target_ids [P] the next prompt tokens."""
+    return compute_logprobs_tensors(torch.log_softmax(logits.to(torch.float32), dim=-1), target_ids, k)
