@@ -9,6 +9,7 @@ import math
 import time
 
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.engine.stats import EngineStats
 from pagellm.sampling_params import SamplingParams
 
 
@@ -91,6 +92,19 @@ class FakeEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    @property
+    def vocab_size(self):
+        return self.tokenizer.vocab_size
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=self.num_running, num_waiting=self.num_waiting,
+            kv_cache_usage=1.0 - self.num_free_blocks / self.num_total_blocks,
+            num_free_blocks=self.num_free_blocks, num_total_blocks=self.num_total_blocks,
+            prefix_cache_queries=self.prefix_cache_queries, prefix_cache_hits=self.prefix_cache_hits,
+            num_steps=self.num_steps, timestamp=time.time(),
+        )
 
     # -- interface
     def add_request(self, request_id, prompt, params: SamplingParams, arrival_time=None, priority=0):

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
+from pagellm.engine.stats import EngineStats
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -51,25 +52,6 @@ class PromptTooLongError(ValueError):
 
 
 @dataclass
-class EngineStats:
-    """A snapshot taken by the engine thread after each step (read without touching the engine)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0          # fraction of KV blocks in use, 0..1
-    num_free_blocks: int | None = None
-    num_total_blocks: int | None = None
-    prefix_cache_queries: int = 0        # cumulative tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0           # cumulative tokens found
-    num_steps: int = 0
-    timestamp: float = 0.0
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-@dataclass
 class _Stream:
     """One request's mailbox on the event loop: the latest output, and a wake-up event."""
 
@@ -79,56 +61,6 @@ class _Stream:
     finished: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     num_seqs: int = 1
-
-
-def _get(obj, *names, default=None):
-    """The first attribute/method among `names` that exists on obj (called if callable)."""
-    for name in names:
-        if obj is None:
-            return default
-        val = getattr(obj, name, None)
-        if val is None:
-            continue
-        return val() if callable(val) else val
-    return default
-
-
-def read_engine_stats(engine) -> EngineStats:
-    """Best-effort stats from the engine / its scheduler / its block manager."""
-    st = EngineStats(timestamp=time.time())
-    raw = _get(engine, "get_stats", "stats")
-    if isinstance(raw, dict):
-        raw = type("S", (), raw)
-    sched = getattr(engine, "scheduler", None)
-    bm = None
-    for name in ("block_manager", "bm", "kv_cache_manager"):
-        bm = bm or getattr(sched, name, None)
-    sources = [s for s in (raw, engine, sched, bm) if s is not None]
-
-    def first(*names):
-        for s in sources:
-            try:
-                v = _get(s, *names)
-            except Exception:  # noqa: BLE001 - a probe that does not apply
-                v = None
-            if v is not None:
-                return v
-        return None
-
-    st.num_running = int(first("num_running", "num_running_reqs", "get_num_running") or 0)
-    st.num_waiting = int(first("num_waiting", "num_waiting_reqs", "get_num_waiting") or 0)
-    free = first("num_free_blocks", "get_num_free_blocks")
-    total = first("num_total_blocks", "num_blocks", "num_gpu_blocks", "get_num_total_blocks")
-    # A C++ pool may keep a reserved null block that is never free.
-    st.num_free_blocks = None if free is None else int(free)
-    st.num_total_blocks = None if total is None else int(total)
-    usage = first("kv_cache_usage", "gpu_cache_usage", "kv_usage", "usage")
-    if usage is None and free is not None and total:
-        usage = 1.0 - free / total
-    st.kv_cache_usage = float(usage or 0.0)
-    st.prefix_cache_queries = int(first("prefix_cache_queries") or 0)
-    st.prefix_cache_hits = int(first("prefix_cache_hits") or 0)
-    return st
 
 
 class AsyncLLM:
@@ -148,12 +80,9 @@ class AsyncLLM:
     def __init__(self, engine, *, max_queue_len: int | None = None, max_model_len: int | None = None,
                  max_num_seqs: int | None = None, tokenizer=None, idle_poll_s: float = 0.5) -> None:
         self.engine = engine
-        self.tokenizer = tokenizer if tokenizer is not None else _get(engine, "get_tokenizer", "tokenizer")
-        cfg = _get(engine, "config", "engine_config")
-        sched_cfg = _get(cfg, "scheduler_config") or _get(engine, "scheduler_config")
-        self.max_model_len = (max_model_len or _get(engine, "max_model_len") or _get(cfg, "max_model_len")
-                              or _get(sched_cfg, "max_model_len"))
-        self.max_num_seqs = max_num_seqs or _get(engine, "max_num_seqs") or _get(sched_cfg, "max_num_seqs")
+        self.tokenizer = tokenizer if tokenizer is not None else engine.get_tokenizer()
+        self.max_model_len = max_model_len or engine.max_model_len
+        self.max_num_seqs = max_num_seqs or engine.max_num_seqs
         self.max_queue_len = max_queue_len
         self._idle_poll_s = idle_poll_s
 
@@ -271,9 +200,10 @@ class AsyncLLM:
             raise PromptTooLongError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
                 f"has {len(token_ids)} tokens (at least one generated token must fit).")
-        vocab = _get(self.tokenizer, "vocab_size") if self.tokenizer is not None else None
-        if vocab and not all(0 <= t < vocab + 1024 for t in token_ids):
-            raise ValueError("prompt token ids out of the vocabulary range")
+        vocab = self.engine.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} out of vocabulary (valid range [0, {vocab}))")
 
     def num_queued(self) -> int:
         """Requests in flight that cannot be running (each running seq takes one of max_num_seqs)."""
@@ -390,7 +320,7 @@ class AsyncLLM:
         loop = self._loop
         assert loop is not None
         try:
-            self.stats = read_engine_stats(engine)
+            self.stats = engine.get_stats()
         except Exception:  # stats are best-effort
             pass
         try:
@@ -419,7 +349,7 @@ class AsyncLLM:
                     self.step_time_total += time.perf_counter() - t0
                     self.num_steps += 1
                     try:
-                        stats = read_engine_stats(engine)
+                        stats = engine.get_stats()
                         stats.num_steps = self.num_steps
                         self.stats = stats
                     except Exception:
@@ -429,7 +359,7 @@ class AsyncLLM:
                         loop.call_soon_threadsafe(self._dispatch, outputs)
                 else:
                     try:
-                        self.stats = read_engine_stats(engine)
+                        self.stats = engine.get_stats()
                     except Exception:
                         pass
                     self._wake.wait(self._idle_poll_s)

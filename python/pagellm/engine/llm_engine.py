@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Any, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -24,13 +25,8 @@ import torch
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
 from pagellm.engine.model_runner import ModelRunner
-from pagellm.engine.output_processor import (
-    FINISH_ABORT,
-    FINISH_LENGTH,
-    OutputProcessor,
-    RequestState,
-    SequenceState,
-)
+from pagellm.engine.stats import EngineStats
+from pagellm.engine.output_processor import FINISH_LENGTH, OutputProcessor, RequestState, child_seq_id
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
@@ -39,10 +35,29 @@ from pagellm.sampling_params import SamplingParams
 logger = init_logger(__name__)
 
 
-def _status(name: str):
+def _finished_status(finish_reason: str):
+    """The scheduler status of a sequence Python decided to stop."""
     from pagellm import _C  # noqa: PLC0415
 
-    return getattr(_C.RequestStatus, name)
+    return _C.RequestStatus.FINISHED_LENGTH if finish_reason == FINISH_LENGTH else _C.RequestStatus.FINISHED_STOPPED
+
+
+class _SampleTarget(NamedTuple):
+    """Where a sampled token goes: sequence `index` of `state`; a new child is created on apply."""
+
+    state: RequestState
+    index: int
+    is_new_child: bool
+
+
+@dataclass
+class _StepUpdate:
+    """What one step's sampled tokens changed, for the scheduler and the outputs."""
+
+    token_by_seq: dict[str, int] = field(default_factory=dict)  # scheduled sequence id -> new token
+    forks: list[tuple[str, str, int]] = field(default_factory=list)  # (parent id, child id, first token)
+    finished: list[tuple[str, Any]] = field(default_factory=list)  # (sequence id, RequestStatus)
+    changed: dict[str, RequestState] = field(default_factory=dict)
 
 
 def _eos_ids(files, tokenizer) -> list[int]:
@@ -77,6 +92,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_ids(files, self.tokenizer)
         self.vocab_size = int(files.hf_config.vocab_size)
         self.max_model_len = sc.max_model_len
+        self.max_num_seqs = sc.max_num_seqs
 
         self.model = build_model(files, mc.torch_dtype, self.device)
         self.model.eval()
@@ -168,8 +184,7 @@ class LLMEngine:
         # cache with a private hash salt
         extra_key = self._rng.getrandbits(63) + 1 if params.prompt_logprobs is not None else 0
         self.scheduler.add_request(request_id, ids, arrival, priority, extra_key)  # ValueError on invalid
-        st = self.output_processor.add_request(request_id, text, ids, params, arrival)
-        st.first_step_seen = False  # type: ignore[attr-defined]
+        self.output_processor.add_request(request_id, text, ids, params, arrival)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
         self.num_prompt_tokens_total += len(ids)
@@ -201,116 +216,133 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        request_ids = list(out.request_ids)
-        if not request_ids:
+        """Schedule a batch, run the model on it, apply the sampled tokens; returns the RequestOutputs
+        that changed this step."""
+        sched_out = self.scheduler.schedule()
+        seq_ids = list(sched_out.request_ids)
+        if not seq_ids:
             return []
-        now = time.time()
-        op = self.output_processor
-        num_computed = np.asarray(out.num_computed_tokens)
-        num_sched = np.asarray(out.num_scheduled_tokens)
-        do_sample = np.asarray(out.do_sample).astype(bool)
+        prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
+        result = self.runner.execute(sched_out, prompt_logprob_rows)
+        self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
+        targets, rows, logit_rows = self._build_sampling_rows(seq_ids, np.flatnonzero(sched_out.do_sample))
+        token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
+        update = self._apply_sampled_tokens(targets, token_ids, logprob_lists)
+        self._report_to_scheduler(sched_out, seq_ids, update)
+        return self._collect_outputs(update.changed)
 
-        # rows of this step whose request wants prompt logprobs for positions still missing
-        pl_rows: list[int] = []
-        for r, sid in enumerate(request_ids):
-            st, seq = op.seq(sid)
+    def _begin_rows(self, seq_ids: list[str], num_computed: np.ndarray) -> list[int]:
+        """Stamp first-scheduled metrics; returns the rows whose request still misses prompt logprobs."""
+        now = time.time()
+        prompt_logprob_rows: list[int] = []
+        for r, sid in enumerate(seq_ids):
+            st, seq = self.output_processor.seq(sid)
             if st.metrics.first_scheduled_time is None:
                 st.metrics.first_scheduled_time = now
                 st.num_cached_tokens = int(num_computed[r])
             if st.prompt_logprobs is not None and len(st.prompt_logprobs) < len(st.prompt_token_ids) and seq.index == 0:
-                pl_rows.append(r)
+                prompt_logprob_rows.append(r)
+        return prompt_logprob_rows
 
-        result = self.runner.execute(out, pl_rows)
-
-        # prompt logprobs: position p predicts prompt token p + 1
-        for r in pl_rows:
-            st, _ = op.seq(request_ids[r])
+    def _record_prompt_logprobs(self, sched_out, seq_ids: list[str], rows: list[int],
+                                prompt_logits: dict[int, torch.Tensor]) -> None:
+        """Append the prompt logprobs of this step's chunks: position p predicts prompt token p + 1."""
+        if not rows:
+            return
+        num_computed, num_scheduled = sched_out.num_computed_tokens, sched_out.num_scheduled_tokens
+        for r in rows:
+            st, _ = self.output_processor.seq(seq_ids[r])
             start = int(num_computed[r])
-            n = int(num_sched[r])
-            P = len(st.prompt_token_ids)
             first = max(start, len(st.prompt_logprobs) - 1)  # skip positions already recorded
-            last = min(start + n, P - 1)  # exclusive
-            if last <= first:
+            end = min(start + int(num_scheduled[r]), len(st.prompt_token_ids) - 1)
+            if end <= first:
                 continue
-            rows = result.prompt_logits[r][first - start : last - start]
-            targets = torch.tensor(st.prompt_token_ids[first + 1 : last + 1], dtype=torch.int64)
-            lt = compute_prompt_logprobs(rows, targets, st.params.prompt_logprobs)
-            ids_l, lps_l, ranks_l = lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist()
-            for j in range(len(ids_l)):
-                st.prompt_logprobs.append(st.make_logprobs_dict(ids_l[j], lps_l[j], ranks_l[j], st.params.prompt_logprobs))
+            targets = torch.tensor(st.prompt_token_ids[first + 1 : end + 1], dtype=torch.int64)
+            k = st.params.prompt_logprobs
+            lt = compute_prompt_logprobs(prompt_logits[r][first - start : end - start], targets, k)
+            for ids, lps, ranks in zip(lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist()):
+                st.prompt_logprobs.append(st.make_logprobs_dict(ids, lps, ranks, k))
 
-        # sampling rows (a finished prefill of an n > 1 request expands into n rows)
-        sampling_row_ids = [r for r in range(len(request_ids)) if do_sample[r]]
+    def _generator(self, seq_id: str, params: SamplingParams, index: int) -> torch.Generator | None:
+        """The per-sequence generator of a seeded request (sequence i seeded seed + i)."""
+        gen = self._generators.get(seq_id)
+        if gen is None and params.seed is not None:
+            gen = self._generators[seq_id] = torch.Generator(device="cpu").manual_seed(params.seed + index)
+        return gen
+
+    def _build_sampling_rows(
+        self, seq_ids: list[str], sampling_rows: np.ndarray
+    ) -> tuple[list[_SampleTarget], list[SamplingRow], list[int] | None]:
+        """One SamplingRow per sampled token. A finished prefill of an n > 1 request expands into n rows
+        over the same logits; children are created only once their tokens are applied. Returns the
+        targets, the rows and, when something expanded, the logits row each sampling row reads."""
+        targets: list[_SampleTarget] = []
         rows: list[SamplingRow] = []
         logit_rows: list[int] = []
-        targets: list[tuple[RequestState, SequenceState | int]] = []  # int: child index to create
-        for k, r in enumerate(sampling_row_ids):
-            st, seq = op.seq(request_ids[r])
+        expanded = False
+        for k, r in enumerate(sampling_rows):
+            st, seq = self.output_processor.seq(seq_ids[r])
             expand = seq.index == 0 and st.params.n > 1 and len(st.seqs) == 1
-            idxs = range(st.params.n) if expand else [seq.index]
-            for i in idxs:
-                sid = seq.seq_id if i == 0 or not expand else f"{st.request_id}#{i}"
-                gen = self._generators.get(sid)
-                if gen is None and st.params.seed is not None:
-                    gen = torch.Generator(device="cpu").manual_seed(st.params.seed + i)
-                    self._generators[sid] = gen
-                out_ids = seq.output_token_ids if not expand or i == 0 else []
-                rows.append(SamplingRow(st.params, st.prompt_token_ids, out_ids, gen))
+            expanded |= expand
+            for i in range(st.params.n) if expand else [seq.index]:
+                is_new_child = expand and i > 0
+                sid = child_seq_id(st.request_id, i)
+                out_ids = [] if is_new_child else seq.output_token_ids
+                rows.append(SamplingRow(st.params, st.prompt_token_ids, out_ids, self._generator(sid, st.params, i)))
+                targets.append(_SampleTarget(st, i, is_new_child))
                 logit_rows.append(k)
-                targets.append((st, seq if (not expand or i == 0) else i))
+        return targets, rows, logit_rows if expanded else None
 
-        tokens_list: list[int] = []
-        lp_lists = None
-        if rows:
-            logits = result.logits[torch.tensor(logit_rows)] if len(logit_rows) != len(sampling_row_ids) else result.logits
-            md = build_sampling_metadata(rows, self.vocab_size, device=logits.device)
-            sout = self.sampler(logits, md)
-            tokens_list = sout.sampled_token_ids.tolist()
-            if sout.logprobs is not None:
-                lt = sout.logprobs
-                lp_lists = (lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist())
+    def _sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow], logit_rows: list[int] | None
+    ) -> tuple[list[int], tuple[list, list, list] | None]:
+        """Sampled token ids, and (token ids, logprobs, ranks) lists per row when logprobs were asked for."""
+        if not rows:
+            return [], None
+        if logit_rows is not None:
+            logits = logits[logit_rows]
+        sout = self.sampler(logits, build_sampling_metadata(rows, self.vocab_size, device=logits.device))
+        lt = sout.logprobs
+        logprob_lists = None if lt is None else (lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist())
+        return sout.sampled_token_ids.tolist(), logprob_lists
 
-        # feed tokens to the output states; collect scheduler update arrays
+    def _apply_sampled_tokens(self, targets: list[_SampleTarget], token_ids: list[int],
+                              logprob_lists: tuple[list, list, list] | None) -> _StepUpdate:
+        """Append each token to its sequence (forking the children of an expanded prefill first), with
+        stop checks and token-time metrics; collects what the scheduler and the outputs need."""
+        update = _StepUpdate()
         now = time.time()  # tokens exist from here on (TTFT / TPOT)
-        num_new = np.zeros(len(request_ids), dtype=np.int32)
-        row_token: dict[str, int] = {}
-        child_tokens: list[tuple[str, int]] = []
-        finished: list[tuple[str, Any]] = []
-        changed: dict[str, RequestState] = {}
-        forks: list[tuple[str, str]] = []
-        for j, (st, tgt) in enumerate(targets):
-            tok = int(tokens_list[j])
-            lp_row = (lp_lists[0][j], lp_lists[1][j], lp_lists[2][j]) if lp_lists is not None else None
-            if isinstance(tgt, int):  # new child
-                if len(st.seqs) == 1:
-                    op.add_children(st)
-                seq = st.seqs[tgt]
-                forks.append((st.request_id, seq.seq_id))
-                child_tokens.append((seq.seq_id, tok))
+        for j, (st, index, is_new_child) in enumerate(targets):
+            token = int(token_ids[j])
+            if is_new_child and len(st.seqs) == 1:
+                self.output_processor.add_children(st)
+            seq = st.seqs[index]
+            if is_new_child:
+                update.forks.append((st.request_id, seq.seq_id, token))
             else:
-                seq = tgt
-                row_token[seq.seq_id] = tok
+                update.token_by_seq[seq.seq_id] = token
             if st.metrics.first_token_time is None:
                 st.metrics.first_token_time = now
             st.metrics.last_token_time = now
-            if st.append_token(seq, tok, lp_row):
-                finished.append((seq.seq_id, _status("FINISHED_LENGTH" if seq.finish_reason == FINISH_LENGTH else "FINISHED_STOPPED")))
-            changed[st.request_id] = st
+            logprob_row = None if logprob_lists is None else tuple(lists[j] for lists in logprob_lists)
+            if st.append_token(seq, token, logprob_row):
+                update.finished.append((seq.seq_id, _finished_status(seq.finish_reason)))
+            update.changed[st.request_id] = st
             self.num_generation_tokens_total += 1
+        return update
 
-        new_ids: list[int] = []
-        for r, sid in enumerate(request_ids):
-            if sid in row_token:
-                num_new[r] = 1
-                new_ids.append(row_token[sid])
-        for parent, child in forks:
-            self.scheduler.fork(parent, child)
-        if child_tokens:
-            num_new = np.concatenate([num_new, np.ones(len(child_tokens), dtype=np.int32)])
-            new_ids.extend(t for _, t in child_tokens)
-        self.scheduler.update(out, num_new, np.asarray(new_ids, dtype=np.int64), finished)
+    def _report_to_scheduler(self, sched_out, seq_ids: list[str], update: _StepUpdate) -> None:
+        """Fork the new children, then hand the scheduler one new token per row that sampled; children's
+        first tokens follow the batch's rows, in fork order."""
+        for parent_id, child_id, _ in update.forks:
+            self.scheduler.fork(parent_id, child_id)
+        sampled = update.token_by_seq
+        num_new = [1 if sid in sampled else 0 for sid in seq_ids] + [1] * len(update.forks)
+        new_ids = [sampled[sid] for sid in seq_ids if sid in sampled] + [tok for _, _, tok in update.forks]
+        self.scheduler.update(sched_out, np.asarray(num_new, dtype=np.int32), np.asarray(new_ids, dtype=np.int64),
+                              update.finished)
 
+    def _collect_outputs(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
         outputs = []
         for st in changed.values():
             outputs.append(st.make_output())
@@ -321,9 +353,14 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
     @property
     def num_free_blocks(self) -> int:
-        bm = self.scheduler
-        for name in ("num_free_blocks", "get_num_free_blocks"):
-            v = getattr(bm, name, None)
-            if v is not None:
-                return int(v() if callable(v) else v)
-        raise AttributeError("scheduler exposes no num_free_blocks")
+        return self.scheduler.num_free_blocks
+
+    def get_stats(self) -> EngineStats:
+        """Load figures from the C++ scheduler and block manager (call between steps)."""
+        s = self.scheduler
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.usage,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_steps=s.num_steps, timestamp=time.time(),
+        )  # fmt: skip

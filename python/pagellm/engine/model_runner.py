@@ -13,38 +13,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagellm import ops
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
 from pagellm.logger import init_logger
+from pagellm.ops import reference
 
 logger = init_logger(__name__)
 
 
-def _copy_blocks_reference(kv_caches, mapping: torch.Tensor) -> None:
-    """Copy block src -> dst in every layer's key and value cache, pairs in order."""
-    pairs = mapping.tolist()
-    for k, v in kv_caches:
-        for src, dst in pairs:
-            k[dst].copy_(k[src])
-            v[dst].copy_(v[src])
-
-
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], mapping: torch.Tensor) -> None:
-    """pagellm.ops.copy_blocks when the compiled ops are available, else the reference above."""
-    try:
-        from pagellm import ops  # noqa: PLC0415
-
-        ok = ops.ops_available()[0] if hasattr(ops, "ops_available") else hasattr(ops, "copy_blocks")
-    except Exception:  # ops package not importable (extension missing)
-        ok = False
-    if not ok:
-        _copy_blocks_reference(kv_caches, mapping)
-        return
-    ops.copy_blocks([k for k, _ in kv_caches], [v for _, v in kv_caches], mapping)
-
-
-def _field(out, name: str, default=None):
-    val = getattr(out, name, default)
-    return val() if callable(val) else val
+def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: torch.Tensor) -> None:
+    """Copy block src -> dst in every layer's key and value cache; block_mapping: int64 [num_pairs, 2]."""
+    # a build without the compiled ops still runs the engine, on the pure-torch reference
+    copy = ops.copy_blocks if ops.ops_available()[0] else reference.copy_blocks
+    copy([k for k, _ in kv_caches], [v for _, v in kv_caches], block_mapping)
 
 
 @dataclass
@@ -62,58 +43,60 @@ class ModelRunner:
         self.kv_caches = kv_caches
         self.device = torch.device(device)
 
-    def _t(self, arr, dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(np.asarray(arr))).to(dtype)
+    def _to_device(self, arr: np.ndarray) -> torch.Tensor:
+        """A scheduler-output array (already the right dtype, C-contiguous) as a tensor on the model's device."""
+        t = torch.from_numpy(arr)
         return t.to(self.device, non_blocking=True) if self.device.type != "cpu" else t
 
-    def build_metadata(self, out) -> AttentionMetadata:
-        num_sched = np.asarray(out.num_scheduled_tokens)
-        seq_lens = np.asarray(out.seq_lens)
-        bt = np.asarray(out.block_tables)
-        num_reqs = len(num_sched)
-        if bt.ndim == 1:
-            width = int(_field(out, "max_blocks_in_batch", 0) or (bt.size // max(num_reqs, 1)))
-            bt = bt.reshape(num_reqs, width)
+    def build_metadata(self, sched_out) -> AttentionMetadata:
+        num_reqs = sched_out.num_reqs
         return AttentionMetadata(
             num_reqs=num_reqs,
-            num_tokens=int(num_sched.sum()),
-            num_decode_reqs=int(_field(out, "num_decode_reqs", 0)),
-            max_query_len=int(num_sched.max()) if num_reqs else 0,
-            max_seq_len=int(seq_lens.max()) if num_reqs else 0,
-            slot_mapping=self._t(out.slot_mapping, torch.int64),
-            block_tables=self._t(bt, torch.int32),
-            seq_lens=self._t(seq_lens, torch.int32),
-            query_start_loc=self._t(out.query_start_loc, torch.int32),
+            num_tokens=sched_out.total_num_scheduled_tokens,
+            num_decode_reqs=sched_out.num_decode_reqs,
+            max_query_len=int(sched_out.num_scheduled_tokens.max()) if num_reqs else 0,
+            max_seq_len=int(sched_out.seq_lens.max()) if num_reqs else 0,
+            slot_mapping=self._to_device(sched_out.slot_mapping),
+            block_tables=self._to_device(sched_out.block_tables),
+            seq_lens=self._to_device(sched_out.seq_lens),
+            query_start_loc=self._to_device(sched_out.query_start_loc),
         )
 
     @torch.inference_mode()
-    def execute(self, out, prompt_logprob_rows: list[int] | None = None) -> ModelRunnerOutput:
+    def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None) -> ModelRunnerOutput:
         from pagellm.models.context import ForwardContext  # noqa: PLC0415
 
-        cow = np.asarray(_field(out, "cow_copies", np.zeros((0, 2))))
-        if cow.size:
-            copy_blocks(self.kv_caches, self._t(cow.reshape(-1, 2), torch.int64))
+        cow_copies = sched_out.cow_copies
+        if len(cow_copies):
+            copy_blocks(self.kv_caches, self._to_device(cow_copies))
 
-        md = self.build_metadata(out)
-        self.attn_backend.plan(md)
-        input_ids = self._t(out.input_ids, torch.int64)
-        positions = self._t(out.positions, torch.int64)
-        hidden = self.model(input_ids, positions, ForwardContext(attn_backend=self.attn_backend, kv_caches=self.kv_caches))
+        self.attn_backend.plan(self.build_metadata(sched_out))
+        hidden = self.model(
+            self._to_device(sched_out.input_ids), self._to_device(sched_out.positions),
+            ForwardContext(attn_backend=self.attn_backend, kv_caches=self.kv_caches),
+        )
 
-        logits_idx = np.asarray(out.logits_indices, dtype=np.int64)
-        idx_parts = [logits_idx]
-        spans: list[tuple[int, int, int]] = []  # (row, start in gathered, length)
-        if prompt_logprob_rows:
-            qsl = np.asarray(out.query_start_loc)
-            pos = len(logits_idx)
-            for r in prompt_logprob_rows:
-                s, e = int(qsl[r]), int(qsl[r + 1])
-                idx_parts.append(np.arange(s, e, dtype=np.int64))
-                spans.append((r, pos, e - s))
-                pos += e - s
-        gather = np.concatenate(idx_parts) if len(idx_parts) > 1 else logits_idx
+        logits_indices = sched_out.logits_indices
+        gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0), dtype=torch.float32), prompt_logits={})
-        logits = self.model.compute_logits(hidden[self._t(gather, torch.int64)]).float()
+        logits = self.model.compute_logits(hidden[self._to_device(gather)]).float()
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
-        return ModelRunnerOutput(logits=logits[: len(logits_idx)], prompt_logits=prompt_logits)
+        return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits)
+
+
+def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,
+                      prompt_logprob_rows: list[int]) -> tuple[np.ndarray, list[tuple[int, int, int]]]:
+    """Token positions to compute logits for: the sampling rows first, then every position of each
+    prompt-logprob row's chunk. Returns them (int64) and, per such row, (row, start in gathered, length)."""
+    if not prompt_logprob_rows:
+        return logits_indices, []
+    parts = [logits_indices]
+    spans: list[tuple[int, int, int]] = []
+    pos = len(logits_indices)
+    for r in prompt_logprob_rows:
+        start, end = int(query_start_loc[r]), int(query_start_loc[r + 1])
+        parts.append(np.arange(start, end, dtype=np.int64))
+        spans.append((r, pos, end - start))
+        pos += end - start
+    return np.concatenate(parts), spans

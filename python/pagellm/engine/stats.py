@@ -1,0 +1,24 @@
+"""A snapshot of the engine's load: what serving dashboards and /metrics report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineStats:
+    """A snapshot taken by the engine thread after each step (read without touching the engine)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0          # fraction of KV blocks in use, 0..1
+    num_free_blocks: int | None = None
+    num_total_blocks: int | None = None
+    prefix_cache_queries: int = 0        # cumulative tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0           # cumulative tokens found
+    num_steps: int = 0
+    timestamp: float = 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
