@@ -17,16 +17,16 @@ namespace pagellm {
 namespace {
 
 // Read-only-ownership numpy view of a vector owned by `owner` (the Python SchedulerOutput).
-template <typename T>
-py::array view(py::handle owner, const std::vector<T>& v, std::vector<py::ssize_t> shape,
+template <typename T, typename Alloc>
+py::array view(py::handle owner, const std::vector<T, Alloc>& v, std::vector<py::ssize_t> shape,
                const py::dtype& dt = py::dtype::of<T>()) {
   if (v.empty()) return py::array(dt, shape);
   return py::array(dt, shape, v.data(), owner);
 }
 
 // Defines a read-only numpy-view property over a vector member of SchedulerOutput.
-template <typename T, typename ShapeFn>
-void def_view(py::class_<SchedulerOutput>& cls, const char* name, std::vector<T> SchedulerOutput::*member,
+template <typename T, typename Alloc, typename ShapeFn>
+void def_view(py::class_<SchedulerOutput>& cls, const char* name, std::vector<T, Alloc> SchedulerOutput::*member,
               ShapeFn shape, const char* dtype = nullptr) {
   cls.def_property_readonly(name, [member, shape, dtype](py::object self) {
     const SchedulerOutput& o = self.cast<const SchedulerOutput&>();

@@ -2,10 +2,34 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <utility>
 #include <string>
 #include <vector>
 
 namespace pagellm {
+
+// An allocator whose resize() leaves new elements uninitialized (default-init), for large buffers
+// that are fully overwritten right away: zero-filling the padded block table dominated schedule().
+template <typename T>
+struct DefaultInitAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = DefaultInitAllocator<U>;
+  };
+  using std::allocator<T>::allocator;
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    if constexpr (sizeof...(Args) == 0) {
+      ::new (static_cast<void*>(p)) U;  // default-init: no zeroing
+    } else {
+      ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+    }
+  }
+};
+
+template <typename T>
+using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
 
 // One scheduling step. Rows (requests) are ordered decodes first (query length exactly 1), then
 // prefill chunks. Flat token arrays have total_num_scheduled_tokens entries.
@@ -19,7 +43,7 @@ struct SchedulerOutput {
   std::vector<int64_t> input_ids;               // [T] token ids to compute
   std::vector<int64_t> positions;               // [T]
   std::vector<int64_t> slot_mapping;            // [T] block_id * block_size + offset
-  std::vector<int32_t> block_tables;            // [R, max_blocks_in_batch] row-major, 0-padded
+  UninitVector<int32_t> block_tables;           // [R, max_blocks_in_batch] row-major, 0-padded
   int32_t max_blocks_in_batch = 0;
   std::vector<uint8_t> do_sample;               // [R] last prefill chunk or decode
   std::vector<int64_t> logits_indices;          // [num_sampling] flat token index of each sampling row

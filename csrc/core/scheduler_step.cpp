@@ -165,11 +165,13 @@ void Scheduler::fill_token_arrays(SchedulerOutput& o, const std::vector<Row>& ro
   out->positions.resize(static_cast<size_t>(total));
   out->slot_mapping.resize(static_cast<size_t>(total));
   out->max_blocks_in_batch = max_blocks;
-  out->block_tables.assign(R * static_cast<size_t>(max_blocks), 0);
+  out->block_tables.resize(R * static_cast<size_t>(max_blocks));  // uninitialized: every entry is written below
   for (size_t i = 0; i < R; ++i) {
     fill_row_tokens(*out, rows[i], out->query_start_loc[i]);
     const std::vector<int32_t>& table = bm_.block_table(rows[i].req->seq_handle());
-    std::memcpy(out->block_tables.data() + i * static_cast<size_t>(max_blocks), table.data(), table.size() * sizeof(int32_t));
+    int32_t* dst = out->block_tables.data() + i * static_cast<size_t>(max_blocks);
+    std::memcpy(dst, table.data(), table.size() * sizeof(int32_t));
+    std::fill(dst + table.size(), dst + max_blocks, 0);
   }
   for (const auto& c : bm_.take_cow_copies()) {
     out->cow_copies.push_back(c.first);
