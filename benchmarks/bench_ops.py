@@ -182,6 +182,34 @@ def bench_simple(tab, quick, big):
     tab.add("copy_blocks", f"{pairs} blocks x 1 layer, 8kv bs=16 D=128 bf16", t_op, t_ref, 2 * 2 * pairs * kc[0].nbytes, 0, cached=True)
 
 
+def bench_linear_small_m(tab, quick):
+    """Decode-shaped bf16 linears: op vs F.linear (bf16, the 'ref' column). Weights are rotated over
+    copies totalling >= 256 MiB so each call streams its weight from DRAM (as a decode step does)."""
+    shapes = [(1, 576, 1536), (1, 576, 49152), (8, 896, 4864), (1, 896, 151936)]
+    if quick:
+        shapes = shapes[:2]
+    for m, k, n in shapes:
+        w0 = torch.randn(n, k, dtype=BF16)
+        copies = max(1, math.ceil((64 if quick else 256) * MiB / w0.nbytes))
+        ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+        x = torch.randn(m, k, dtype=BF16)
+        out = torch.empty(m, n, dtype=BF16)
+        it = iter(range(1 << 30))
+
+        def run_op():
+            ops.linear_small_m(out, x, ws[next(it) % copies])
+
+        def run_ref():
+            torch.nn.functional.linear(x, ws[next(it) % copies])
+
+        iters = 5 if quick else max(10, min(200, int(2e9 / w0.nbytes)))
+        t_op, t_ref = timeit(run_op, iters, warmup=2), timeit(run_ref, iters, warmup=2)
+        nbytes = w0.nbytes + x.nbytes + out.nbytes
+        tab.add("linear_small_m", f"[{m},{k}]x[{n},{k}]^T bf16 (ref: F.linear bf16), {copies} weight copies", t_op,
+                t_ref, nbytes, 2 * m * n * k)
+        del ws
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, few iterations, no results file")
@@ -214,6 +242,7 @@ def main() -> None:
         bench_decode(tab, 1, 4096, False)
     bench_prefill(tab, prompt, args.quick, mm)
     bench_simple(tab, args.quick, 256 if args.quick else 8192)
+    bench_linear_small_m(tab, args.quick)
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(head + tab.rows) + "\n")

@@ -30,4 +30,8 @@ TORCH_LIBRARY(pagellm, m) {
   // ---- activation ----
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("gelu_and_mul(Tensor(a!) out, Tensor input, str approximate=\"none\") -> ()");
+
+  // ---- linear ----
+  // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); weight-streaming kernel for small M (decode).
+  m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 }

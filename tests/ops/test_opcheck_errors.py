@@ -36,6 +36,7 @@ def _cases():
     yield "rotary_embedding", (torch.tensor([1, 7, 3]), torch.randn(3, 128), torch.randn(3, 64), 64, cache, True)
     yield "silu_and_mul", (torch.empty(5, 64), x)
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
+    yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])

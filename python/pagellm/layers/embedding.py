@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagellm.layers.linear import default_weight_loader
+from pagellm.layers.linear import default_weight_loader, linear
 
 
 class VocabEmbedding(nn.Module):
@@ -43,7 +43,7 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # In the model dtype like HF (lm_head is a Linear), then float32 for sampling.
-        return F.linear(hidden, self.weight).float()
+        return linear(hidden, self.weight).float()
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tied={self.tied}"

@@ -11,6 +11,41 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    import pagellm.ops as _compiled
+
+    _SMALL_M_OK = _compiled.ops_available()[0]
+except Exception:  # pragma: no cover - depends on the build
+    _SMALL_M_OK = False
+
+# Largest flattened row count routed to torch.ops.pagellm.linear_small_m. The kernel streams the bf16
+# weight once (AVX512-BF16, ~2-3x F.linear at M = 1-2 on a decode step) but is compute-bound beyond a
+# few rows, where torch's bf16 GEMM (oneDNN/AMX) wins: measured crossover between M = 4 and M = 8.
+SMALL_M_MAX = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except bf16 CPU inputs with few rows go through the weight-streaming small-M kernel.
+
+    fp32 (and every other case) is exactly F.linear, so fp32 results stay bit-identical to HF.
+    """
+    if (
+        _SMALL_M_OK
+        and x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and x.dim() >= 1
+        and (bias is None or bias.dtype == torch.bfloat16)
+    ):
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
+        if 0 < m <= SMALL_M_MAX and weight.device.type == "cpu" and no_grad:
+            out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype)
+            torch.ops.pagellm.linear_small_m(out.view(m, weight.shape[0]), x.reshape(m, k), weight, bias)
+            return out
+    return F.linear(x, weight, bias)
+
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor's shape does not match the parameter (or shard) it loads into."""
@@ -50,7 +85,7 @@ class Linear(nn.Module):
         default_weight_loader(param, loaded_weight, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -32,6 +32,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "linear_small_m",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -204,3 +205,22 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     torch.ops.pagellm.gelu_and_mul(out, input, approximate)
+
+
+def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; weight-streaming kernel for small M."""
+    _float(x, "x")
+    for t, n in ((out, "out"), (weight, "weight")):
+        _tensor(t, n)
+        _same(t, x, n, "x")
+    if bias is not None:
+        _tensor(bias, "bias")
+        _same(bias, x, "bias", "x")
+    _ndim(x, 2, "x")
+    _ndim(weight, 2, "weight")
+    _ndim(out, 2, "out")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be [N, {x.shape[1]}] (K of x)")
+    if tuple(out.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
+    torch.ops.pagellm.linear_small_m(out, x, weight, bias)

@@ -18,6 +18,7 @@ _OPS = (
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "linear_small_m",
 )
 
 

@@ -21,6 +21,7 @@ __all__ = [
     "rotary_embedding",
     "silu_and_mul",
     "gelu_and_mul",
+    "linear_small_m",
 ]
 
 
@@ -183,3 +184,10 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
     d = input.shape[-1] // 2
     x = input.float()
     out.copy_(F.gelu(x[..., :d], approximate=approximate) * x[..., d:])
+
+
+# ---------------------------------------------------------------- linear
+
+
+def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    out.copy_(F.linear(x.float(), weight.float(), None if bias is None else bias.float()))

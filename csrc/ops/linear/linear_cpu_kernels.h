@@ -1,0 +1,183 @@
+// Small-M linear: out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), fp32 accumulation, one rounding.
+//
+// Decode GEMV/GEMM-with-few-rows is bound by streaming the weight once from DRAM. The kernel walks
+// N in tiles of NR consecutive weight rows (a contiguous NR*K block when w is contiguous) split across
+// threads in chunks of whole tiles; inside a tile, x (tiny, L1-resident) is swept in blocks of MR rows
+// so the NR weight rows are pulled from DRAM once and re-read from L1 for the other M blocks. Each
+// (m, n) keeps a 16-lane fp32 accumulator over K that is reduced horizontally at the end.
+// bf16 x/w use AVX512-BF16 `vdpbf16ps` on pairs (32 elements per instruction); other dtypes convert to
+// fp32 (cpu_vec.h) and use FMA. K tails use masked loads (both operands zeroed, so no garbage NaNs).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include "ops/common/cpu_vec.h"
+
+namespace pagellm::cpu {
+
+struct LinearArgs {
+  int64_t M, N, K;
+  int64_t ldx, ldw, ldo;  // row strides (elements); last dims contiguous
+};
+
+// Software-prefetch distance, in weight rows ahead of the current one (~ a few KiB ahead).
+constexpr int64_t kLinearPrefetchRows = 8;
+
+template <typename T>
+inline void linear_store(T* p, float v) {
+  *p = static_cast<T>(v);
+}
+
+// ---------------------------------------------------------------- generic (fp32 FMA) tile
+template <int MR, int NR, typename T>
+inline void linear_tile_fma(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a, int64_t m0,
+                            int64_t n0) {
+  VecF acc[MR][NR];
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
+  const T* xr[MR];
+  const T* wr[NR];
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i) xr[i] = x + (m0 + i) * a.ldx;
+  _Pragma("GCC unroll 16")
+  for (int j = 0; j < NR; ++j) wr[j] = w + (n0 + j) * a.ldw;
+  int64_t k = 0;
+  for (; k + kLanes <= a.K; k += kLanes) {
+    VecF wv[NR];
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) wv[j] = vload(wr[j] + k);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i) {
+      VecF xv = vload(xr[i] + k);
+      _Pragma("GCC unroll 16")
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  if (k < a.K) {
+    const int n = static_cast<int>(a.K - k);
+    VecF wv[NR];
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) wv[j] = vload(wr[j] + k, n);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i) {
+      VecF xv = vload(xr[i] + k, n);
+      _Pragma("GCC unroll 16")
+      for (int j = 0; j < NR; ++j) acc[i][j] = vfma(xv, wv[j], acc[i][j]);
+    }
+  }
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) {
+      float s = vsum(acc[i][j]);
+      if (bias) s += static_cast<float>(bias[n0 + j]);
+      linear_store(out + (m0 + i) * a.ldo + n0 + j, s);
+    }
+}
+
+#if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
+#define PAGELLM_LINEAR_DPBF16 1
+// ---------------------------------------------------------------- bf16 tile (vdpbf16ps)
+template <int MR, int NR>
+inline void linear_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
+                             const c10::BFloat16* bias, const LinearArgs& a, int64_t m0, int64_t n0) {
+  __m512 acc[MR][NR];
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  const c10::BFloat16* xr[MR];
+  const c10::BFloat16* wr[NR];
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i) xr[i] = x + (m0 + i) * a.ldx;
+  _Pragma("GCC unroll 16")
+  for (int j = 0; j < NR; ++j) wr[j] = w + (n0 + j) * a.ldw;
+  const int64_t pf = kLinearPrefetchRows * a.ldw;
+  const bool first_mblock = (m0 == 0);
+  int64_t k = 0;
+  for (; k + 32 <= a.K; k += 32) {
+    __m512bh wv[NR];
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) {
+      if (first_mblock) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + pf), _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+    }
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i) {
+      __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + k);
+      _Pragma("GCC unroll 16")
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+    }
+  }
+  if (k < a.K) {
+    const __mmask32 msk = static_cast<__mmask32>((1ull << (a.K - k)) - 1ull);
+    __m512bh wv[NR];
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(msk, wr[j] + k);
+    _Pragma("GCC unroll 16")
+    for (int i = 0; i < MR; ++i) {
+      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(msk, xr[i] + k);
+      _Pragma("GCC unroll 16")
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+    }
+  }
+  _Pragma("GCC unroll 16")
+  for (int i = 0; i < MR; ++i)
+    _Pragma("GCC unroll 16")
+    for (int j = 0; j < NR; ++j) {
+      float s = _mm512_reduce_add_ps(acc[i][j]);
+      if (bias) s += static_cast<float>(bias[n0 + j]);
+      out[(m0 + i) * a.ldo + n0 + j] = c10::BFloat16(s);  // round-to-nearest-even
+    }
+}
+#endif
+
+template <int MR, int NR, typename T>
+inline void linear_tile(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a, int64_t m0, int64_t n0) {
+#ifdef PAGELLM_LINEAR_DPBF16
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    linear_tile_bf16<MR, NR>(out, x, w, bias, a, m0, n0);
+    return;
+  } else
+#endif
+  {
+    linear_tile_fma<MR, NR>(out, x, w, bias, a, m0, n0);
+  }
+}
+
+// All M rows against weight rows [n0, n0 + NR).
+template <int NR, typename T>
+inline void linear_ntile(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a, int64_t n0) {
+  constexpr int MR = NR >= 8 ? 2 : 4;  // MR * NR <= 16 accumulators
+  int64_t m = 0;
+  for (; m + MR <= a.M; m += MR) linear_tile<MR, NR>(out, x, w, bias, a, m, n0);
+  switch (a.M - m) {
+    case 3: linear_tile<3, NR>(out, x, w, bias, a, m, n0); break;
+    case 2: linear_tile<2, NR>(out, x, w, bias, a, m, n0); break;
+    case 1: linear_tile<1, NR>(out, x, w, bias, a, m, n0); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void linear_small_m_kernel(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
+  constexpr int64_t NR = 4;
+  const int64_t tiles = (a.N + NR - 1) / NR;
+  // ~>= 256 KiB of weight per task, so small matrices run inline and big ones split across threads.
+  const int64_t tile_bytes = NR * a.K * static_cast<int64_t>(sizeof(T));
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(tile_bytes, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * NR;
+      if (n0 + NR <= a.N) {
+        linear_ntile<NR>(out, x, w, bias, a, n0);
+      } else {
+        for (int64_t n = n0; n < a.N; ++n) linear_ntile<1>(out, x, w, bias, a, n);
+      }
+    }
+  });
+}
+
+}  // namespace pagellm::cpu

@@ -1,0 +1,120 @@
+"""linear_small_m (out = x @ weight^T + bias, weight-streaming kernel for small M) against the reference,
+plus opcheck and bad-argument errors; and the layer routing (bf16 small-M -> op, fp32 -> exactly F.linear)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagellm import ops
+from pagellm.ops import reference as ref
+from ops.op_helpers import assert_close, poison, requires_ops
+
+pytestmark = requires_ops
+OP = torch.ops.pagellm
+
+
+def _rand(*shape, dtype, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _check(M, K, N, dtype, with_bias, x_strided=False):
+    if x_strided:  # rows with a stride > K
+        x = _rand(M, K + 24, dtype=dtype)[:, 8 : 8 + K]
+    else:
+        x = _rand(M, K, dtype=dtype)
+    w = _rand(N, K, dtype=dtype, seed=1)
+    b = _rand(N, dtype=dtype, seed=2) if with_bias else None
+    out = poison(torch.empty(M, N, dtype=dtype))
+    expected = torch.empty(M, N, dtype=dtype)
+    ops.linear_small_m(out, x, w, b)
+    ref.linear_small_m(expected, x, w, b)
+    # sums of K products: scale the tolerance with sqrt(K) (bf16 rounding of the fp32 sum, reduction order)
+    assert_close(out, expected, scale=max(1.0, (K / 64) ** 0.5))
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16, 33])
+@pytest.mark.parametrize("K", [64, 576, 896, 1000])
+@pytest.mark.parametrize("N", [1, 17, 1536])
+def test_linear_small_m_bf16(M, K, N):
+    _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 0)
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 576, 4099), (5, 1000, 4099), (2, 31, 9), (1, 7, 3)])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_linear_small_m_dtypes_bias(M, K, N, with_bias, dtype):
+    _check(M, K, N, dtype, with_bias, x_strided=True)
+
+
+def test_linear_small_m_strided_out_and_empty():
+    x, w = _rand(3, 96, dtype=torch.bfloat16), _rand(40, 96, dtype=torch.bfloat16, seed=1)
+    buf = poison(torch.empty(3, 64, dtype=torch.bfloat16))
+    out = buf[:, 8:48]
+    ops.linear_small_m(out, x, w)
+    expected = torch.empty(3, 40, dtype=torch.bfloat16)
+    ref.linear_small_m(expected, x, w)
+    assert_close(out, expected, scale=2.0)
+    assert buf[:, :8].isnan().all() and buf[:, 48:].isnan().all()  # nothing written outside the view
+    ops.linear_small_m(torch.empty(0, 40, dtype=torch.bfloat16), x[:0], w)  # M = 0 is a no-op
+
+
+def test_linear_small_m_opcheck():
+    x, w, b = _rand(3, 100, dtype=torch.bfloat16), _rand(20, 100, dtype=torch.bfloat16, seed=1), _rand(20, dtype=torch.bfloat16)
+    torch.library.opcheck(OP.linear_small_m.default, (torch.empty(3, 20, dtype=torch.bfloat16), x, w, b))
+    torch.library.opcheck(OP.linear_small_m.default, (torch.empty(3, 20, dtype=torch.bfloat16), x, w, None))
+
+
+def test_linear_small_m_errors():
+    x, w = torch.randn(2, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    out = torch.empty(2, 8, dtype=torch.bfloat16)
+    # Python wrapper
+    with pytest.raises(TypeError, match="weight"):
+        ops.linear_small_m(out, x, w.float())
+    with pytest.raises(TypeError, match="x"):
+        ops.linear_small_m(out, x.long(), w)
+    with pytest.raises(ValueError, match="weight shape"):
+        ops.linear_small_m(out, x, torch.randn(8, 63, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out shape"):
+        ops.linear_small_m(torch.empty(2, 9, dtype=torch.bfloat16), x, w)
+    # C++ checks (RuntimeError naming the argument)
+    with pytest.raises(RuntimeError, match="weight must have the same dtype as x"):
+        OP.linear_small_m(out, x, w.float(), None)
+    with pytest.raises(RuntimeError, match="out must have the same dtype as x"):
+        OP.linear_small_m(out.float(), x, w, None)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        OP.linear_small_m(out, x.int(), w.int(), None)
+    with pytest.raises(RuntimeError, match="weight must have shape"):
+        OP.linear_small_m(out, x, torch.randn(8, 32, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="out must have shape"):
+        OP.linear_small_m(torch.empty(3, 8, dtype=torch.bfloat16), x, w, None)
+    with pytest.raises(RuntimeError, match="bias must have shape"):
+        OP.linear_small_m(out, x, w, torch.randn(9, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must have 2 dimensions"):
+        OP.linear_small_m(out, x[None], w, None)
+
+
+def test_layer_routing():
+    from pagellm.layers.embedding import LMHead
+    from pagellm.layers.linear import SMALL_M_MAX, Linear
+
+    lin = Linear(96, 40, bias=True, dtype=torch.float32)
+    with torch.no_grad():
+        lin.weight.copy_(_rand(40, 96, dtype=torch.float32))
+        lin.bias.copy_(_rand(40, dtype=torch.float32, seed=3))
+    x = _rand(1, 1, 96, dtype=torch.float32)
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # fp32: exactly F.linear
+    lin = lin.to(torch.bfloat16)
+    for m in (1, SMALL_M_MAX, SMALL_M_MAX + 3):
+        xb = _rand(m, 96, dtype=torch.bfloat16)
+        y = lin(xb)
+        assert y.shape == (m, 40) and y.dtype == torch.bfloat16
+        assert_close(y, F.linear(xb.float(), lin.weight.float(), lin.bias.float()), dtype=torch.bfloat16, scale=2.0)
+    head = LMHead(50, 96, dtype=torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(_rand(50, 96, dtype=torch.bfloat16))
+    h = _rand(2, 96, dtype=torch.bfloat16)
+    logits = head(h)
+    assert logits.dtype == torch.float32 and logits.shape == (2, 50)
+    assert_close(logits, F.linear(h.float(), head.weight.float()), dtype=torch.bfloat16, scale=2.0)
