@@ -39,6 +39,21 @@ inline VecF vfma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v
 inline VecF vabs(VecF a) { return {_mm512_abs_ps(a.v)}; }
 inline float vsum(VecF a) { return _mm512_reduce_add_ps(a.v); }
 inline float vmaxall(VecF a) { return _mm512_reduce_max_ps(a.v); }
+// Lane i of the result = sum of the lanes of v[i], for 16 vectors: a transpose-style add tree
+// (45 shuffle/add ops) instead of 16 horizontal reductions.
+inline VecF vsum16(const VecF* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i].v, v[2 * i + 1].v), _mm512_unpackhi_ps(v[2 * i].v, v[2 * i + 1].v));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // u[i]: 128-bit lane L holds the lane-L partial sums of v[4i..4i+3].
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return {_mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, 0x88), _mm512_shuffle_f32x4(w01, w23, 0xDD))};
+}
 // Lanes (2i, 2i+1) swapped: GPT-J rotary pairs.
 inline VecF vswap_pairs(VecF a) { return {_mm512_permute_ps(a.v, 0xB1)}; }
 // Copy the sign of `s` onto |a|.
@@ -138,6 +153,7 @@ inline float vsum(VecF a) {
   return s;
 }
 inline float vmaxall(VecF a) { return *std::max_element(a.v, a.v + kLanes); }
+inline VecF vsum16(const VecF* v) { PAGELLM_VEC_MAP(vsum(v[i])); }
 template <typename T>
 inline VecF vload(const T* p, int n = kLanes) { PAGELLM_VEC_MAP(i < n ? static_cast<float>(p[i]) : 0.f); }
 template <typename T>

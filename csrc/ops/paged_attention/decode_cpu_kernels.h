@@ -17,12 +17,30 @@ namespace pagellm::cpu {
 
 constexpr int64_t kDecodeTile = 32;
 
+// sc[g * kDecodeTile + j] = scale * (sum of the lanes of raw[(g * kDecodeTile + j) * kLanes ...]), j < n.
+inline void decode_reduce_scores(const float* raw, int64_t G, int64_t n, float scale, float* sc) {
+  const VecF sv = vset1(scale);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t j = 0; j < n; j += kLanes) {
+      VecF v[kLanes];
+      for (int i = 0; i < kLanes; ++i) v[i] = vload(raw + (g * kDecodeTile + j + i) * kLanes);
+      vstore(sc + g * kDecodeTile + j, vmul(vsum16(v), sv), static_cast<int>(std::min<int64_t>(kLanes, n - j)));
+    }
+  }
+}
+
 // sc[g * kDecodeTile + j] = q_g . k_j for heads g0..g0+GN (q pre-scaled, fp32). Two keys per pass
 // give 2*GN independent FMA chains (latency hiding); each key row is converted once for all heads.
 template <int GN, typename T>
-inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_t D, int64_t g0, float* sc) {
+inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_t D, int64_t g0, float* sc,
+                          const void* const* pf) {
+  const int64_t rb = D * static_cast<int64_t>(sizeof(T));
   int64_t j = 0;
   for (; j + 2 <= n; j += 2) {
+    prefetch_bytes(pf[2 * j], rb);
+    prefetch_bytes(pf[2 * j + 1], rb);
+    prefetch_bytes(pf[2 * j + 2], rb);
+    prefetch_bytes(pf[2 * j + 3], rb);
     VecF a0[GN], a1[GN];
     for (int g = 0; g < GN; ++g) a0[g] = a1[g] = vzero();
     for (int64_t d = 0; d < D; d += kLanes) {
@@ -39,6 +57,8 @@ inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_
     }
   }
   for (; j < n; ++j) {
+    prefetch_bytes(pf[2 * j], rb);
+    prefetch_bytes(pf[2 * j + 1], rb);
     VecF acc[GN];
     for (int g = 0; g < GN; ++g) acc[g] = vzero();
     for (int64_t d = 0; d < D; d += kLanes) {
@@ -52,14 +72,19 @@ inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_
 #if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
 #define PAGELLM_DECODE_BF16_DOT 1
 // bf16 x bf16 -> fp32 pair dot products (vdpbf16ps, 32 elements per instruction): no conversions.
-// q is the raw (unscaled) bf16 query; sc = scale * q . k. Two keys per pass for ILP.
+// q is the raw (unscaled) bf16 query; raw[(g * kDecodeTile + j) * kLanes ...] = the 16 partial sums of q_g . k_j.
 inline __m512i load_bf16x32(const c10::BFloat16* p, int64_t left) {
   return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
 }
 template <int GN>
 inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
-                               int64_t g0, float scale, float* sc) {
+                               int64_t g0, float* raw, const void* const* pf) {
+  const int64_t rb = D * 2;
   for (int64_t j = 0; j < n; j += 2) {
+    prefetch_bytes(pf[2 * j], rb);
+    prefetch_bytes(pf[2 * j + 1], rb);
+    prefetch_bytes(pf[2 * j + 2], rb);
+    prefetch_bytes(pf[2 * j + 3], rb);
     const c10::BFloat16* k1p = kp[j + 1 < n ? j + 1 : j];
     __m512 a0[GN], a1[GN];
     for (int g = 0; g < GN; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
@@ -71,9 +96,9 @@ inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* con
         a1[g] = _mm512_dpbf16_ps(a1[g], k1, q);
       }
     }
-    for (int g = 0; g < GN; ++g) {
-      sc[(g0 + g) * kDecodeTile + j] = scale * _mm512_reduce_add_ps(a0[g]);
-      if (j + 1 < n) sc[(g0 + g) * kDecodeTile + j + 1] = scale * _mm512_reduce_add_ps(a1[g]);
+    for (int g = 0; g < GN; ++g) {  // raw accumulators; decode_reduce_scores sums 16 keys at a time
+      _mm512_storeu_ps(raw + ((g0 + g) * kDecodeTile + j) * kLanes, a0[g]);
+      _mm512_storeu_ps(raw + ((g0 + g) * kDecodeTile + j + 1) * kLanes, a1[g]);
     }
   }
 }
@@ -127,16 +152,17 @@ inline void for_head_chunks(int64_t G, Args&&... args) {
 template <int GN>
 struct ScoresK {
   template <typename T>
-  static void run(int64_t g0, const float* qf, const T* const* kp, int64_t n, int64_t D, float* sc) {
-    decode_scores<GN>(qf, kp, n, D, g0, sc);
+  static void run(int64_t g0, const float* qf, const T* const* kp, int64_t n, int64_t D, float* sc,
+                  const void* const* pf) {
+    decode_scores<GN>(qf, kp, n, D, g0, sc, pf);
   }
 };
 #ifdef PAGELLM_DECODE_BF16_DOT
 template <int GN>
 struct ScoresBf16K {
   static void run(int64_t g0, const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
-                  float scale, float* sc) {
-    decode_scores_bf16<GN>(qb, kp, n, D, g0, scale, sc);
+                  float* raw, const void* const* pf) {
+    decode_scores_bf16<GN>(qb, kp, n, D, g0, raw, pf);
   }
 };
 #endif
@@ -150,8 +176,11 @@ struct AccumK {
 
 // Online softmax on one head's tile scores (in place -> probabilities); returns the rescale factor.
 inline float softmax_update(float* s, int64_t n, float& m, float& l) {
-  float mt = kNegInf;
-  for (int64_t j = 0; j < n; ++j) mt = std::max(mt, s[j]);
+  VecF mx = vset1(kNegInf);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) mx = vmax(mx, vload(s + i));
+  float mt = vmaxall(mx);
+  for (; i < n; ++i) mt = std::max(mt, s[i]);
   const float m_new = std::max(m, mt);
   const float corr = std::exp(m - m_new);  // m = -inf on the first tile -> 0
   const VecF mv = vset1(m_new);
@@ -167,10 +196,15 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
 }
 
 struct DecodeScratch {
-  std::vector<float> qf, sc;
+  std::vector<float> qf, sc, raw;
   std::vector<c10::BFloat16> qb;
   std::vector<const void*> kp, vp;
-  DecodeScratch(int64_t G, int64_t D) : qf(G * D), sc(G * kDecodeTile), qb(G * D), kp(kDecodeTile), vp(kDecodeTile) {}
+  // Rows of the NEXT tile, interleaved (k0, v0, k1, v1, ...; 2 spare entries for an odd pair), prefetched
+  // a key pair at a time from inside the score loop so the prefetches overlap compute.
+  std::vector<const void*> pf;
+  DecodeScratch(int64_t G, int64_t D)
+      : qf(G * D), sc(G * kDecodeTile), raw(G * kDecodeTile * kLanes), qb(G * D), kp(kDecodeTile), vp(kDecodeTile),
+        pf(2 * kDecodeTile + 2) {}
 };
 
 template <typename T>
@@ -187,11 +221,13 @@ inline void decode_tile_scores(const PagedAttnArgs<T>& a, DecodeScratch& w, cons
 #ifdef PAGELLM_DECODE_BF16_DOT
   if constexpr (use_bf16_dot<T>()) {
     for_head_chunks<ScoresBf16K>(a.group(), static_cast<const c10::BFloat16*>(w.qb.data()), kp, n, a.head_dim,
-                                 a.scale, w.sc.data());
+                                 w.raw.data(), static_cast<const void* const*>(w.pf.data()));
+    decode_reduce_scores(w.raw.data(), a.group(), n, a.scale, w.sc.data());
     return;
   }
 #endif
-  for_head_chunks<ScoresK>(a.group(), static_cast<const float*>(w.qf.data()), kp, n, a.head_dim, w.sc.data());
+  for_head_chunks<ScoresK>(a.group(), static_cast<const float*>(w.qf.data()), kp, n, a.head_dim, w.sc.data(),
+                           static_cast<const void* const*>(w.pf.data()));
 }
 
 // Attends keys [kbeg, kend) of sequence s for kv head h; leaves unnormalized acc [G, D], m [G], l [G].
@@ -211,7 +247,6 @@ void decode_item(const PagedAttnArgs<T>& a, int64_t s, int64_t h, int64_t kbeg, 
   std::fill(acc, acc + G * D, 0.f);
   auto** kp = reinterpret_cast<const T**>(w.kp.data());
   auto** vp = reinterpret_cast<const T**>(w.vp.data());
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
   for (int64_t start = kbeg; start < kend; start += kDecodeTile) {
     const int64_t n = std::min(kDecodeTile, kend - start);
     for (int64_t j = 0; j < n; ++j) {
@@ -219,14 +254,14 @@ void decode_item(const PagedAttnArgs<T>& a, int64_t s, int64_t h, int64_t kbeg, 
       kp[j] = block_start ? a.row(a.key_cache, s, start + j, h) : kp[j - 1] + D;  // rows contiguous in a block
       vp[j] = block_start ? a.row(a.value_cache, s, start + j, h) : vp[j - 1] + D;
     }
-    // Prefetch the next tile while this one computes (its rows live in other, random blocks).
-    const int64_t next_end = std::min(kend, start + 2 * kDecodeTile);
-    for (int64_t j = start + kDecodeTile; j < next_end;) {
-      const int64_t run = std::min(a.block_size - (j & (a.block_size - 1)), next_end - j);
-      prefetch_bytes(a.row(a.key_cache, s, j, h), run * row_bytes);
-      prefetch_bytes(a.row(a.value_cache, s, j, h), run * row_bytes);
-      j += run;
+    // Next tile's rows (its blocks are random), prefetched by the score loop; past the end: this tile's rows.
+    const int64_t nn = std::min(kDecodeTile, kend - start - n);
+    for (int64_t j = 0; j < nn; ++j) {
+      const bool block_start = j == 0 || ((start + n + j) & (a.block_size - 1)) == 0;
+      w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + n + j, h) : static_cast<const T*>(w.pf[2 * j - 2]) + D;
+      w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + n + j, h) : static_cast<const T*>(w.pf[2 * j - 1]) + D;
     }
+    for (int64_t j = nn; j < kDecodeTile + 1; ++j) w.pf[2 * j] = w.pf[2 * j + 1] = kp[0];
     decode_tile_scores(a, w, static_cast<const T* const*>(kp), n);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = w.sc.data() + g * kDecodeTile;
