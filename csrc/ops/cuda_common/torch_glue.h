@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "ops/common/arg_checks.h"
 #include "ops/cuda_common/dtype.h"
 
 namespace pagellm::cuda {
@@ -17,28 +18,6 @@ inline void check_cuda(const at::Tensor& t, const char* name) {
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
   TORCH_CHECK(t.device() == ref.device(), name, " must be on the same device as ", ref_name, " (", ref.device(),
               "), got ", t.device());
-}
-
-inline void check_dim(const at::Tensor& t, int64_t dim, const char* name) {
-  TORCH_CHECK(t.dim() == dim, name, " must have ", dim, " dimensions, got shape ", t.sizes());
-}
-
-inline void check_dtype(const at::Tensor& t, at::ScalarType dt, const char* name) {
-  TORCH_CHECK(t.scalar_type() == dt, name, " must have dtype ", dt, ", got ", t.scalar_type());
-}
-
-inline void check_same_dtype(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
-  TORCH_CHECK(t.scalar_type() == ref.scalar_type(), name, " must have the same dtype as ", ref_name, " (",
-              ref.scalar_type(), "), got ", t.scalar_type());
-}
-
-inline void check_last_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 0 || t.size(-1) <= 1 || t.stride(-1) == 1, name,
-              " must be contiguous in its last dimension, got strides ", t.strides());
-}
-
-inline void check_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got shape ", t.sizes(), " strides ", t.strides());
 }
 
 inline DType to_dtype(const at::Tensor& t, const char* name) {

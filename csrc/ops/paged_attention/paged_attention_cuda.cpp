@@ -6,13 +6,13 @@
 #include <cstdint>
 
 #include "ops/cuda_common/torch_glue.h"
+#include "ops/paged_attention/attention_checks.h"
 #include "ops/paged_attention/attention_launch.h"
 
 namespace pagellm::cuda {
 namespace {
 
-struct Common {
-  int64_t num_blocks, num_kv_heads, block_size, head_dim, num_heads;
+struct Common : PagedAttentionShape {
   DType dtype;
 };
 
@@ -30,35 +30,10 @@ Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Te
   check_same_device(block_tables, query, "block_tables", "query");
   check_same_device(seq_lens, query, "seq_lens", "query");
   const DType dt = to_dtype(query, "query");
-  check_same_dtype(out, query, "out", "query");
-  check_same_dtype(key_cache, query, "key_cache", "query");
-  check_same_dtype(value_cache, query, "value_cache", "query");
-  check_dim(query, 3, "query");
-  check_dim(key_cache, 4, "key_cache");
-  check_contiguous(key_cache, "key_cache");
-  check_contiguous(value_cache, "value_cache");
-  TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
-              " must equal key_cache shape ", key_cache.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "out shape ", out.sizes(), " must equal query shape ", query.sizes());
-  check_last_contiguous(query, "query");
-  check_last_contiguous(out, "out");
-  check_dtype(block_tables, at::kInt, "block_tables");
-  check_dim(block_tables, 2, "block_tables");
-  check_dtype(seq_lens, at::kInt, "seq_lens");
-  check_dim(seq_lens, 1, "seq_lens");
-  Common c{key_cache.size(0), key_cache.size(1), key_cache.size(2), key_cache.size(3), query.size(1), dt};
-  TORCH_CHECK(c.block_size >= 1 && c.block_size <= 256 && (c.block_size & (c.block_size - 1)) == 0,
-              "key_cache: block_size (dim 2) must be a power of two in [1, 256], got ", c.block_size);
+  const Common c{check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens), dt};
   TORCH_CHECK(attention_head_dim_supported(static_cast<int>(c.head_dim)),
               "key_cache: head_dim (dim 3) must be one of 64, 80, 96, 112, 128, 256 on CUDA, got ", c.head_dim);
-  TORCH_CHECK(query.size(2) == c.head_dim, "query head_dim ", query.size(2), " must equal key_cache head_dim ",
-              c.head_dim);
-  TORCH_CHECK(c.num_kv_heads > 0 && c.num_heads % c.num_kv_heads == 0, "query num_heads ", c.num_heads,
-              " must be a multiple of key_cache num_kv_heads ", c.num_kv_heads);
   TORCH_CHECK(c.num_heads <= 65535, "query num_heads must be <= 65535, got ", c.num_heads);
-  TORCH_CHECK(block_tables.size(0) == seq_lens.size(0), "block_tables must have one row per sequence (",
-              seq_lens.size(0), " from seq_lens), got shape ", block_tables.sizes());
-  TORCH_CHECK(block_tables.stride(1) == 1 || block_tables.size(1) <= 1, "block_tables must be row-contiguous");
   TORCH_CHECK(seq_lens.size(0) <= INT32_MAX, "too many sequences");
   return c;
 }
