@@ -17,10 +17,15 @@ if [ ! -x "$PEER/bin/python" ]; then
 fi
 "$PEER/bin/pip" install -q --disable-pip-version-check --upgrade pip
 # From source (--no-binary), CPU build for this host; the server extra pulls uvicorn/fastapi/sse-starlette.
-CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF}" \
-CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
-  "$PEER/bin/pip" install --disable-pip-version-check --no-binary llama-cpp-python \
-  "llama-cpp-python[server]${LLAMA_CPP_PYTHON_VERSION}"
+# LLAVA_BUILD=OFF skips the multimodal library we do not serve; the build tree is kept under
+# $PEER/build, so a build that is interrupted (it takes ~30 min on 2 cores) resumes where it stopped.
+if ! "$PEER/bin/python" -c "import llama_cpp" 2>/dev/null; then
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF}" \
+  CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" \
+    "$PEER/bin/pip" install --disable-pip-version-check --no-binary llama-cpp-python \
+    --config-settings=build-dir="$PEER/build" \
+    "llama-cpp-python[server]${LLAMA_CPP_PYTHON_VERSION}"
+fi
 "$PEER/bin/pip" install -q --disable-pip-version-check gguf numpy
 "$PEER/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
