@@ -81,8 +81,9 @@ class PagedRunner:
     """Drives a pagellm model with a paged KV cache: random block assignment, decodes-first batches."""
 
     def __init__(self, model, backend: BaseAttentionBackend, block_size: int, max_tokens_per_req: int,
-                 max_reqs: int, seed: int = 0) -> None:
+                 max_reqs: int, seed: int = 0, fused_decode: bool = False) -> None:
         self.model = model
+        self.fused_decode = fused_decode  # decode-only steps through torch.ops.pagellm.fused_decode_layer
         self.backend = backend
         self.bs = block_size
         blocks_per_req = (max_tokens_per_req + block_size - 1) // block_size
@@ -129,7 +130,8 @@ class PagedRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         )
         self.backend.plan(md)
-        ctx = ForwardContext(attn_backend=self.backend, kv_caches=self.kv_caches)
+        ctx = ForwardContext(attn_backend=self.backend, kv_caches=self.kv_caches,
+                             fused_decode=self.fused_decode and num_decode == len(work))
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), ctx)
         self.last_hidden = hidden
@@ -151,11 +153,12 @@ def paged_prompt_logprobs(model, backend, prompts: list[list[int]], block_size: 
 
 
 def paged_greedy(model, backend, prompts: list[list[int]], max_new_tokens: int, block_size: int, seed: int = 0,
-                 return_logprobs: bool = False):
+                 return_logprobs: bool = False, fused_decode: bool = False):
     """Greedy decoding; all but the last prompt prefill in step 1, the last joins step 2 as a prefill
     next to the others' decodes (a mixed batch). Returns generated token lists (and per-step logprobs)."""
     n = len(prompts)
-    runner = PagedRunner(model, backend, block_size, max(map(len, prompts)) + max_new_tokens + 1, n, seed)
+    runner = PagedRunner(model, backend, block_size, max(map(len, prompts)) + max_new_tokens + 1, n, seed,
+                         fused_decode=fused_decode)
     gen: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[torch.Tensor]] = [[] for _ in range(n)]
     started = [False] * n

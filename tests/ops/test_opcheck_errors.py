@@ -37,11 +37,24 @@ def _cases():
     yield "silu_and_mul", (torch.empty(5, 64), x)
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
+    h, layer_lens = torch.randn(2, 32), torch.tensor([9, 4], dtype=torch.int32)
+    yield "fused_decode_layer", (
+        torch.empty(2, 32), h, torch.randn(2, 32), torch.tensor([8, 3]), kc.clone(), vc.clone(), torch.tensor([1, 5]),
+        bt, layer_lens, torch.randn(4 * 64 + 2 * 2 * 64, 32), None, None, None, torch.randn(16, 64), True, 4, 2, 64,
+        0.125, -1, 0.0, torch.randn(32, 256), None, torch.ones(32), 1e-6, torch.randn(40, 32), None,
+        torch.randn(32, 20), None, "silu",
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])
 def test_opcheck(name, args):
     torch.library.opcheck(getattr(OP, name).default, args)
+
+
+def test_every_registered_op_is_opchecked():
+    from pagellm.ops.fake import pagellm_op_names
+
+    assert set(pagellm_op_names()) == {name for name, _ in _cases()}
 
 
 def test_compile_rms_norm():

@@ -65,6 +65,9 @@ class BaseAttentionBackend(ABC):
     """Interface every attention backend implements. Subclasses set `name`."""
 
     name: str = "base"
+    # True when decode steps go through torch.ops.pagellm.paged_attention_decode on this device, so
+    # the model may run a decode-only step with torch.ops.pagellm.fused_decode_layer instead of forward()
+    supports_fused_decode_layer: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)

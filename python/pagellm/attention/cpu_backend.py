@@ -24,6 +24,10 @@ class CpuAttentionBackend(PagedBackendBase):
             return False, f"the cpu backend runs on CPU tensors only, not {torch.device(device)}"
         return ops.ops_available()
 
-    _write = staticmethod(ops.reshape_and_cache)
-    _decode = staticmethod(ops.paged_attention_decode)
-    _prefill = staticmethod(ops.paged_attention_prefill)
+    # The registered overloads, not the validating pagellm.ops wrappers: forward() runs once per layer
+    # per step, and the C++ glue checks every argument anyway.
+    supports_fused_decode_layer = ops.ops_available()[0]
+    if ops.ops_available()[0]:
+        _write = staticmethod(torch.ops.pagellm.reshape_and_cache.default)
+        _decode = staticmethod(torch.ops.pagellm.paged_attention_decode.default)
+        _prefill = staticmethod(torch.ops.pagellm.paged_attention_prefill.default)

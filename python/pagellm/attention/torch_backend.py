@@ -48,17 +48,22 @@ class PagedBackendBase(BaseAttentionBackend):
             raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
         md, sp = self.metadata, self._split
         n = sp.num_tokens
-        self._write(key_cache, value_cache, key[:n], value[:n], md.slot_mapping[:n])
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        o = out
         if query.shape[0] > n:
+            key, value, query, o = key[:n], value[:n], query[:n], out[:n]
             out[n:].zero_()  # padded tokens
+        self._write(key_cache, value_cache, key, value, md.slot_mapping)
         args = (layer.scale, layer.window_size, layer.softcap)
         nd = sp.num_decode
+        if nd == n:  # decodes only, the common step: no slicing
+            self._decode(o, query, key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
+            return out
         if nd:
-            self._decode(out[:nd], query[:nd], key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
+            self._decode(o[:nd], query[:nd], key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
         if sp.has_prefill:
             self._prefill(
-                out[nd:n], query[nd:n], key_cache, value_cache, sp.prefill_block_tables,
+                o[nd:], query[nd:], key_cache, value_cache, sp.prefill_block_tables,
                 sp.prefill_query_start_loc, sp.prefill_seq_lens, *args,
             )  # fmt: skip
         return out

@@ -70,13 +70,19 @@ _fallback = types.SimpleNamespace(**{n: globals()[n] for n in _NEEDED})
 
 
 def _resolve() -> types.SimpleNamespace:
-    """Compiled `pagellm.ops` when pagellm._C loads, else `pagellm.ops.reference`, else the local fallbacks."""
+    """The compiled ops when pagellm._C loads, else `pagellm.ops.reference`, else the local fallbacks.
+
+    Layers are internal callers on the per-token hot path, so they get the registered overloads
+    (`torch.ops.pagellm.<name>.default`) rather than the validating Python wrappers of `pagellm.ops`:
+    the C++ glue checks every argument anyway, and the wrappers cost a few microseconds per call,
+    which adds up to milliseconds per decode step on a small model.
+    """
     sources = []
     try:
         import pagellm.ops as compiled
 
         if compiled.ops_available()[0]:
-            sources.append(compiled)
+            sources.append(types.SimpleNamespace(**{n: getattr(torch.ops.pagellm, n).default for n in _NEEDED}))
         else:
             logger.warning("pagellm ops: %s; using pagellm.ops.reference", compiled.ops_available()[1])
     except Exception as e:  # pragma: no cover
@@ -94,3 +100,19 @@ def _resolve() -> types.SimpleNamespace:
 
 
 ops = _resolve()
+
+
+def _fused_decode_layer():
+    """torch.ops.pagellm.fused_decode_layer when pagellm._C is built (it has no pure-torch fallback on
+    the hot path: without the compiled ops the model runner never asks for the fused path)."""
+    try:
+        import pagellm.ops as compiled
+
+        if compiled.ops_available()[0]:
+            return torch.ops.pagellm.fused_decode_layer.default
+    except Exception:  # pragma: no cover
+        pass
+    return None
+
+
+fused_decode_layer = _fused_decode_layer()

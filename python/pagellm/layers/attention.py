@@ -32,12 +32,13 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
         s = self.spec
         T = q.shape[0]
-        query = q.reshape(T, s.num_heads, s.head_dim)
-        key = k.reshape(T, s.num_kv_heads, s.head_dim)
-        value = v.reshape(T, s.num_kv_heads, s.head_dim)
+        # views (the rows may be strided slices of a merged qkv output; the heads inside a row are not)
+        query = q.view(T, s.num_heads, s.head_dim)
+        key = k.view(T, s.num_kv_heads, s.head_dim)
+        value = v.view(T, s.num_kv_heads, s.head_dim)
         key_cache, value_cache = ctx.kv_caches[s.layer_idx]
         out = ctx.attn_backend.forward(s, query, key, value, key_cache, value_cache)
-        return out.reshape(T, s.num_heads * s.head_dim)
+        return out.view(T, s.num_heads * s.head_dim)
 
     def extra_repr(self) -> str:
         return repr(self.spec)

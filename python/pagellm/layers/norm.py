@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
         With `residual`: in place, residual += x and x = rmsnorm(residual) * w; returns (x, residual).
         """
         if residual is None:
-            out = torch.empty_like(x)
-            ops.rms_norm(out, x.contiguous(), self.weight, self.eps)
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            ops.rms_norm(out, x, self.weight, self.eps)
             return out
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return x, residual

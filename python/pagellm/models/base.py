@@ -37,6 +37,8 @@ class CausalLMBase(nn.Module):
     # checkpoint tensors that are not parameters here and are dropped silently
     ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
     tie_word_embeddings: bool = False
+    # whether the decoder layers can run decode steps through torch.ops.pagellm.fused_decode_layer
+    supports_fused_decode: bool = False
 
     # ---- KV cache ------------------------------------------------------------------------------
     def attention_specs(self) -> list[AttentionLayerSpec]:

@@ -8,18 +8,10 @@ from __future__ import annotations
 
 import torch
 
-_OPS = (
-    "reshape_and_cache",
-    "copy_blocks",
-    "paged_attention_decode",
-    "paged_attention_prefill",
-    "rms_norm",
-    "fused_add_rms_norm",
-    "rotary_embedding",
-    "silu_and_mul",
-    "gelu_and_mul",
-    "linear_small_m",
-)
+
+def pagellm_op_names() -> list[str]:
+    """Every registered torch.ops.pagellm op, e.g. ["copy_blocks", ...] (from the dispatcher, not a list here)."""
+    return sorted(n.split("::", 1)[1] for n in torch._C._dispatch_get_all_op_names() if n.startswith("pagellm::"))
 
 
 def _noop(*args, **kwargs) -> None:
@@ -33,6 +25,6 @@ def register_fakes() -> None:
     global _registered
     if _registered:
         return
-    for name in _OPS:
+    for name in pagellm_op_names():
         torch.library.register_fake(f"pagellm::{name}", _noop)
     _registered = True
