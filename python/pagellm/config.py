@@ -47,16 +47,20 @@ class ModelConfig:
         _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                  "device", "'cpu', 'cuda' or 'cuda:N'", self.device)
 
-    @property
-    def torch_dtype(self):
-        """The dtype to load weights in ("auto": bfloat16 on CUDA, float32 on CPU)."""
+    def torch_dtype(self, checkpoint_dtype=None):
+        """The dtype to load weights in. "auto" follows the checkpoint's config (`checkpoint_dtype`, its
+        torch_dtype), except that a float32 checkpoint runs in bfloat16 on CUDA; no dtype in the config
+        means float32 (bfloat16 on CUDA)."""
         import torch
 
         if not isinstance(self.dtype, str):
             return self.dtype
         d = self.dtype
         if d == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+            on_cuda = self.device.startswith("cuda")
+            if checkpoint_dtype in (torch.bfloat16, torch.float16):
+                return checkpoint_dtype
+            return torch.bfloat16 if on_cuda else torch.float32
         return {
             "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
             "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,

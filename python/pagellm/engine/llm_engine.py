@@ -76,7 +76,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True) -> None:
         from pagellm import _C  # noqa: PLC0415
         from pagellm.attention import select_attention_backend  # noqa: PLC0415
-        from pagellm.model_loader import build_model, open_model  # noqa: PLC0415
+        from pagellm.model_loader import build_model, open_model, resolve_dtype  # noqa: PLC0415
 
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
@@ -94,11 +94,12 @@ class LLMEngine:
         self.max_model_len = sc.max_model_len
         self.max_num_seqs = sc.max_num_seqs
 
-        self.model = build_model(files, mc.torch_dtype, self.device)
+        self.dtype = mc.torch_dtype(resolve_dtype("auto", files.hf_config))
+        self.model = build_model(files, self.dtype, self.device)
         self.model.eval()
         spec = KVCacheSpec(
             num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=cc.block_size, dtype=mc.torch_dtype,
+            block_size=cc.block_size, dtype=self.dtype,
         )
         self.num_blocks = determine_num_blocks(
             spec, self.device, sc.max_model_len, sc.max_num_seqs, cc.kv_cache_memory_gb, cc.kv_cache_fraction,
