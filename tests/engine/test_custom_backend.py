@@ -6,6 +6,7 @@ import pytest
 
 from pagellm import LLM, SamplingParams
 from pagellm.attention import list_attention_backends, register_attention_backend
+from pagellm.attention.cpu_backend import CpuAttentionBackend
 from pagellm.attention.torch_backend import TorchAttentionBackend
 
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
@@ -46,3 +47,28 @@ def test_custom_backend_is_called_and_its_result_is_used(tiny_llama_dir, tiny_to
     assert CountingBackend.calls > 0
     first = lambda outs: next(iter(outs[0].outputs[0].logprobs[0].values())).logprob  # noqa: E731
     assert abs(first(scaled) - first(same)) > 1e-3
+
+
+@register_attention_backend("test-cpu-subclass")
+class CountingCpuBackend(CpuAttentionBackend):
+    """A subclass of the C++ backend that overrides forward: the fused decode layer must not bypass it."""
+
+    decode_calls = 0
+
+    def forward(self, layer, query, key, value, key_cache, value_cache):
+        if self.metadata.num_decode_reqs == self.metadata.num_reqs:
+            type(self).decode_calls += 1
+        return super().forward(layer, query, key, value, key_cache, value_cache)
+
+
+def test_fused_decode_never_bypasses_a_backend_subclass(tiny_llama_dir, tiny_tokenizer):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="test-cpu-subclass", num_kv_blocks=64,
+              max_model_len=256)
+    assert not llm.llm_engine.runner.fused_decode
+    CountingCpuBackend.decode_calls = 0
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                 use_tqdm=False)
+    assert CountingCpuBackend.decode_calls > 0
+    # the plain cpu backend does take the fused path
+    assert LLM(str(tiny_llama_dir), dtype="float32", attention_backend="cpu", num_kv_blocks=64,
+               max_model_len=256).llm_engine.runner.fused_decode

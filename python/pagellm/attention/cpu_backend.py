@@ -26,8 +26,17 @@ class CpuAttentionBackend(PagedBackendBase):
 
     # The registered overloads, not the validating pagellm.ops wrappers: forward() runs once per layer
     # per step, and the C++ glue checks every argument anyway.
-    supports_fused_decode_layer = ops.ops_available()[0]
     if ops.ops_available()[0]:
         _write = staticmethod(torch.ops.pagellm.reshape_and_cache.default)
         _decode = staticmethod(torch.ops.pagellm.paged_attention_decode.default)
         _prefill = staticmethod(torch.ops.pagellm.paged_attention_prefill.default)
+
+    @property
+    def supports_fused_decode_layer(self) -> bool:
+        """Only this class's own forward and ops: the fused layer calls reshape_and_cache and
+        paged_attention_decode itself, so it must never bypass a subclass that overrides forward()
+        or binds other kernels."""
+        cls = type(self)
+        return (ops.ops_available()[0] and cls.forward is PagedBackendBase.forward
+                and cls._write is torch.ops.pagellm.reshape_and_cache.default
+                and cls._decode is torch.ops.pagellm.paged_attention_decode.default)

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""One Markdown table of a serving comparison: every server at every request rate, from the JSON results
+bench_serving.py wrote into a directory, plus pagellm's goodput ratio to each peer at the same rate.
+
+    python benchmarks/serving/summarize.py benchmarks/results/serving-<tag> > summary.md
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from collections import defaultdict
+
+
+def load(directory: str) -> dict[str, dict[float, dict]]:
+    runs: dict[str, dict[float, dict]] = defaultdict(dict)
+    for path in sorted(glob.glob(os.path.join(directory, "*-rate*.json"))):
+        with open(path) as f:
+            s = json.load(f)
+        rate = float("inf") if s["request_rate"] == "inf" else float(s["request_rate"])
+        runs[s["label"]][rate] = s  # a later run of the same label and rate replaces an earlier one
+    return runs
+
+
+def meets_slo(s: dict) -> bool:
+    """The server keeps up at this rate: the median request meets both SLOs."""
+    slos = s.get("slos_ms", {})
+    return s["median_ttft_ms"] <= slos.get("ttft", float("inf")) and s["median_tpot_ms"] <= slos.get("tpot", float("inf"))
+
+
+def table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
+    head = ("| server | rate req/s | done | req/s | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | "
+            "ITL p50 ms | goodput req/s | good % | median meets SLO | pagellm goodput / this |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ours_runs = next((r for label, r in runs.items() if label.startswith(ours)), {})
+    for label in sorted(runs, key=lambda x: (not x.startswith(ours), x)):
+        for rate in sorted(runs[label]):
+            s = runs[label][rate]
+            n = s["completed"] + s["failed"]
+            good = s.get("goodput", 0.0)
+            ratio = ""
+            if not label.startswith(ours) and rate in ours_runs:
+                mine = ours_runs[rate].get("goodput", 0.0)
+                ratio = f"{mine / good:.2f}x" if good > 0 else ("inf" if mine > 0 else "-")
+            lines.append(
+                f"| {label} | {rate:g} | {s['completed']}/{n} | {s['request_throughput']:.3f} | "
+                f"{s['output_throughput']:.1f} | {s['median_ttft_ms']:.0f} / {s['p90_ttft_ms']:.0f} | "
+                f"{s['median_tpot_ms']:.1f} / {s['p90_tpot_ms']:.1f} | {s['median_itl_ms']:.1f} | {good:.3f} | "
+                f"{100 * s.get('good_requests', 0) / max(n, 1):.0f} | {'yes' if meets_slo(s) else 'no'} | {ratio} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) != 1:
+        sys.exit(__doc__)
+    runs = load(argv[0])
+    any_run = next(iter(next(iter(runs.values())).values()))
+    print(f"SLOs (ms): {any_run.get('slos_ms')}; {any_run['num_prompts']} requests per rate, "
+          f"dataset {any_run['dataset']}.\n")
+    print(table(runs))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
