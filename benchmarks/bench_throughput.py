@@ -66,12 +66,19 @@ def bench_model(name: str, args, pool) -> dict:
     print(f"[pagellm] {len(reqs)} requests ...", flush=True)
     res["pagellm"] = p = run_pagellm(llm, reqs)
     p["loadavg_before"], p["loadavg_after"] = la0, C.loadavg()
+    hf_config = eng.model_files.hf_config
+    add_mfu = lambda r, rs: r.update(  # noqa: E731
+        flops=C.model_flops(hf_config, [(len(x.prompt_token_ids), x.output_len) for x in rs]),
+        mfu=C.model_flops(hf_config, [(len(x.prompt_token_ids), x.output_len) for x in rs])
+        / r["elapsed_s"] / 1e9 / args.gemm_ceiling_gflops)
+    add_mfu(p, reqs)
     print(f"[pagellm] {p['elapsed_s']:.1f}s  in {p['input_tok_s']:.1f} tok/s  out {p['output_tok_s']:.1f} tok/s",
           flush=True)
     sub = C.stratified_subset(reqs, args.hf_requests)
     if not args.no_hf and args.hf_requests < len(reqs):
         # pagellm on exactly HF's subset, too (same work, batch limited only by max_num_seqs)
         res["pagellm_subset"] = run_pagellm(llm, sub)
+        add_mfu(res["pagellm_subset"], sub)
         print(f"[pagellm subset] {len(sub)} req  out {res['pagellm_subset']['output_tok_s']:.1f} tok/s", flush=True)
     del llm, eng
     gc.collect()
@@ -82,6 +89,7 @@ def bench_model(name: str, args, pool) -> dict:
         print(f"[hf] {len(sub)} requests, batch {args.hf_batch_size} ...", flush=True)
         res["hf"] = h = C.hf_throughput(hf, sub, args.hf_batch_size)
         h["loadavg_before"], h["loadavg_after"] = la0, C.loadavg()
+        add_mfu(h, sub)  # useful FLOPs only (padding rows not counted)
         print(f"[hf] {h['elapsed_s']:.1f}s  in {h['input_tok_s']:.1f} tok/s  out {h['output_tok_s']:.1f} tok/s "
               f"(generated incl. padding rows {h['generated_tok_s']:.1f})", flush=True)
         del hf
@@ -157,18 +165,24 @@ def render(data: dict) -> str:
     rows = []
     for m in data["models"]:
         p = m["pagellm"]
+        mfu = lambda r: f"{r['mfu']:.2f}" if "mfu" in r else ""  # noqa: E731
         rows.append([m["model"], "pagellm", p["num_requests"], round(p["elapsed_s"], 1), p["input_tok_s"],
-                     p["output_tok_s"], p["total_tok_s"], "", ""])
+                     p["output_tok_s"], p["total_tok_s"], mfu(p), "", ""])
         if "pagellm_subset" in m:
             s = m["pagellm_subset"]
             rows.append([m["model"], "pagellm (HF's subset)", s["num_requests"], round(s["elapsed_s"], 1),
-                         s["input_tok_s"], s["output_tok_s"], s["total_tok_s"], "", ""])
+                         s["input_tok_s"], s["output_tok_s"], s["total_tok_s"], mfu(s), "", ""])
         if "hf" in m:
             h = m["hf"]
             rows.append([m["model"], f"HF generate (bs {h['batch_size']})", h["num_requests"], round(h["elapsed_s"], 1),
-                         h["input_tok_s"], h["output_tok_s"], h["total_tok_s"],
+                         h["input_tok_s"], h["output_tok_s"], h["total_tok_s"], mfu(h),
                          f"{m['ratio_output_tok_s']:.2f}x", f"{m.get('ratio_output_tok_s_same_subset', float('nan')):.2f}x"])
-    out.append(C.md_table(["model", "engine", "requests", "time s", "input tok/s", "output tok/s", "total tok/s",
+    if "gemm_ceiling" in data:
+        g = data["gemm_ceiling"]
+        out += [f"MFU = useful FLOPs (linear layers for every token, LM head per generated token, causal attention) / "
+                f"time / the bf16 matmul ceiling measured in this run ([{g['n']}]^2 torch.mm: best "
+                f"{g['best_gflops']:.0f} GFLOP/s, median {g['median_gflops']:.0f}).", ""]
+    out.append(C.md_table(["model", "engine", "requests", "time s", "input tok/s", "output tok/s", "total tok/s", "MFU",
                            "pagellm/HF output (full run vs HF subset)", "pagellm/HF output (same subset)"], rows))
     if data.get("concurrency"):
         s = data["concurrency"]
@@ -237,6 +251,10 @@ def main() -> None:
     bw = C.copy_bandwidth_gbs()
     data = {"tag": tag, "env": C.env_info(), "load": load, "copy_bandwidth": bw, "args": vars(args), "models": []}
     print(f"[bandwidth] copy_ {bw['best_gbs']:.1f} GB/s (read+write, best), median {bw['median_gbs']:.1f}", flush=True)
+    data["gemm_ceiling"] = gemm = C.bf16_matmul_gflops()
+    args.gemm_ceiling_gflops = gemm["best_gflops"]
+    print(f"[ceiling] bf16 matmul {gemm['best_gflops']:.0f} GFLOP/s (best), median {gemm['median_gflops']:.0f}",
+          flush=True)
     for m in args.models:
         data["models"].append(bench_model(m, args, pool))
     if not args.no_concurrency:

@@ -168,6 +168,39 @@ def copy_bandwidth_gbs(nbytes: int = 512 << 20, iters: int = 8) -> dict:
     return {"bytes": nbytes, "best_gbs": 2 * nbytes / ts[0] / 1e9, "median_gbs": 2 * nbytes / ts[len(ts) // 2] / 1e9}
 
 
+def bf16_matmul_gflops(n: int = 2048, iters: int = 6) -> dict:
+    """Dense bf16 [n, n] @ [n, n] (torch.mm: oneDNN, AMX where present), GFLOP/s best and median: the
+    compute ceiling MFU is measured against."""
+    a = torch.randn(n, n).to(torch.bfloat16)
+    b = torch.randn(n, n).to(torch.bfloat16)
+    torch.mm(a, b)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    flops = 2 * n**3
+    return {"n": n, "best_gflops": flops / ts[0] / 1e9, "median_gflops": flops / ts[len(ts) // 2] / 1e9}
+
+
+def model_flops(hf_config, lengths: list[tuple[int, int]]) -> float:
+    """Useful FLOPs of running requests (prompt_len, output_len): every token through the decoder's linear
+    layers (2 per weight), the LM head once per generated token, and causal attention (QK^T and PV:
+    4 * layers * heads * head_dim per key a token attends to)."""
+    h, layers, vocab = hf_config.hidden_size, hf_config.num_hidden_layers, hf_config.vocab_size
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or h // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    inter = hf_config.intermediate_size
+    linear = layers * (h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * inter)
+    total = 0.0
+    for n_in, n_out in lengths:
+        n = n_in + n_out - 1  # tokens that go through the model (the last sampled one does not)
+        total += 2 * linear * n + 2 * vocab * h * n_out + 4 * layers * heads * head_dim * n * (n + 1) / 2
+    return total
+
+
 # ---------------------------------------------------------------------------------- models
 def make_random_llama(path: Path = RANDOM_LLAMA_DIR, seed: int = 0) -> Path:
     """A random-weight LlamaForCausalLM with Qwen2.5-0.5B's shape, bf16, saved with save_pretrained
