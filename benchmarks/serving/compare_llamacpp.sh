@@ -8,7 +8,8 @@
 #   pagellm-bf16        pagellm serve, the default model (Q4_1 GGUF dequantized) in bfloat16
 #   llamacpp-f16        llama.cpp's llama-server on the F16 conversion of the same GGUF (matched precision)
 #   llamacpp-q4_1       llama-server on the Q4_1 GGUF itself (its int4 kernels: ~3.5x fewer weight bytes)
-#   llamacpp-py-q4_1    llama-cpp-python's server (Python, one request at a time) on the Q4_1 GGUF
+#   llamacpp-py-f16     llama-cpp-python's own server (Python, one request at a time) on the F16 GGUF
+#   llamacpp-py-q4_1    the same on the Q4_1 GGUF
 # Each server gets THREADS compute threads (default: all cores) and PARALLEL sequences (llama-server slots,
 # pagellm --max-num-seqs). Results: benchmarks/results/serving-<TAG>/<server>-rate<r>-*.json, a comparison
 # PNG and a Markdown table (benchmarks/serving/summarize.py).
@@ -28,23 +29,29 @@ SERVERS="${SERVERS:-pagellm-bf16 llamacpp-f16 llamacpp-q4_1}"
 OUT="$ROOT/benchmarks/results/serving-$TAG"
 MODELS="$ROOT/benchmarks/models"
 PAGELLM_ARGS="${PAGELLM_ARGS:-}"
+WARMUP="${WARMUP:-2}"  # requests sent one by one before each rate (pagellm's oneDNN kernels JIT per shape)
 mkdir -p "$OUT"
 
 # The tokenizer of the default model, to count prompt tokens identically for every server.
 TOKENIZER="$("$PY" -c "from pagellm.model_loader.default_model import default_model_gguf_path as g; from pagellm.model_loader.gguf_convert import gguf_to_hf_dir as c; print(c(g()))")"
 
+# `exec`, so that the background job's PID is the server itself and `kill` stops it.
 start_server() {
   case "$1" in
     pagellm-bf16)
-      "$ROOT/.venv/bin/pagellm" serve --port "$PORT" --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" \
+      exec "$ROOT/.venv/bin/pagellm" serve --port "$PORT" --dtype bfloat16 --max-model-len "$MAX_MODEL_LEN" \
         --max-num-seqs "$PARALLEL" $PAGELLM_ARGS ;;
     llamacpp-f16 | llamacpp-q4_1)
-      local q=F16; [ "$1" = llamacpp-q4_1 ] && q=Q4_1
+      local q=F16 extra=""
+      # Q4_1 with weight repacking (the AVX-512/AMX layouts) segfaults while loading on this CPU (llama.cpp
+      # 0.3.36's vendored build): run it without repacking.
+      [ "$1" = llamacpp-q4_1 ] && q=Q4_1 && extra="--no-repack"
       # -c is shared by the slots: give each slot the full context
-      "$PEER/bin/llama-server" -m "$MODELS/SmolLM2-135M-Instruct.$q.gguf" --host 127.0.0.1 --port "$PORT" \
-        -c $((MAX_MODEL_LEN * PARALLEL)) -np "$PARALLEL" -t "$THREADS" -tb "$THREADS" --no-webui ;;
-    llamacpp-py-q4_1)
-      "$PEER/bin/python" -m llama_cpp.server --model "$MODELS/SmolLM2-135M-Instruct.Q4_1.gguf" \
+      exec "$PEER/bin/llama-server" -m "$MODELS/SmolLM2-135M-Instruct.$q.gguf" --host 127.0.0.1 --port "$PORT" \
+        -c $((MAX_MODEL_LEN * PARALLEL)) -np "$PARALLEL" -t "$THREADS" -tb "$THREADS" --no-webui $extra ;;
+    llamacpp-py-f16 | llamacpp-py-q4_1)
+      local q=F16; [ "$1" = llamacpp-py-q4_1 ] && q=Q4_1
+      exec "$PEER/bin/python" -m llama_cpp.server --model "$MODELS/SmolLM2-135M-Instruct.$q.gguf" \
         --host 127.0.0.1 --port "$PORT" --n_ctx "$MAX_MODEL_LEN" --n_threads "$THREADS" ;;
     *) echo "unknown server $1" >&2; return 1 ;;
   esac
@@ -52,15 +59,21 @@ start_server() {
 
 for server in $SERVERS; do
   echo "=== $server ==="
+  if curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null 2>&1; then
+    echo "port $PORT is already serving something: stop it first" >&2
+    exit 1
+  fi
   start_server "$server" > "$OUT/$server.log" 2>&1 &
   pid=$!
   for _ in $(seq 300); do
     curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null 2>&1 && break
+    kill -0 "$pid" 2> /dev/null || { echo "$server exited; see $OUT/$server.log" >&2; exit 1; }
     sleep 1
   done
+  echo "serving: $(curl -s "http://127.0.0.1:$PORT/v1/models" | head -c 300)"
   "$PY" benchmarks/bench_serving.py --port "$PORT" --label "$server" --num-prompts "$NUM_PROMPTS" \
     --request-rates "$RATES" --max-model-len "$MAX_MODEL_LEN" --tokenizer "$TOKENIZER" \
-    --goodput ttft:1000 tpot:100 --result-dir "$OUT" || true
+    --goodput ttft:1000 tpot:100 --warmup "$WARMUP" --result-dir "$OUT" || true
   kill "$pid" 2> /dev/null || true
   wait "$pid" 2> /dev/null || true
   sleep 2

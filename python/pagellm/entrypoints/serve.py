@@ -74,7 +74,10 @@ def run(args) -> int:
     logger.info("serving %s on http://%s:%d/v1 (max_model_len=%s, api key %s)", name, args.host, args.port,
                 llm.max_model_len, "on" if api_key else "off")
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5)
+        # On SIGTERM/SIGINT uvicorn waits for in-flight responses; after 5 s it cancels them (their requests
+        # are aborted), so a stopped server never keeps generating for clients that are gone.
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
+                    timeout_graceful_shutdown=5)
     finally:
         llm.shutdown()
     return 0
