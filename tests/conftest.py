@@ -81,3 +81,9 @@ def write_tiny_llama(path: Path, tokenizer, *, hidden_size: int = 64, num_layers
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, tiny_tokenizer) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_long_dir(tmp_path_factory, tiny_tokenizer) -> Path:
+    """The tiny Llama with an 8192-token context, for tests that need long generations."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-long"), tiny_tokenizer, max_position_embeddings=8192)

@@ -13,8 +13,6 @@ import time
 
 import pytest
 
-from conftest import write_tiny_llama  # tests/conftest.py (pytest puts tests/ on sys.path)
-
 from .conftest import free_port, httpx
 
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
@@ -33,8 +31,8 @@ def _stream(url: str, got_first: threading.Event, chunks: list[int]) -> None:
         pass  # the server went away: expected
 
 
-def test_sigterm_stops_a_busy_server(tmp_path, tiny_tokenizer):
-    model = write_tiny_llama(tmp_path / "model", tiny_tokenizer, max_position_embeddings=8192)
+def test_sigterm_stops_a_busy_server(tiny_llama_long_dir):
+    model = tiny_llama_long_dir
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(
