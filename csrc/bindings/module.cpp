@@ -4,6 +4,8 @@
 
 #include "bindings/py_core.h"
 
+#include "ops/linear/linear_choice.h"
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagellm native core: C++ block manager and scheduler (pybind11), torch.ops.pagellm kernels";
 #ifdef PAGELLM_WITH_CUDA
@@ -11,5 +13,8 @@ PYBIND11_MODULE(_C, m) {
 #else
   m.attr("built_with_cuda") = false;
 #endif
+  m.def("cpu_has_amx_bf16", &pagellm::cpu::amx::amx_bf16_usable,
+        "True when torch.ops.pagellm.linear_amx can run: built with AMX, the CPU has AMX-BF16 and the OS "
+        "granted the tile state.");
   pagellm::init_core_bindings(m);
 }

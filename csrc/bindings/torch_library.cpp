@@ -34,6 +34,8 @@ TORCH_LIBRARY(pagellm, m) {
   // ---- linear ----
   // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); weight-streaming kernel for small M (decode).
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
+  m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
 
   // ---- fused (CPU only) ----
   // The rest of a Llama-family decoder layer after its input norm, for a decode-only batch (one token per

@@ -7,6 +7,8 @@ import numpy.typing as npt
 
 built_with_cuda: bool
 
+def cpu_has_amx_bf16() -> bool: ...
+
 class RequestStatus(Enum):
     WAITING = 0
     RUNNING = 1

@@ -1,5 +1,6 @@
-"""linear_small_m (out = x @ weight^T + bias, weight-streaming kernel for small M) against the reference,
-plus opcheck and bad-argument errors; and the layer routing (bf16 small-M -> op, fp32 -> exactly F.linear)."""
+"""linear_small_m (out = x @ weight^T + bias, weight-streaming kernel for small M) and linear_amx (bf16 on AMX
+tiles) against the reference, plus opcheck and bad-argument errors; and the layer routing (bf16 by row count ->
+small-M kernel / AMX kernel / F.linear, fp32 -> exactly F.linear)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ def _rand(*shape, dtype, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _check(M, K, N, dtype, with_bias, x_strided=False):
+requires_amx = pytest.mark.skipif(not ops.amx_available(), reason="needs a CPU with AMX-BF16 (and a build that has it)")
+
+
+def _check(M, K, N, dtype, with_bias, x_strided=False, op="linear_small_m"):
     if x_strided:  # rows with a stride > K
         x = _rand(M, K + 24, dtype=dtype)[:, 8 : 8 + K]
     else:
@@ -28,8 +32,8 @@ def _check(M, K, N, dtype, with_bias, x_strided=False):
     b = _rand(N, dtype=dtype, seed=2) if with_bias else None
     out = poison(torch.empty(M, N, dtype=dtype))
     expected = torch.empty(M, N, dtype=dtype)
-    ops.linear_small_m(out, x, w, b)
-    ref.linear_small_m(expected, x, w, b)
+    getattr(ops, op)(out, x, w, b)
+    getattr(ref, op)(expected, x, w, b)
     # sums of K products: scale the tolerance with sqrt(K) (bf16 rounding of the fp32 sum, reduction order)
     assert_close(out, expected, scale=max(1.0, (K / 64) ** 0.5))
 
@@ -95,9 +99,56 @@ def test_linear_small_m_errors():
         OP.linear_small_m(out, x[None], w, None)
 
 
+@requires_amx
+@pytest.mark.parametrize("M", [1, 3, 5, 16, 17, 33, 64, 100, 300])
+@pytest.mark.parametrize("K,N", [(31, 17), (64, 1), (200, 33), (896, 1152), (1000, 100), (4864, 40)])
+def test_linear_amx(M, K, N):
+    # odd M (partial 16-row panels), K not a multiple of the 32-wide tile, N not a multiple of the 32-row block
+    _check(M, K, N, torch.bfloat16, with_bias=(M + K) % 2 == 1, x_strided=M % 2 == 1, op="linear_amx")
+
+
+@requires_amx
+def test_linear_amx_strided_out_and_rows_independent():
+    x, w = _rand(70, 96, dtype=torch.bfloat16), _rand(40, 96, dtype=torch.bfloat16, seed=1)
+    b = _rand(40, dtype=torch.bfloat16, seed=2)
+    buf = poison(torch.empty(70, 64, dtype=torch.bfloat16))
+    out = buf[:, 8:48]
+    ops.linear_amx(out, x, w, b)
+    expected = torch.empty(70, 40, dtype=torch.bfloat16)
+    ref.linear_amx(expected, x, w, b)
+    assert_close(out, expected, scale=2.0)
+    assert buf[:, :8].isnan().all() and buf[:, 48:].isnan().all()  # nothing written outside the view
+    # every row sums k in the same order whatever the other rows are: bitwise batch invariance
+    for rows in (slice(0, 3), slice(17, 18), slice(30, 63)):
+        part = torch.empty(x[rows].shape[0], 40, dtype=torch.bfloat16)
+        ops.linear_amx(part, x[rows], w, b)
+        assert torch.equal(part, out[rows])
+    ops.linear_amx(torch.empty(0, 40, dtype=torch.bfloat16), x[:0], w)  # M = 0 is a no-op
+    empty_k = torch.empty(4, 40, dtype=torch.bfloat16)
+    ops.linear_amx(empty_k, x[:4, :0], w[:, :0], b)  # K = 0: the bias
+    assert torch.equal(empty_k, b.expand(4, 40))
+
+
+def test_linear_amx_errors():
+    x, w = torch.randn(8, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    out = torch.empty(8, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="x must have dtype torch.bfloat16"):
+        ops.linear_amx(out.float(), x.float(), w.float())
+    with pytest.raises(ValueError, match="weight shape"):
+        ops.linear_amx(out, x, torch.randn(8, 63, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        OP.linear_amx(out.float(), x.float(), w.float(), None)
+    if ops.amx_available():
+        with pytest.raises(RuntimeError, match="bias must have shape"):
+            OP.linear_amx(out, x, w, torch.randn(9, dtype=torch.bfloat16))
+    else:
+        with pytest.raises(RuntimeError, match="does not provide AMX-BF16"):
+            OP.linear_amx(out, x, w, None)
+
+
 def test_layer_routing():
     from pagellm.layers.embedding import LMHead
-    from pagellm.layers.linear import SMALL_M_MAX, Linear
+    from pagellm.layers.linear import AMX_MAX_M, SMALL_M_MAX, Linear
 
     lin = Linear(96, 40, bias=True, dtype=torch.float32)
     with torch.no_grad():
@@ -106,7 +157,7 @@ def test_layer_routing():
     x = _rand(1, 1, 96, dtype=torch.float32)
     assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # fp32: exactly F.linear
     lin = lin.to(torch.bfloat16)
-    for m in (1, SMALL_M_MAX, SMALL_M_MAX + 3):
+    for m in (1, SMALL_M_MAX, SMALL_M_MAX + 1, SMALL_M_MAX + 3, AMX_MAX_M, AMX_MAX_M + 1):
         xb = _rand(m, 96, dtype=torch.bfloat16)
         y = lin(xb)
         assert y.shape == (m, 40) and y.dtype == torch.bfloat16

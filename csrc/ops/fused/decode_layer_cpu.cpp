@@ -7,8 +7,8 @@
 // calls per layer, a third of the decode step. This op is the same sequence of the same registered
 // ops (looked up once through the dispatcher), in the same order as pagellm/models/llama.py, so its
 // results are bit-identical to the module path (tests/models/test_fused_decode.py). It holds no
-// kernels of its own. Linear layers choose exactly as pagellm.layers.linear.linear does: the small-M
-// kernel for bf16 inputs of at most 4 rows, at::linear otherwise.
+// kernels of its own. Linear layers choose exactly as pagellm.layers.linear.linear does
+// (ops/linear/linear_choice.h): small-M kernel, AMX tile kernel or at::linear by dtype and row count.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -16,14 +16,12 @@
 #include <optional>
 
 #include "ops/common/checks.h"
+#include "ops/linear/linear_choice.h"
 
 namespace pagellm::cpu {
 namespace {
 
 using OptTensor = std::optional<at::Tensor>;
-
-// Same constant as pagellm/layers/linear.py SMALL_M_MAX.
-constexpr int64_t kSmallMMax = 4;
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -34,6 +32,8 @@ c10::TypedOperatorHandle<Sig> find_op(const char* name) {
 struct LayerOps {
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)> linear_small_m =
       find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>("pagellm::linear_small_m");
+  c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)> linear_amx =
+      find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>("pagellm::linear_amx");
   c10::TypedOperatorHandle<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)> rms_norm =
       find_op<void(at::Tensor&, const at::Tensor&, const at::Tensor&, double)>("pagellm::rms_norm");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, double)> fused_add_rms_norm =
@@ -61,17 +61,19 @@ struct LayerOps {
   }
 };
 
-bool use_small_m(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
-  const int64_t m = x.size(0);
-  return x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 && m > 0 && m <= kSmallMMax &&
-         (!b.has_value() || !b->defined() || b->scalar_type() == at::kBFloat16);
+LinearPath linear_path(const at::Tensor& x, const at::Tensor& w, const OptTensor& b) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
+                    (!b.has_value() || !b->defined() || b->scalar_type() == at::kBFloat16);
+  return bf16 ? choose_bf16_linear(x.size(0), amx::amx_bf16_usable()) : LinearPath::kAten;
 }
 
 // out = x @ w^T (+ b) for 2-D x, written into `out` when given.
 at::Tensor project(const at::Tensor& x, const at::Tensor& w, const OptTensor& b, at::Tensor out = at::Tensor()) {
-  if (use_small_m(x, w, b)) {
+  const LinearPath path = linear_path(x, w, b);
+  if (path != LinearPath::kAten) {
     if (!out.defined()) out = at::empty({x.size(0), w.size(0)}, x.options());
-    LayerOps::get().linear_small_m.call(out, x, w, b);
+    if (path == LinearPath::kSmallM) LayerOps::get().linear_small_m.call(out, x, w, b);
+    else LayerOps::get().linear_amx.call(out, x, w, b);
     return out;
   }
   at::Tensor y = at::linear(x, w, b.has_value() && b->defined() ? *b : at::Tensor());

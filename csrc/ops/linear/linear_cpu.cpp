@@ -1,15 +1,46 @@
-// CPU glue for linear_small_m: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); designed for small M
-// (decode), correct for any M.
+// CPU glue for the linear ops, out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]):
+//   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M;
+//   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16.
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
+#include "ops/linear/linear_amx_kernels.h"
+#include "ops/linear/linear_choice.h"
 #include "ops/linear/linear_cpu_kernels.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+
 namespace pagellm::cpu {
+
+namespace amx {
+bool amx_bf16_usable() {
+#ifdef PAGELLM_HAVE_AMX
+  static const bool ok = [] {
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool amx_bf16 = edx & (1u << 22), amx_tile = edx & (1u << 24);
+    if (!amx_bf16 || !amx_tile) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;  // linux/arch/x86 uapi
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+}  // namespace amx
+
 namespace {
 
-void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& bias) {
+// Shared argument checks; returns the contiguous-last-dim x, weight and bias (undefined if none).
+struct LinearInputs {
+  at::Tensor x, w, b;
+};
+
+LinearInputs check_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias) {
   check_cpu(out, "out");
   check_cpu(x, "x");
   check_cpu(weight, "weight");
@@ -22,31 +53,64 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
-  at::Tensor b;
+  LinearInputs in;
   if (bias.has_value() && bias->defined()) {
-    b = *bias;
-    check_cpu(b, "bias");
-    check_same_dtype(b, x, "bias", "x");
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [", N, "], got ", b.sizes());
-    b = b.contiguous();
+    in.b = *bias;
+    check_cpu(in.b, "bias");
+    check_same_dtype(in.b, x, "bias", "x");
+    TORCH_CHECK(in.b.dim() == 1 && in.b.size(0) == N, "bias must have shape [", N, "], got ", in.b.sizes());
+    in.b = in.b.contiguous();
   }
   check_last_contiguous(out, "out");
-  if (out.numel() == 0) return;
-  if (K == 0) {
-    if (b.defined()) out.copy_(b.unsqueeze(0).expand({M, N}));
-    else out.zero_();
-    return;
-  }
-  at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
-  at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
-  LinearArgs a{M, N, K, xc.stride(0), wc.stride(0), out.stride(0)};
+  in.x = x.stride(1) == 1 ? x : x.contiguous();
+  in.w = weight.stride(1) == 1 ? weight : weight.contiguous();
+  return in;
+}
+
+// Handles the empty cases; true when nothing is left to compute.
+bool linear_trivial(at::Tensor& out, const LinearInputs& in) {
+  if (out.numel() == 0) return true;
+  if (in.x.size(1) != 0) return false;
+  if (in.b.defined()) out.copy_(in.b.unsqueeze(0).expand({out.size(0), out.size(1)}));
+  else out.zero_();
+  return true;
+}
+
+void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias) {
+  const LinearInputs in = check_linear(out, x, weight, bias);
+  if (linear_trivial(out, in)) return;
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  LinearArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0)};
   PAGELLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "linear_small_m", [&] {
-    linear_small_m_kernel<scalar_t>(out.data_ptr<scalar_t>(), xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(),
-                                    b.defined() ? b.data_ptr<scalar_t>() : nullptr, a);
+    linear_small_m_kernel<scalar_t>(out.data_ptr<scalar_t>(), in.x.data_ptr<scalar_t>(), in.w.data_ptr<scalar_t>(),
+                                    in.b.defined() ? in.b.data_ptr<scalar_t>() : nullptr, a);
   });
+}
+
+void linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "linear_amx: x must be bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(amx::amx_bf16_usable(),
+              "linear_amx: this CPU (or this build, or the OS) does not provide AMX-BF16; use linear_small_m or "
+              "torch.nn.functional.linear");
+  const LinearInputs in = check_linear(out, x, weight, bias);
+  if (linear_trivial(out, in)) return;
+#ifdef PAGELLM_HAVE_AMX
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const amx::AmxArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0),
+                       (K + amx::kTileK - 1) / amx::kTileK * amx::kTileK};
+  const at::Tensor bf = in.b.defined() ? in.b.to(at::kFloat) : at::Tensor();
+  amx::linear_amx_kernel(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
+                         reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
+                         reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
+                         bf.defined() ? bf.data_ptr<float>() : nullptr, a);
+#endif
 }
 
 }  // namespace
 }  // namespace pagellm::cpu
 
-TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("linear_small_m", &pagellm::cpu::linear_small_m); }
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
+  m.impl("linear_small_m", &pagellm::cpu::linear_small_m);
+  m.impl("linear_amx", &pagellm::cpu::linear_amx);
+}

@@ -16,17 +16,23 @@ try:
 
     _SMALL_M_OK = _compiled.ops_available()[0]
     _linear_small_m = torch.ops.pagellm.linear_small_m.default if _SMALL_M_OK else None
+    _AMX_OK = _SMALL_M_OK and _compiled.amx_available()
+    _linear_amx = torch.ops.pagellm.linear_amx.default if _AMX_OK else None
 except Exception:  # pragma: no cover - depends on the build
-    _SMALL_M_OK = False
+    _SMALL_M_OK = _AMX_OK = False
 
-# Largest flattened row count routed to torch.ops.pagellm.linear_small_m. The kernel streams the bf16
-# weight once (AVX512-BF16, ~2-3x F.linear at M = 1-2 on a decode step) but is compute-bound beyond a
-# few rows, where torch's bf16 GEMM (oneDNN/AMX) wins: measured crossover between M = 4 and M = 8.
-SMALL_M_MAX = 4
+# Which kernel a bf16 CPU linear of M (flattened) rows runs; csrc/ops/linear/linear_choice.h has the
+# same rule for the fused decode layer (keep them in sync). Measured on the AMX dev machine:
+#   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2,
+#     and the best choice up to M = 4 on a CPU without AMX;
+#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM;
+#   - beyond that torch's GEMM (oneDNN) is as fast or faster.
+SMALL_M_MAX = 2 if _AMX_OK else 4
+AMX_MAX_M = 64 if _AMX_OK else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except bf16 CPU inputs with few rows go through the weight-streaming small-M kernel.
+    """F.linear, except bf16 CPU inputs with few rows go through pagellm's own kernels (see above).
 
     fp32 (and every other case) is exactly F.linear, so fp32 results stay bit-identical to HF.
     """
@@ -43,15 +49,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
-        if 0 < m <= SMALL_M_MAX and no_grad:
-            n = weight.shape[0]
-            if x.dim() == 2:  # the decode case; every torch call costs microseconds here
-                out = torch.empty((m, n), dtype=x.dtype)
-                _linear_small_m(out, x, weight, bias)
+        if 0 < m <= AMX_MAX_M or 0 < m <= SMALL_M_MAX:
+            if no_grad:
+                op = _linear_small_m if m <= SMALL_M_MAX else _linear_amx
+                n = weight.shape[0]
+                if x.dim() == 2:  # the decode case; every torch call costs microseconds here
+                    out = torch.empty((m, n), dtype=x.dtype)
+                    op(out, x, weight, bias)
+                    return out
+                out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+                op(out.view(m, n), x.reshape(m, k), weight, bias)
                 return out
-            out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
-            _linear_small_m(out.view(m, n), x.reshape(m, k), weight, bias)
-            return out
     return F.linear(x, weight, bias)
 
 

@@ -33,6 +33,8 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "linear_small_m",
+    "linear_amx",
+    "amx_available",
     "fused_decode_layer",
 ]
 
@@ -211,6 +213,11 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]), fp32 accumulation; weight-streaming kernel for small M."""
     _float(x, "x")
+    _check_linear(out, x, weight, bias)
+    torch.ops.pagellm.linear_small_m(out, x, weight, bias)
+
+
+def _check_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     for t, n in ((out, "out"), (weight, "weight")):
         _tensor(t, n)
         _same(t, x, n, "x")
@@ -224,7 +231,20 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
         raise ValueError(f"weight shape {tuple(weight.shape)} must be [N, {x.shape[1]}] (K of x)")
     if tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
-    torch.ops.pagellm.linear_small_m(out, x, weight, bias)
+
+
+def amx_available() -> bool:
+    """Whether linear_amx can run here: pagellm._C built with AMX-BF16, the CPU has it, the OS allows it."""
+    return _LOAD_ERROR is None and bool(pagellm._C.cpu_has_amx_bf16())
+
+
+def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ weight [N, K]^T (+ bias [N]) in bfloat16 on Intel AMX tiles, fp32 accumulation.
+
+    Raises RuntimeError where AMX is not available (see amx_available())."""
+    _dtype(x, torch.bfloat16, "x")
+    _check_linear(out, x, weight, bias)
+    torch.ops.pagellm.linear_amx(out, x, weight, bias)
 
 
 def fused_decode_layer(

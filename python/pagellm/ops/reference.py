@@ -22,6 +22,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "linear_small_m",
+    "linear_amx",
     "fused_decode_layer",
 ]
 
@@ -192,6 +193,11 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
 
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     out.copy_(F.linear(x.float(), weight.float(), None if bias is None else bias.float()))
+
+
+def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """The same product as linear_small_m (fp32 accumulation, one rounding); bf16 only."""
+    linear_small_m(out, x, weight, bias)
 
 
 # ---------------------------------------------------------------- fused decoder layer
