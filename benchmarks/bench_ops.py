@@ -210,6 +210,37 @@ def bench_linear_small_m(tab, quick):
         del ws
 
 
+def bench_linear_amx(tab, quick):
+    """bf16 linears of 3-128 rows (decode batches; csrc/ops/linear/linear_choice.h routes them to linear_amx on an
+    AMX CPU): op vs F.linear (oneDNN bf16, the 'ref' column), weights rotated over >= 256 MiB of copies."""
+    if not ops.amx_available():
+        print("linear_amx: skipped (no AMX-BF16 on this CPU or in this build)", flush=True)
+        return
+    shapes = [(8, 896, 9728), (32, 896, 9728), (64, 4864, 896), (128, 896, 1152), (32, 896, 151936),
+              (128, 896, 151936)]
+    if quick:
+        shapes = shapes[:2]
+    for m, k, n in shapes:
+        w0 = torch.randn(n, k, dtype=BF16)
+        copies = max(1, math.ceil((64 if quick else 256) * MiB / w0.nbytes))
+        ws = [w0] + [w0.clone() for _ in range(copies - 1)]
+        x = torch.randn(m, k, dtype=BF16)
+        out = torch.empty(m, n, dtype=BF16)
+        it = iter(range(1 << 30))
+
+        def run_op():
+            ops.linear_amx(out, x, ws[next(it) % copies])
+
+        def run_ref():
+            torch.nn.functional.linear(x, ws[next(it) % copies])
+
+        iters = 5 if quick else max(10, min(100, int(2e9 / w0.nbytes)))
+        t_op, t_ref = timeit(run_op, iters, warmup=2), timeit(run_ref, iters, warmup=2)
+        tab.add("linear_amx", f"[{m},{k}]x[{n},{k}]^T bf16 (ref: F.linear bf16), {copies} weight copies", t_op,
+                t_ref, w0.nbytes + x.nbytes + out.nbytes, 2 * m * n * k)
+        del ws
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="small sizes, few iterations, no results file")
@@ -243,6 +274,7 @@ def main() -> None:
     bench_prefill(tab, prompt, args.quick, mm)
     bench_simple(tab, args.quick, 256 if args.quick else 8192)
     bench_linear_small_m(tab, args.quick)
+    bench_linear_amx(tab, args.quick)
     if not args.quick:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text("\n".join(head + tab.rows) + "\n")

@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """One Markdown table of a serving comparison: every server at every request rate, from the JSON results
-bench_serving.py wrote into a directory, plus pagellm's goodput ratio to each peer at the same rate.
+bench_serving.py wrote into a directory, plus pagellm's goodput ratio to each peer at the same rate; and
+a second table of SLO capacity: the highest measured request rate at which at least X % of requests met
+both SLOs (DistServe's definition of goodput as a rate), per server, and pagellm's ratio to each peer.
 
     python benchmarks/serving/summarize.py benchmarks/results/serving-<tag> > summary.md
 """
@@ -53,6 +55,40 @@ def table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
     return "\n".join(lines)
 
 
+ATTAINMENTS = (90, 80, 50)
+
+
+def capacity(runs_of_label: dict[float, dict], attainment: float) -> float:
+    """Highest measured rate whose SLO attainment (good requests / all) is at least `attainment` %; 0 if none."""
+    best = 0.0
+    for rate, s in runs_of_label.items():
+        n = s["completed"] + s["failed"]
+        if n and 100 * s.get("good_requests", 0) / n >= attainment and rate != float("inf"):
+            best = max(best, rate)
+    return best
+
+
+def capacity_table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
+    head = ("| server | rates measured | " + " | ".join(f"max rate with >= {a} % good" for a in ATTAINMENTS)
+            + " | pagellm / this, " + " / ".join(f"{a} %" for a in ATTAINMENTS) + " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    mine = next(({a: capacity(r, a) for a in ATTAINMENTS} for label, r in runs.items() if label.startswith(ours)), {})
+    for label in sorted(runs, key=lambda x: (not x.startswith(ours), x)):
+        caps = {a: capacity(runs[label], a) for a in ATTAINMENTS}
+        ratios = ""
+        if not label.startswith(ours) and mine:
+            def ratio(a: int) -> str:
+                if caps[a]:
+                    return f"{mine[a] / caps[a]:.1f}x"
+                return f"{mine[a]:g} vs none" if mine[a] else "-"
+
+            ratios = " / ".join(ratio(a) for a in ATTAINMENTS)
+        rates = ", ".join(f"{r:g}" for r in sorted(runs[label]))
+        lines.append(f"| {label} | {rates} | " + " | ".join(f"{caps[a]:g}" if caps[a] else "none"
+                                                            for a in ATTAINMENTS) + f" | {ratios} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit(__doc__)
@@ -61,6 +97,9 @@ def main(argv: list[str]) -> None:
     print(f"SLOs (ms): {any_run.get('slos_ms')}; {any_run['num_prompts']} requests per rate, "
           f"dataset {any_run['dataset']}.\n")
     print(table(runs))
+    print("\nSLO capacity: the highest measured request rate at which at least X % of the requests met both "
+          "SLOs (rates between the measured ones are not interpolated).\n")
+    print(capacity_table(runs))
 
 
 if __name__ == "__main__":

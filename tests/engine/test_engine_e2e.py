@@ -232,3 +232,25 @@ def test_random_requests_with_aborts_free_all_blocks(tiny_llama_dir, tiny_tokeni
                 live.discard(o.request_id)
     assert not live
     assert _free_blocks(llm) == free0
+
+
+def test_warmup_leaves_engine_as_it_was(tiny_llama_dir, hf_reference):
+    """LLMEngine.warmup (run by `pagellm serve` before it accepts requests): no request left, every KV block
+    free, nothing in the prefix cache, token counters unchanged; later generation still matches HF."""
+    prompts, expected = hf_reference
+    llm = _make_llm(tiny_llama_dir, max_model_len=128)
+    eng = llm.llm_engine
+    free, counters = _free_blocks(llm), (eng.num_prompt_tokens_total, eng.num_generation_tokens_total)
+    took = eng.warmup(prompt_lens=(5, 60, 400))  # 400 > max_model_len: clamped, not an error
+    assert took > 0
+    assert not eng.has_unfinished_requests() and _free_blocks(llm) == free
+    assert (eng.num_prompt_tokens_total, eng.num_generation_tokens_total) == counters
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert all(o.num_cached_tokens == 0 for o in outs)  # warm-up blocks were not kept as cached prefixes
+    llm.generate({"prompt_token_ids": prompts[0]}, _greedy(2), use_tqdm=False)
+    with pytest.raises(RuntimeError, match="idle"):
+        eng.add_request("busy", {"prompt_token_ids": prompts[0]}, _greedy(2))
+        eng.warmup()
+    eng.abort_request("busy")
+    assert _free_blocks(llm) == free

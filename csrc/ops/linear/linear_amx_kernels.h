@@ -9,7 +9,8 @@
 //   - C tiles hold out^T (16 n x 16 m fp32); they are transposed on the way out (16x16 in registers).
 // Register blocking is 2 A x 2 B -> 4 C tiles (all 8 tile registers): a 32 n x 32 m block per k step.
 // Threads split N in blocks of 32 rows; each thread walks its weight rows once per chunk of M rows
-// (x's packed chunk is sized to stay in L2), so the weight is streamed from memory once for decode.
+// (at most 128 rows, sized so x's packed chunk stays in L2), so the weight is streamed from memory once
+// for decode; inside a block, K goes in 256-wide slices so the weight slice is reused from L1.
 // K and N tails go through small zero-padded copies, M tails through zero rows of the packed x, so the
 // tile configuration never changes. Every output element sums k in the same order whatever M is, so a
 // row's result does not depend on the other rows in the batch.
@@ -36,6 +37,8 @@ constexpr int64_t kTileK = 32;  // bf16 elements of k per tile row (64 bytes)
 constexpr int64_t kBlockN = 32;
 constexpr int64_t kBlockM = 32;
 constexpr int64_t kAmxPrefetchChunks = 4;  // software prefetch distance, in k chunks of the weight rows
+constexpr int64_t kSliceChunks = 8;        // k chunks per slice (256 k): a block's weight slice is 16 KiB
+constexpr int64_t kChunkPairs = 4;         // pairs of 16-row panels of x per chunk of M (128 rows)
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -121,67 +124,92 @@ inline void store_ct(const float* c, c10::BFloat16* out, const float* bias, cons
   }
 }
 
+// Prefetches the 32 weight rows of k chunk pc of the block at w0 (or, past its end, of the next block).
+inline void prefetch_a(const c10::BFloat16* w0, const c10::BFloat16* next, int64_t ldw, int64_t pc,
+                       int64_t full_chunks) {
+  const c10::BFloat16* pw = pc < full_chunks ? w0 + pc * kTileK
+                            : next && pc - full_chunks < full_chunks ? next + (pc - full_chunks) * kTileK
+                                                                     : nullptr;
+  if (pw)
+    for (int r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(pw + r * ldw), _MM_HINT_T0);
+}
+
 // One 32-row weight block (two A tiles at w0 and w0 + 16 rows, row stride ldw elements; the last k
 // chunk from ktail, 32 rows x kTileK, when K is not a multiple of kTileK) against packed panels
-// [t0, t1) of x. Accumulates over all of K, then stores. prefetch: software-prefetch w0's rows (a block of
-// the real weight); next: the following block's rows (same stride) when it is a full one, else null.
+// [t0, t1) of x, at most 2 * kChunkPairs panels. prefetch: software-prefetch w0's rows (a block of the
+// real weight); next: the following block's rows (same stride) when it is a full one, else null.
+//
+// K is walked in slices of kSliceChunks chunks: the block's slice of weight (32 x 256 bf16, 16 KiB) is
+// loaded from memory on the first pair of panels and stays in L1 for the others, so for large M only
+// the packed x streams from L2. Between slices each pair's four C tiles wait in cacc (fp32, exact), so
+// every output still sums k in the same order whatever M is.
 inline void block_kernel(const c10::BFloat16* w0, int64_t ldw, const c10::BFloat16* ktail,
                          bool prefetch, const c10::BFloat16* next, const uint32_t* xp, int64_t t0, int64_t t1,
-                         c10::BFloat16* out, const float* bias, const AmxArgs& a, int64_t n0, float* cbuf) {
+                         c10::BFloat16* out, const float* bias, const AmxArgs& a, int64_t n0, float* cacc) {
   const int64_t chunks = a.k_pad / kTileK;
   const int64_t full_chunks = ktail ? chunks - 1 : chunks;
   const int64_t panel = a.k_pad / 2 * 16;  // dwords per packed panel
   const int64_t wstride = ldw * 2;          // bytes
-  for (int64_t t = t0; t < t1; t += 2) {
-    const bool two = t + 1 < t1;
-    const uint32_t* b0 = xp + t * panel;
-    const uint32_t* b1 = b0 + panel;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; ++c) {
-      // Tile loads that miss cache stall the tile unit in order, so on the first pass over this block
-      // pull its 32 weight rows kAmxPrefetchChunks k chunks ahead (the next block's start near the end).
-      if (prefetch && t == t0) {
-        const int64_t pc = c + kAmxPrefetchChunks;
-        const c10::BFloat16* pw = pc < full_chunks ? w0 + pc * kTileK
-                                  : next && pc - full_chunks < full_chunks ? next + (pc - full_chunks) * kTileK
-                                                                           : nullptr;
-        if (pw)
-          for (int r = 0; r < 32; ++r) _mm_prefetch(reinterpret_cast<const char*>(pw + r * ldw), _MM_HINT_T0);
+  for (int64_t ks = 0; ks < chunks; ks += kSliceChunks) {
+    const int64_t ke = std::min(chunks, ks + kSliceChunks);
+    const bool first = ks == 0, last = ke == chunks;
+    for (int64_t t = t0; t < t1; t += 2) {
+      const bool two = t + 1 < t1;
+      const uint32_t* b0 = xp + t * panel;
+      const uint32_t* b1 = b0 + panel;
+      float* cp = cacc + (t - t0) / 2 * 1024;
+      if (first) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      } else {
+        _tile_loadd(0, cp, 64);
+        _tile_loadd(1, cp + 256, 64);
+        _tile_loadd(2, cp + 512, 64);
+        _tile_loadd(3, cp + 768, 64);
       }
-      const bool tail = c >= full_chunks;
-      const c10::BFloat16* wa = tail ? ktail : w0 + c * kTileK;
-      const int64_t stride = tail ? kTileK * 2 : wstride;
-      _tile_loadd(4, wa, stride);
-      _tile_loadd(5, wa + 16 * (stride / 2), stride);
-      _tile_loadd(6, b0 + c * 16 * 16, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 5, 6);
+      for (int64_t c = ks; c < ke; ++c) {
+        // Tile loads that miss cache stall the tile unit in order: on the first pass over this slice pull
+        // the weight rows kAmxPrefetchChunks chunks ahead (the next block's start near the end).
+        if (prefetch && t == t0) prefetch_a(w0, next, ldw, c + kAmxPrefetchChunks, full_chunks);
+        const bool tail = c >= full_chunks;
+        const c10::BFloat16* wa = tail ? ktail : w0 + c * kTileK;
+        const int64_t stride = tail ? kTileK * 2 : wstride;
+        _tile_loadd(4, wa, stride);
+        _tile_loadd(5, wa + 16 * (stride / 2), stride);
+        _tile_loadd(6, b0 + c * 16 * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 5, 6);
+        if (two) {
+          _tile_loadd(7, b1 + c * 16 * 16, 64);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      _tile_stored(0, cp, 64);
+      _tile_stored(1, cp + 256, 64);
       if (two) {
-        _tile_loadd(7, b1 + c * 16 * 16, 64);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_dpbf16ps(3, 5, 7);
+        _tile_stored(2, cp + 512, 64);
+        _tile_stored(3, cp + 768, 64);
       }
-    }
-    _tile_stored(0, cbuf, 64);
-    _tile_stored(1, cbuf + 256, 64);
-    store_ct(cbuf, out, bias, a, t * 16, n0);
-    store_ct(cbuf + 256, out, bias, a, t * 16, n0 + 16);
-    if (two) {
-      _tile_stored(2, cbuf + 512, 64);
-      _tile_stored(3, cbuf + 768, 64);
-      store_ct(cbuf + 512, out, bias, a, (t + 1) * 16, n0);
-      store_ct(cbuf + 768, out, bias, a, (t + 1) * 16, n0 + 16);
+      if (last) {
+        store_ct(cp, out, bias, a, t * 16, n0);
+        store_ct(cp + 256, out, bias, a, t * 16, n0 + 16);
+        if (two) {
+          store_ct(cp + 512, out, bias, a, (t + 1) * 16, n0);
+          store_ct(cp + 768, out, bias, a, (t + 1) * 16, n0 + 16);
+        }
+      }
     }
   }
 }
 
-// Rows of M per packed chunk: x's packed chunk (m x k_pad bf16) stays within ~1 MiB of L2.
-inline int64_t m_chunk_rows(const AmxArgs& a) {
+// Panels of M per packed chunk: x's packed chunk (m x k_pad bf16) stays within ~1 MiB of L2, and at
+// most 2 * kChunkPairs panels, whose C tiles (4 KiB per pair) sit in cacc between k slices.
+inline int64_t m_chunk_panels(const AmxArgs& a) {
   const int64_t rows = (int64_t(1) << 20) / (a.k_pad * 2);
-  return std::max<int64_t>(kBlockM, rows / kBlockM * kBlockM);
+  return std::clamp<int64_t>(rows / kBlockM * 2, 2, 2 * kChunkPairs);
 }
 
 inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
@@ -193,14 +221,14 @@ inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const 
     for (int64_t t = b; t < e; ++t) pack_x_panel(xp.data() + t * panel, x, a, t * 16);
   });
   const int64_t n_blocks = (a.N + kBlockN - 1) / kBlockN;
-  const int64_t chunk_panels = m_chunk_rows(a) / 16;
+  const int64_t chunk_panels = m_chunk_panels(a);
   const bool k_tail = a.K % kTileK != 0;
   const int64_t k_full = a.K / kTileK * kTileK;
   // ~>= 128 KiB of weight per task
   const int64_t grain = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(kBlockN * a.K * 2, 1));
   at::parallel_for(0, n_blocks, grain, [&](int64_t nb0, int64_t nb1) {
     load_tile_config();
-    alignas(64) float cbuf[4 * 256];
+    alignas(64) float cacc[kChunkPairs * 4 * 256];
     std::vector<c10::BFloat16> ktail(k_tail ? kBlockN * kTileK : 0);
     std::vector<c10::BFloat16> npad;  // the last, partial block of rows, zero-padded to 32 x k_pad
     for (int64_t t0 = 0; t0 < panels; t0 += chunk_panels) {
@@ -225,7 +253,7 @@ inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const 
         }
         const bool next_full = rows == kBlockN && n0 + 2 * kBlockN <= a.N;
         block_kernel(wb, ldw, kt, rows == kBlockN, next_full ? wb + kBlockN * ldw : nullptr, xp.data(), t0, t1, out,
-                     bias, a, n0, cbuf);
+                     bias, a, n0, cacc);
       }
     }
     _tile_release();

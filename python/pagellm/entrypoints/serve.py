@@ -38,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip the throwaway requests run before serving (they take the one-time costs of the "
+                        "first kernel calls off the first clients' latency)")
     p.add_argument("--uvicorn-log-level", default="warning")
     return p
 
@@ -68,6 +71,8 @@ def run(args) -> int:
     logger = init_logger("pagellm.serve")
     api_key = args.api_key or os.environ.get("PAGELLM_API_KEY") or None
     llm = AsyncLLM.from_engine_args(args.model, max_queue_len=args.max_queue_len, **engine_kwargs(args))
+    if getattr(args, "warmup", True):
+        logger.info("warm-up done in %.1f s", llm.engine.warmup())
     name = args.served_model_name or default_served_name(args.model)
     names = [name] + ([args.model] if args.model and args.model != name else [])
     app = build_app(llm, names, api_key=api_key, max_queue_len=args.max_queue_len)

@@ -25,10 +25,11 @@ except Exception:  # pragma: no cover - depends on the build
 # same rule for the fused decode layer (keep them in sync). Measured on the AMX dev machine:
 #   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2,
 #     and the best choice up to M = 4 on a CPU without AMX;
-#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM;
+#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, and is at
+#     least even up to 128 (the LM head gains most);
 #   - beyond that torch's GEMM (oneDNN) is as fast or faster.
 SMALL_M_MAX = 2 if _AMX_OK else 4
-AMX_MAX_M = 64 if _AMX_OK else 0
+AMX_MAX_M = 128 if _AMX_OK else 0
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
