@@ -67,38 +67,44 @@ def bench_model(name: str, args, pool) -> dict:
     res["pagellm"] = p = run_pagellm(llm, reqs)
     p["loadavg_before"], p["loadavg_after"] = la0, C.loadavg()
     hf_config = eng.model_files.hf_config
-    add_mfu = lambda r, rs: r.update(  # noqa: E731
-        flops=C.model_flops(hf_config, [(len(x.prompt_token_ids), x.output_len) for x in rs]),
-        mfu=C.model_flops(hf_config, [(len(x.prompt_token_ids), x.output_len) for x in rs])
-        / r["elapsed_s"] / 1e9 / args.gemm_ceiling_gflops)
+    def add_mfu(r: dict, rs) -> None:  # FLOPs now; MFU at the end, against the best ceiling sample of the run
+        r["flops"] = C.model_flops(hf_config, [(len(x.prompt_token_ids), x.output_len) for x in rs])
+        args.gemm_samples.append(C.bf16_matmul_gflops()["best_gflops"])
+
     add_mfu(p, reqs)
     print(f"[pagellm] {p['elapsed_s']:.1f}s  in {p['input_tok_s']:.1f} tok/s  out {p['output_tok_s']:.1f} tok/s",
           flush=True)
     sub = C.stratified_subset(reqs, args.hf_requests)
-    if not args.no_hf and args.hf_requests < len(reqs):
-        # pagellm on exactly HF's subset, too (same work, batch limited only by max_num_seqs)
-        res["pagellm_subset"] = run_pagellm(llm, sub)
-        add_mfu(res["pagellm_subset"], sub)
-        print(f"[pagellm subset] {len(sub)} req  out {res['pagellm_subset']['output_tok_s']:.1f} tok/s", flush=True)
-    del llm, eng
-    gc.collect()
-    if not args.no_hf:
-        hf = C.load_hf(hf_path)
-        C.hf_generate_batch(hf, [pool[:32], pool[40:60]], 4)  # warmup
+    if args.no_hf:
+        return res
+    # HF and pagellm on the same subset, interleaved: this machine's matmul speed swings by 2x within
+    # seconds (a shared AMX unit), so each repeat pairs runs taken minutes apart at most.
+    hf = C.load_hf(hf_path)
+    C.hf_generate_batch(hf, [pool[:32], pool[40:60]], 4)  # warmup
+    pairs = []
+    for r in range(args.repeats):
+        ps = run_pagellm(llm, sub)
+        add_mfu(ps, sub)
         la0 = C.loadavg()
-        print(f"[hf] {len(sub)} requests, batch {args.hf_batch_size} ...", flush=True)
-        res["hf"] = h = C.hf_throughput(hf, sub, args.hf_batch_size)
+        h = C.hf_throughput(hf, sub, args.hf_batch_size)
         h["loadavg_before"], h["loadavg_after"] = la0, C.loadavg()
         add_mfu(h, sub)  # useful FLOPs only (padding rows not counted)
-        print(f"[hf] {h['elapsed_s']:.1f}s  in {h['input_tok_s']:.1f} tok/s  out {h['output_tok_s']:.1f} tok/s "
-              f"(generated incl. padding rows {h['generated_tok_s']:.1f})", flush=True)
-        del hf
-        gc.collect()
-        p = res["pagellm"]
-        res["ratio_output_tok_s"] = p["output_tok_s"] / h["output_tok_s"]
-        res["ratio_total_tok_s"] = p["total_tok_s"] / h["total_tok_s"]
-        if "pagellm_subset" in res:
-            res["ratio_output_tok_s_same_subset"] = res["pagellm_subset"]["output_tok_s"] / h["output_tok_s"]
+        pairs.append((ps, h))
+        print(f"[repeat {r + 1}/{args.repeats}] {len(sub)} requests: pagellm out {ps['output_tok_s']:.1f} tok/s, "
+              f"HF (batch {args.hf_batch_size}) out {h['output_tok_s']:.1f} tok/s (generated incl. padding rows "
+              f"{h['generated_tok_s']:.1f}): {ps['output_tok_s'] / h['output_tok_s']:.2f}x", flush=True)
+    del hf
+    gc.collect()
+    ratios = [ps["output_tok_s"] / h["output_tok_s"] for ps, h in pairs]
+    mid = sorted(range(len(pairs)), key=lambda i: ratios[i])[len(pairs) // 2]  # the median pair
+    res["pagellm_subset"], res["hf"] = pairs[mid]
+    res["subset_repeats"] = [{"pagellm_output_tok_s": ps["output_tok_s"], "hf_output_tok_s": h["output_tok_s"],
+                              "ratio": q} for (ps, h), q in zip(pairs, ratios)]
+    hf_out = sorted(h["output_tok_s"] for _, h in pairs)[len(pairs) // 2]
+    hf_tot = sorted(h["total_tok_s"] for _, h in pairs)[len(pairs) // 2]
+    res["ratio_output_tok_s"] = p["output_tok_s"] / hf_out
+    res["ratio_total_tok_s"] = p["total_tok_s"] / hf_tot
+    res["ratio_output_tok_s_same_subset"] = ratios[mid]
     return res
 
 
@@ -177,11 +183,19 @@ def render(data: dict) -> str:
             rows.append([m["model"], f"HF generate (bs {h['batch_size']})", h["num_requests"], round(h["elapsed_s"], 1),
                          h["input_tok_s"], h["output_tok_s"], h["total_tok_s"], mfu(h),
                          f"{m['ratio_output_tok_s']:.2f}x", f"{m.get('ratio_output_tok_s_same_subset', float('nan')):.2f}x"])
+    for m in data["models"]:
+        if m.get("subset_repeats"):
+            out.append(f"{m['model']}: pagellm / HF on the same {m['hf']['num_requests']} requests, interleaved repeats "
+                       "(the median is in the table): " + ", ".join(
+                           f"{r['pagellm_output_tok_s']:.1f} / {r['hf_output_tok_s']:.1f} = {r['ratio']:.2f}x"
+                           for r in m["subset_repeats"]) + ". HF's median output tok/s is the full run's divisor.")
+            out.append("")
     if "gemm_ceiling" in data:
         g = data["gemm_ceiling"]
         out += [f"MFU = useful FLOPs (linear layers for every token, LM head per generated token, causal attention) / "
-                f"time / the bf16 matmul ceiling measured in this run ([{g['n']}]^2 torch.mm: best "
-                f"{g['best_gflops']:.0f} GFLOP/s, median {g['median_gflops']:.0f}).", ""]
+                f"time / the bf16 matmul ceiling measured in this run ([{g['n']}]^2 torch.mm, best of "
+                f"{len(g.get('samples_gflops', [1]))} samples taken after each run: {g['best_gflops']:.0f} GFLOP/s; "
+                f"samples {', '.join(f'{x:.0f}' for x in g.get('samples_gflops', []))}).", ""]
     out.append(C.md_table(["model", "engine", "requests", "time s", "input tok/s", "output tok/s", "total tok/s", "MFU",
                            "pagellm/HF output (full run vs HF subset)", "pagellm/HF output (same subset)"], rows))
     if data.get("concurrency"):
@@ -209,6 +223,8 @@ def main() -> None:
     ap.add_argument("--hf-requests", type=int, default=32)
     ap.add_argument("--hf-batch-size", type=int, default=8)
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved pagellm / HF runs on the HF subset; the median pair is reported")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     ap.add_argument("--concurrency-model", default="smollm2-135m")
     ap.add_argument("--concurrency-requests", type=int, default=32)
@@ -234,7 +250,7 @@ def main() -> None:
         C.save_results(f"throughput_{data['tag']}", md, data)
         return
     if args.quick:
-        args.num_requests, args.hf_requests, args.hf_batch_size = 32, 8, 8
+        args.num_requests, args.hf_requests, args.hf_batch_size, args.repeats = 32, 8, 8, 1
         args.concurrency, args.concurrency_requests = [1, 4, 16], 16
         args.output_len = [16, 64]
         args.concurrency_output_len = [16, 32]
@@ -252,11 +268,17 @@ def main() -> None:
     data = {"tag": tag, "env": C.env_info(), "load": load, "copy_bandwidth": bw, "args": vars(args), "models": []}
     print(f"[bandwidth] copy_ {bw['best_gbs']:.1f} GB/s (read+write, best), median {bw['median_gbs']:.1f}", flush=True)
     data["gemm_ceiling"] = gemm = C.bf16_matmul_gflops()
-    args.gemm_ceiling_gflops = gemm["best_gflops"]
+    args.gemm_samples = [gemm["best_gflops"]]
     print(f"[ceiling] bf16 matmul {gemm['best_gflops']:.0f} GFLOP/s (best), median {gemm['median_gflops']:.0f}",
           flush=True)
     for m in args.models:
         data["models"].append(bench_model(m, args, pool))
+    # The ceiling swings with the machine (a shared AMX unit): sampled after every run, MFU uses the best.
+    gemm["samples_gflops"], gemm["best_gflops"] = args.gemm_samples, max(args.gemm_samples)
+    for m in data["models"]:
+        for key in ("pagellm", "pagellm_subset", "hf"):
+            if key in m and "flops" in m[key]:
+                m[key]["mfu"] = m[key]["flops"] / m[key]["elapsed_s"] / 1e9 / gemm["best_gflops"]
     if not args.no_concurrency:
         data["concurrency"] = concurrency_sweep(args, pool)
         plot_concurrency(data["concurrency"], C.Path(args.plot))
