@@ -54,7 +54,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="*", default=None, help="SLOs in ms: ttft:1000 tpot:100 e2el:20000")
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="let the model stop at EOS (default: ignore_eos so output lengths match)")
-    p.add_argument("--warmup", type=int, default=2, help="requests sent (sequentially) before measuring")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="requests sent (sequentially) before each rate; their prompts are not among the measured ones")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-dir", default="benchmarks/results")
     p.add_argument("--no-save", action="store_true")
@@ -84,14 +85,14 @@ async def _resolve_model(session, base_url, api_key):
         return None
 
 
-async def run_once(args, reqs, rate: float) -> dict:
+async def run_once(args, reqs, rate: float, warm=()) -> dict:
     import aiohttp
 
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     conn = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
     async with aiohttp.ClientSession(connector=conn) as session:
         model = args.model or await _resolve_model(session, base_url, args.api_key)
-        for r in reqs[: args.warmup]:
+        for r in warm:
             await stream_completion(session, base_url, model, r.prompt, min(r.output_len, 16), 0, args.ignore_eos,
                                     args.api_key, args.timeout)
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
@@ -118,16 +119,16 @@ async def run_once(args, reqs, rate: float) -> dict:
     return s
 
 
-def build_requests(args):
+def build_requests(args, num: int | None = None):
     tok = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     if args.dataset == "builtin":
-        reqs = builtin_requests(args.num_prompts, args.seed, tok)
+        reqs = builtin_requests(num or args.num_prompts, args.seed, tok)
     else:
-        reqs = load_jsonl(args.dataset)[: args.num_prompts]
+        reqs = load_jsonl(args.dataset)[: num or args.num_prompts]
         for r in reqs:
             r.prompt_len = len(tok.encode(r.prompt)) if tok else None
     if args.output_len:
@@ -136,15 +137,28 @@ def build_requests(args):
     return fit_to_context(reqs, args.max_model_len)
 
 
+def split_requests(pool: list, num_warmup: int, num_prompts: int, num_rates: int) -> tuple[list, list[list]]:
+    """Warm-up requests and one request list per rate, all distinct prompts, so no rate meets a prompt a server
+    has already seen (its prefix cache would skip the prefill). A dataset too small for that reuses its
+    requests across rates (with a warning)."""
+    warm, rest = pool[:num_warmup], pool[num_warmup:]
+    if len(rest) >= num_prompts * num_rates:
+        return warm, [rest[i * num_prompts:(i + 1) * num_prompts] for i in range(num_rates)]
+    print(f"warning: {len(pool)} requests cannot give {num_rates} rates {num_prompts} distinct prompts each; "
+          "rates reuse the same requests (prefix caches will see repeats)", flush=True)
+    return warm, [rest[:num_prompts]] * num_rates
+
+
 def main(args) -> list[dict]:
-    reqs = build_requests(args)
     rates = [_rate(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
+    warm, per_rate = split_requests(build_requests(args, args.warmup + args.num_prompts * len(rates)), args.warmup,
+                                    args.num_prompts, len(rates))
     runs = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     if not args.no_save:
         os.makedirs(args.result_dir, exist_ok=True)
-    for rate in rates:
-        s = asyncio.run(run_once(args, reqs, rate))
+    for rate, reqs in zip(rates, per_rate):
+        s = asyncio.run(run_once(args, reqs, rate, warm))
         print(format_summary(s, f"{args.label} @ {s['request_rate']} req/s"), flush=True)
         runs.append(s)
         if not args.no_save:
