@@ -119,16 +119,23 @@ async def run_once(args, reqs, rate: float, warm=()) -> dict:
     return s
 
 
-def build_requests(args, num: int | None = None):
+def build_requests(args, num: int | None = None, seed: int | None = None):
+    """num requests (default --num-prompts): the built-in mix drawn with `seed` (default --seed), or a JSONL
+    dataset's requests, shuffled with `seed` when one is given."""
+    seed = args.seed if seed is None else seed
+    num = args.num_prompts if num is None else num
     tok = None
     if args.tokenizer:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     if args.dataset == "builtin":
-        reqs = builtin_requests(num or args.num_prompts, args.seed, tok)
+        reqs = builtin_requests(num, seed, tok)
     else:
-        reqs = load_jsonl(args.dataset)[: num or args.num_prompts]
+        reqs = load_jsonl(args.dataset)
+        if seed != args.seed:
+            random.Random(seed).shuffle(reqs)
+        reqs = reqs[:num]
         for r in reqs:
             r.prompt_len = len(tok.encode(r.prompt)) if tok else None
     if args.output_len:
@@ -137,22 +144,21 @@ def build_requests(args, num: int | None = None):
     return fit_to_context(reqs, args.max_model_len)
 
 
-def split_requests(pool: list, num_warmup: int, num_prompts: int, num_rates: int) -> tuple[list, list[list]]:
-    """Warm-up requests and one request list per rate, all distinct prompts, so no rate meets a prompt a server
-    has already seen (its prefix cache would skip the prefill). A dataset too small for that reuses its
-    requests across rates (with a warning)."""
-    warm, rest = pool[:num_warmup], pool[num_warmup:]
-    if len(rest) >= num_prompts * num_rates:
-        return warm, [rest[i * num_prompts:(i + 1) * num_prompts] for i in range(num_rates)]
-    print(f"warning: {len(pool)} requests cannot give {num_rates} rates {num_prompts} distinct prompts each; "
-          "rates reuse the same requests (prefix caches will see repeats)", flush=True)
-    return warm, [rest[:num_prompts]] * num_rates
+def rate_seed(seed: int, rate: float) -> int:
+    """The seed a rate draws its requests with: derived from the rate itself, so a rate gets the same requests
+    whatever else the sweep contains, and every server gets the same requests at the same rate."""
+    return seed + (10**7 if rate == float("inf") else round(rate * 1000))
+
+
+WARMUP_SEED_OFFSET = 10**8  # warm-up requests come from their own seed, never a measured rate's
 
 
 def main(args) -> list[dict]:
     rates = [_rate(x) for x in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
-    warm, per_rate = split_requests(build_requests(args, args.warmup + args.num_prompts * len(rates)), args.warmup,
-                                    args.num_prompts, len(rates))
+    # Fresh requests per rate: re-sending one rate's prompts at the next would let a prefix cache skip their
+    # prefill (pagellm's did: the first sweeps measured cached prompts at every rate after the first).
+    warm = build_requests(args, args.warmup, args.seed + WARMUP_SEED_OFFSET) if args.warmup else []
+    per_rate = [build_requests(args, args.num_prompts, rate_seed(args.seed, r)) for r in rates]
     runs = []
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     if not args.no_save:

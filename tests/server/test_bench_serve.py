@@ -1,5 +1,6 @@
-"""`pagellm bench serve` (benchmarks/bench_serving.py) against a live server: every rate completes its own
-requests, and no rate re-sends a prompt the server has already seen (warm-up or an earlier rate)."""
+"""`pagellm bench serve` (benchmarks/bench_serving.py) against a live server: every rate completes its
+requests; and each rate draws its own requests (the same ones for every server), distinct from other rates'
+and the warm-up's."""
 
 from __future__ import annotations
 
@@ -17,17 +18,17 @@ def _parse(argv):
     return p.parse_args(argv)
 
 
-def test_split_requests_gives_each_rate_fresh_prompts():
+def test_each_rate_draws_its_own_requests():
+    """A rate's requests depend only on the seed and the rate (the same for every server and sweep), differ
+    from other rates' and from the warm-up's, so no prefix cache sees a measured prompt twice."""
     bs = bench._load()
-    pool = list(range(1 + 3 * 4))
-    warm, per_rate = bs.split_requests(pool, 1, 4, 3)
-    assert warm == [0] and [len(r) for r in per_rate] == [4, 4, 4]
-    seen = set(warm)
-    for reqs in per_rate:
-        assert not seen & set(reqs)
-        seen |= set(reqs)
-    warm, per_rate = bs.split_requests(pool[:6], 1, 4, 3)  # too few: reused, never more than asked
-    assert [len(r) for r in per_rate] == [4, 4, 4] and per_rate[0] == per_rate[2]
+    args = _parse(["bench", "serve", "--num-prompts", "12"])
+    at = {r: [q.prompt for q in bs.build_requests(args, 12, bs.rate_seed(0, r))] for r in (0.2, 0.6, float("inf"))}
+    assert at[0.2] == [q.prompt for q in bs.build_requests(args, 12, bs.rate_seed(0, 0.2))]
+    warm = [q.prompt for q in bs.build_requests(args, 4, bs.WARMUP_SEED_OFFSET)]
+    long_ones = {r: {p for p in ps if len(p) > 400} for r, ps in at.items()}  # passages: a repeat is a cache hit
+    assert long_ones[0.2] and not long_ones[0.2] & long_ones[0.6] and not long_ones[0.6] & long_ones[float("inf")]
+    assert not set(warm) & (long_ones[0.2] | long_ones[0.6])
 
 
 def test_bench_serve_against_live_server(fake_server, tmp_path):
