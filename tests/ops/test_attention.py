@@ -83,6 +83,10 @@ def _prefill_case(device, chunks, num_heads, num_kv_heads, head_dim, block_size,
         ([(50, 300)], 8, 1, 256, 256, torch.float32),  # MQA
         ([(20, 45)], 4, 1, 128, 1, torch.float16),  # block_size 1
         ([(1000, 1000)], 8, 2, 128, 16, torch.bfloat16),  # 1000-token prompt
+        # bf16 with head_dim % 32 == 0 runs on AMX tiles where the CPU has them (prefill_amx_kernels.h):
+        ([(45, 45), (3, 70), (31, 95)], 14, 2, 64, 16, torch.bfloat16),  # GQA 7: padded 16-row tiles
+        ([(37, 61)], 9, 3, 64, 1, torch.bfloat16),  # SmolLM2's heads, block_size 1
+        ([(17, 17)], 4, 4, 32, 4, torch.bfloat16),  # MHA, one 32-wide dim chunk
         ([(0, 10), (9, 9)], 4, 2, 64, 4, torch.float32),  # an empty chunk
     ],
 )

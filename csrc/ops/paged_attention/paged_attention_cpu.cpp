@@ -5,6 +5,7 @@
 #include "ops/common/checks.h"
 #include "ops/paged_attention/attention_checks.h"
 #include "ops/paged_attention/decode_cpu_kernels.h"
+#include "ops/paged_attention/prefill_amx_kernels.h"
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
 namespace pagellm::cpu {
@@ -104,7 +105,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
   if (S == 0 || query.size(0) == 0) return;
   check_tables(block_tables, l, c);
   PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
-    paged_attention_prefill_kernel(
+    run_paged_attention_prefill(
         make_args<scalar_t>(out, query, key_cache, value_cache, block_tables, l, q, c, scale, window_size, softcap));
   });
 }

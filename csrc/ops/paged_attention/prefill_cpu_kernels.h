@@ -163,12 +163,14 @@ void prefill_item(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScrat
   }
 }
 
+// The work items of a prefill call (query tiles of about `rows` rows), most expensive first (dynamic
+// scheduling then balances the threads, LPT); returns Rp, the padded row count of a query tile.
 template <typename T>
-void paged_attention_prefill_kernel(const PagedAttnArgs<T>& a) {
+int64_t prefill_items(const PagedAttnArgs<T>& a, std::vector<PrefillItem>& items, int64_t rows = 32) {
   const int64_t G = a.group();
-  const int64_t Mq = std::max<int64_t>(1, 32 / G);
+  const int64_t Mq = std::max<int64_t>(1, rows / G);
   const int64_t Rp = (Mq * G + kLanes - 1) / kLanes * kLanes;
-  std::vector<PrefillItem> items;
+  items.clear();
   for (int64_t s = 0; s < a.num_seqs; ++s) {
     const int64_t q_len = a.query_start_loc[s + 1] - a.query_start_loc[s];
     const int64_t pos_base = a.seq_lens[s] - q_len;
@@ -178,8 +180,14 @@ void paged_attention_prefill_kernel(const PagedAttnArgs<T>& a) {
       for (int64_t h = 0; h < a.num_kv_heads; ++h) items.push_back({s, h, t0, t1, cost});
     }
   }
-  // Most expensive first: dynamic scheduling then balances the threads (LPT).
   std::stable_sort(items.begin(), items.end(), [](const PrefillItem& x, const PrefillItem& y) { return x.cost > y.cost; });
+  return Rp;
+}
+
+template <typename T>
+void paged_attention_prefill_kernel(const PagedAttnArgs<T>& a) {
+  std::vector<PrefillItem> items;
+  const int64_t Rp = prefill_items(a, items);
   const int64_t n_items = static_cast<int64_t>(items.size());
   parallel_dynamic(n_items, [&](auto claim) {
     PrefillScratch w(a.head_dim, Rp);

@@ -1,0 +1,225 @@
+// Prefill attention for a bf16 KV cache on Intel AMX tiles: the tiled flash attention of
+// prefill_cpu_kernels.h (same work items, same transposed fp32 scores ST [keys][rows], same masks and
+// online softmax) with its two inner products on tiles instead of broadcast-FMA:
+//   ST [keys][rows] = K . Q^T   A = the key tile's rows (bf16, as in the cache), B = the item's queries
+//                               packed once into VNNI pairs (QB); scaled by `scale` after, in fp32
+//   O [rows][dims] += P^T . V   A = the probabilities transposed and rounded to bf16 (PT, 16x16 register
+//                               transposes of ST), B = the value tile in VNNI pairs of keys (VB)
+// Probabilities enter the PV product in bf16 (as flash attention does on GPUs); scores, softmax and the
+// output accumulate in fp32. Used when the cache is bf16, head_dim is a multiple of 32 and AMX is
+// usable (PAGELLM_PREFILL_AMX=0 turns it off); everything else runs prefill_cpu_kernels.h.
+#pragma once
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "ops/linear/linear_amx_kernels.h"
+#include "ops/linear/linear_choice.h"
+#include "ops/paged_attention/prefill_cpu_kernels.h"
+
+namespace pagellm::cpu {
+
+#ifdef PAGELLM_HAVE_AMX
+
+// Query rows per work item: each key tile's packing and softmax bookkeeping is shared by this many rows.
+constexpr int64_t kPrefillAmxRows = 64;
+
+struct PrefillAmxScratch : PrefillScratch {
+  std::vector<c10::BFloat16> Kb;  // [kKeyTile][D] the key tile (rows past n zero)
+  std::vector<uint32_t> VB;       // [kKeyTile/2][D] value pairs (key 2p, 2p+1) per dim (past n zero)
+  std::vector<uint32_t> QB;       // [D/2][Rp] query pairs (d, d+1) per row, rows past the item zero
+  std::vector<c10::BFloat16> PT;  // [Rp][kKeyTile] probabilities, rows = query rows (keys past n zero)
+  std::vector<float> O, corr;     // [Rp][D] output accumulator; [Rp] this tile's softmax rescale
+  PrefillAmxScratch(int64_t D_, int64_t Rp_)
+      : PrefillScratch(D_, Rp_), Kb(kKeyTile * D_), VB(kKeyTile / 2 * D_), QB(D_ / 2 * Rp_), PT(Rp_ * kKeyTile),
+        O(Rp_ * D_), corr(Rp_) {}
+};
+
+// 16 bf16 of `lo` and `hi` -> 16 dwords (lo[i] | hi[i] << 16).
+inline __m512i bf16_pairs(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
+
+// prefill_load_queries for the tile path: positions and state as there, queries packed into QB (unscaled).
+inline void prefill_amx_load_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
+                                     PrefillAmxScratch& w, int64_t q_base, int64_t pos_base) {
+  const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
+  const int64_t rows = (it.t1 - it.t0) * G;
+  std::fill(w.O.begin(), w.O.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -1e30f);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  std::fill(w.QB.begin(), w.QB.end(), 0u);
+  for (int64_t r = 0; r < Rp; ++r) {
+    const int64_t t = it.t0 + std::min(r, rows - 1) / G;  // padded rows repeat the last token's position
+    w.pos[r] = static_cast<float>(pos_base + t);
+    if (r >= rows) continue;
+    const c10::BFloat16* q = a.q_row(q_base + t, it.head * G + r % G);
+    for (int64_t p = 0; p < D / 2; ++p) w.QB[p * Rp + r] = static_cast<uint32_t>(q[2 * p].x) | (static_cast<uint32_t>(q[2 * p + 1].x) << 16);
+  }
+}
+
+// Keys [start, start + n) of the item's sequence and kv head -> Kb rows and VB pairs (zeros past n).
+inline void prefill_amx_load_kv(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillAmxScratch& w,
+                                int64_t start, int64_t n) {
+  const int64_t D = a.head_dim;
+  const __m256i zero = _mm256_setzero_si256();
+  for (int64_t p = 0; p < kKeyTile / 2; ++p) {
+    const int64_t j = 2 * p;
+    const c10::BFloat16* v0 = j < n ? a.row(a.value_cache, it.seq, start + j, it.head) : nullptr;
+    const c10::BFloat16* v1 = j + 1 < n ? a.row(a.value_cache, it.seq, start + j + 1, it.head) : nullptr;
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m256i lo = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : zero;
+      const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : zero;
+      _mm512_storeu_si512(w.VB.data() + p * D + d, bf16_pairs(lo, hi));
+    }
+    for (int64_t i = 0; i < 2; ++i) {
+      c10::BFloat16* kb = w.Kb.data() + (j + i) * D;
+      if (j + i < n) std::memcpy(kb, a.row(a.key_cache, it.seq, start + j + i, it.head), D * sizeof(c10::BFloat16));
+      else std::memset(kb, 0, D * sizeof(c10::BFloat16));
+    }
+  }
+}
+
+// ST[j][r] = scale * k_j . q_r for the 32 keys of Kb (2 key tiles) and all Rp rows.
+inline void prefill_amx_scores(PrefillAmxScratch& w, int64_t D, float scale, int64_t n) {
+  const int64_t Rp = w.Rp, rstride = Rp * 4;
+  for (int64_t jt = 0; jt < n; jt += 16) {
+    for (int64_t rt = 0; rt < Rp; rt += 16) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < D; c += 32) {
+        _tile_loadd(4, w.Kb.data() + jt * D + c, D * 2);
+        _tile_loadd(6, w.QB.data() + c / 2 * Rp + rt, rstride);
+        _tile_dpbf16ps(0, 4, 6);
+      }
+      _tile_stored(0, w.ST.data() + jt * Rp + rt, rstride);
+    }
+  }
+  const VecF sv = vset1(scale);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t rv = 0; rv < Rp; rv += kLanes) vstore(w.ST.data() + j * Rp + rv, vmul(vload(w.ST.data() + j * Rp + rv), sv));
+}
+
+// Online softmax over the tile's n keys, vectorized across rows (as softmax_tile), leaving P in ST and the
+// rescale of the rows' earlier output in corr.
+inline void prefill_amx_softmax(PrefillAmxScratch& w, int64_t n) {
+  for (int64_t rv = 0; rv < w.Rp; rv += kLanes) {
+    VecF mt = vset1(kNegInf);
+    for (int64_t j = 0; j < n; ++j) mt = vmax(mt, vload(w.ST.data() + j * w.Rp + rv));
+    const VecF m_old = vload(w.m.data() + rv);
+    const VecF m_new = vmax(m_old, mt);
+    const VecF corr = vexp(vsub(m_old, m_new));
+    VecF sum = vzero();
+    for (int64_t j = 0; j < n; ++j) {
+      float* s = w.ST.data() + j * w.Rp + rv;
+      const VecF p = vexp(vsub(vload(s), m_new));
+      vstore(s, p);
+      sum = vadd(sum, p);
+    }
+    vstore(w.l.data() + rv, vfma(vload(w.l.data() + rv), corr, sum));
+    vstore(w.m.data() + rv, m_new);
+    vstore(w.corr.data() + rv, corr);
+  }
+}
+
+// O[r][d] = corr[r] * O[r][d] + sum_j P[j][r] * V[j][d] over the tile's keys.
+inline void prefill_amx_pv(PrefillAmxScratch& w, int64_t D, int64_t n) {
+  const int64_t Rp = w.Rp;
+  for (int64_t j = n; j < kKeyTile; ++j) std::fill(w.ST.begin() + j * Rp, w.ST.begin() + (j + 1) * Rp, 0.f);
+  for (int64_t jb = 0; jb < kKeyTile; jb += 16) {  // PT[r][j] = bf16(ST[j][r]), 16x16 blocks
+    for (int64_t rb = 0; rb < Rp; rb += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(w.ST.data() + (jb + i) * Rp + rb);
+      amx::transpose16(r);
+      for (int i = 0; i < 16; ++i)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(w.PT.data() + (rb + i) * kKeyTile + jb),
+                            (__m256i)_mm512_cvtneps_pbh(r[i]));
+    }
+  }
+  for (int64_t r = 0; r < Rp; ++r) {
+    if (w.corr[r] == 1.0f) continue;  // the row's running max did not move (the common case)
+    const VecF c = vset1(w.corr[r]);
+    for (int64_t d = 0; d < D; d += kLanes) vstore(w.O.data() + r * D + d, vmul(vload(w.O.data() + r * D + d), c));
+  }
+  for (int64_t rt = 0; rt < Rp; rt += 16) {
+    _tile_loadd(4, w.PT.data() + rt * kKeyTile, kKeyTile * 2);
+    for (int64_t dt = 0; dt < D; dt += 16) {
+      float* o = w.O.data() + rt * D + dt;
+      _tile_loadd(0, o, D * 4);
+      _tile_loadd(6, w.VB.data() + dt, D * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_stored(0, o, D * 4);
+    }
+  }
+}
+
+inline void prefill_amx_item(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillAmxScratch& w) {
+  const int64_t s = it.seq, G = a.group(), D = a.head_dim, Rp = w.Rp;
+  const int64_t q_base = a.query_start_loc[s];
+  const int64_t q_len = a.query_start_loc[s + 1] - q_base;
+  const int64_t pos_base = a.seq_lens[s] - q_len;  // absolute position of the chunk's first token
+  prefill_amx_load_queries(a, it, w, q_base, pos_base);
+  const int64_t p_first = pos_base + it.t0, p_last = pos_base + it.t1 - 1;
+  const int64_t kmin = a.window_begin(p_first);
+  for (int64_t start = kmin; start <= p_last; start += kKeyTile) {
+    const int64_t n = std::min(kKeyTile, p_last + 1 - start);
+    prefill_amx_load_kv(a, it, w, start, n);
+    prefill_amx_scores(w, D, a.scale, n);
+    if (a.softcap > 0.f) apply_softcap(w.ST.data(), n * Rp, a.softcap);
+    const bool boundary = start + n - 1 > p_first || (a.window > 0 && start < a.window_begin(p_last));
+    if (boundary) mask_tile(a, w, start, n);
+    prefill_amx_softmax(w, n);
+    prefill_amx_pv(w, D, n);
+  }
+  for (int64_t r = 0; r < (it.t1 - it.t0) * G; ++r) {
+    const float l = w.l[r];
+    store_row(w.O.data() + r * D, a.out_row(q_base + it.t0 + r / G, it.head * G + r % G), D, l > 0.f ? 1.0f / l : 0.f);
+  }
+}
+
+// The same items and scheduling as paged_attention_prefill_kernel; each worker holds the tile state.
+inline void paged_attention_prefill_amx(const PagedAttnArgs<c10::BFloat16>& a) {
+  std::vector<PrefillItem> items;
+  const int64_t Rp = prefill_items(a, items, kPrefillAmxRows);
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  parallel_dynamic(n_items, [&](auto claim) {
+    amx::load_tile_config();
+    PrefillAmxScratch w(a.head_dim, Rp);
+    for (int64_t i = claim(); i < n_items; i = claim()) prefill_amx_item(a, items[i], w);
+    _tile_release();
+  });
+}
+
+#endif  // PAGELLM_HAVE_AMX
+
+// PAGELLM_PREFILL_AMX=0 keeps bf16 prefill on the FMA kernel (for comparisons); read once.
+inline bool prefill_amx_disabled() {
+  static const bool off = [] {
+    const char* v = std::getenv("PAGELLM_PREFILL_AMX");
+    return v != nullptr && std::string(v) == "0";
+  }();
+  return off;
+}
+
+// Whether the tile path can run: bf16 cache, head_dim a multiple of 32, AMX usable.
+template <typename T>
+inline bool prefill_amx_applies(const PagedAttnArgs<T>& a) {
+#ifdef PAGELLM_HAVE_AMX
+  return std::is_same_v<T, c10::BFloat16> && a.head_dim % 32 == 0 && amx::amx_bf16_usable();
+#else
+  return false;
+#endif
+}
+
+// The prefill kernel for these arguments: the tile path where it applies, else the FMA kernel.
+template <typename T>
+void run_paged_attention_prefill(const PagedAttnArgs<T>& a) {
+#ifdef PAGELLM_HAVE_AMX
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (prefill_amx_applies(a) && !prefill_amx_disabled()) return paged_attention_prefill_amx(a);
+  }
+#endif
+  paged_attention_prefill_kernel(a);
+}
+
+}  // namespace pagellm::cpu
