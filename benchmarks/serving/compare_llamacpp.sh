@@ -2,7 +2,7 @@
 # pagellm vs llama.cpp on the same machine, one server at a time, the same requests and rates.
 #
 #   bash benchmarks/setup_peer.sh                      # once: .venv-peer (llama-server, llama-cpp-python)
-#   bash benchmarks/serving/compare_llamacpp.sh        # RATES, NUM_PROMPTS, SERVERS, TAG override the defaults
+#   bash benchmarks/serving/compare_llamacpp.sh        # RATES, NUM_PROMPTS, SERVERS, TAG, SEED override the defaults
 #
 # Servers (SERVERS picks a subset, space-separated):
 #   pagellm-bf16        pagellm serve, the default model (Q4_1 GGUF dequantized) in bfloat16
@@ -30,6 +30,7 @@ OUT="$ROOT/benchmarks/results/serving-$TAG"
 MODELS="$ROOT/benchmarks/models"
 PAGELLM_ARGS="${PAGELLM_ARGS:-}"
 WARMUP="${WARMUP:-2}"  # requests sent one by one before each rate (pagellm's oneDNN kernels JIT per shape)
+SEED="${SEED:-0}"      # request draw: every server gets the same requests at a rate for the same SEED
 mkdir -p "$OUT"
 
 # The tokenizer of the default model, to count prompt tokens identically for every server.
@@ -73,7 +74,7 @@ for server in $SERVERS; do
   echo "serving: $(curl -s "http://127.0.0.1:$PORT/v1/models" | head -c 300)"
   "$PY" benchmarks/bench_serving.py --port "$PORT" --label "$server" --num-prompts "$NUM_PROMPTS" \
     --request-rates "$RATES" --max-model-len "$MAX_MODEL_LEN" --tokenizer "$TOKENIZER" \
-    --goodput ttft:1000 tpot:100 --warmup "$WARMUP" --result-dir "$OUT" || true
+    --goodput ttft:1000 tpot:100 --warmup "$WARMUP" --seed "$SEED" --result-dir "$OUT" || true
   kill "$pid" 2> /dev/null || true
   wait "$pid" 2> /dev/null || true
   sleep 2

@@ -5,7 +5,7 @@
 // The weight stays in its checkpoint layout. TDPBF16PS wants its B operand in "VNNI" pairs, which a
 // row-major [N, K] weight is not; so the kernel computes the transposed product out^T = w @ x^T:
 //   - A tiles are 16 weight rows x 32 k, loaded straight from w (rows contiguous in k);
-//   - B tiles are x^T in VNNI pairs; x is small, so it is packed once per call (pack_x_vnni);
+//   - B tiles are x^T in VNNI pairs; x is small, so it is packed once per call (pack_x_panel);
 //   - C tiles hold out^T (16 n x 16 m fp32); they are transposed on the way out (16x16 in registers).
 // Register blocking is 2 A x 2 B -> 4 C tiles (all 8 tile registers): a 32 n x 32 m block per k step.
 // Threads split N in blocks of 32 rows; each thread walks its weight rows once per chunk of M rows
@@ -18,7 +18,9 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
