@@ -182,12 +182,9 @@ def bench_simple(tab, quick, big):
     tab.add("copy_blocks", f"{pairs} blocks x 1 layer, 8kv bs=16 D=128 bf16", t_op, t_ref, 2 * 2 * pairs * kc[0].nbytes, 0, cached=True)
 
 
-def bench_linear_small_m(tab, quick):
-    """Decode-shaped bf16 linears: op vs F.linear (bf16, the 'ref' column). Weights are rotated over
-    copies totalling >= 256 MiB so each call streams its weight from DRAM (as a decode step does)."""
-    shapes = [(1, 576, 1536), (1, 576, 49152), (8, 896, 4864), (1, 896, 151936)]
-    if quick:
-        shapes = shapes[:2]
+def _bench_linears(tab, name, op, shapes, quick, max_iters):
+    """bf16 `op(out, x, w)` vs F.linear (the 'ref' column) per (m, k, n); weights are rotated over copies
+    totalling >= 256 MiB so each call streams its weight from DRAM (as a decode step does)."""
     for m, k, n in shapes:
         w0 = torch.randn(n, k, dtype=BF16)
         copies = max(1, math.ceil((64 if quick else 256) * MiB / w0.nbytes))
@@ -197,48 +194,33 @@ def bench_linear_small_m(tab, quick):
         it = iter(range(1 << 30))
 
         def run_op():
-            ops.linear_small_m(out, x, ws[next(it) % copies])
+            op(out, x, ws[next(it) % copies])
 
         def run_ref():
             torch.nn.functional.linear(x, ws[next(it) % copies])
 
-        iters = 5 if quick else max(10, min(200, int(2e9 / w0.nbytes)))
+        iters = 5 if quick else max(10, min(max_iters, int(2e9 / w0.nbytes)))
         t_op, t_ref = timeit(run_op, iters, warmup=2), timeit(run_ref, iters, warmup=2)
-        nbytes = w0.nbytes + x.nbytes + out.nbytes
-        tab.add("linear_small_m", f"[{m},{k}]x[{n},{k}]^T bf16 (ref: F.linear bf16), {copies} weight copies", t_op,
-                t_ref, nbytes, 2 * m * n * k)
+        tab.add(name, f"[{m},{k}]x[{n},{k}]^T bf16 (ref: F.linear bf16), {copies} weight copies", t_op, t_ref,
+                w0.nbytes + x.nbytes + out.nbytes, 2 * m * n * k)
         del ws
+
+
+def bench_linear_small_m(tab, quick):
+    """Decode-shaped bf16 linears through linear_small_m."""
+    shapes = [(1, 576, 1536), (1, 576, 49152), (8, 896, 4864), (1, 896, 151936)]
+    _bench_linears(tab, "linear_small_m", ops.linear_small_m, shapes[:2] if quick else shapes, quick, 200)
 
 
 def bench_linear_amx(tab, quick):
     """bf16 linears of 3-128 rows (decode batches; csrc/ops/linear/linear_choice.h routes them to linear_amx on an
-    AMX CPU): op vs F.linear (oneDNN bf16, the 'ref' column), weights rotated over >= 256 MiB of copies."""
+    AMX CPU)."""
     if not ops.amx_available():
         print("linear_amx: skipped (no AMX-BF16 on this CPU or in this build)", flush=True)
         return
     shapes = [(8, 896, 9728), (32, 896, 9728), (64, 4864, 896), (128, 896, 1152), (32, 896, 151936),
               (128, 896, 151936)]
-    if quick:
-        shapes = shapes[:2]
-    for m, k, n in shapes:
-        w0 = torch.randn(n, k, dtype=BF16)
-        copies = max(1, math.ceil((64 if quick else 256) * MiB / w0.nbytes))
-        ws = [w0] + [w0.clone() for _ in range(copies - 1)]
-        x = torch.randn(m, k, dtype=BF16)
-        out = torch.empty(m, n, dtype=BF16)
-        it = iter(range(1 << 30))
-
-        def run_op():
-            ops.linear_amx(out, x, ws[next(it) % copies])
-
-        def run_ref():
-            torch.nn.functional.linear(x, ws[next(it) % copies])
-
-        iters = 5 if quick else max(10, min(100, int(2e9 / w0.nbytes)))
-        t_op, t_ref = timeit(run_op, iters, warmup=2), timeit(run_ref, iters, warmup=2)
-        tab.add("linear_amx", f"[{m},{k}]x[{n},{k}]^T bf16 (ref: F.linear bf16), {copies} weight copies", t_op,
-                t_ref, w0.nbytes + x.nbytes + out.nbytes, 2 * m * n * k)
-        del ws
+    _bench_linears(tab, "linear_amx", ops.linear_amx, shapes[:2] if quick else shapes, quick, 100)
 
 
 def main() -> None:

@@ -111,7 +111,7 @@ inline void transpose16(__m512 r[16]) {
 }
 
 // C tile (16 n x 16 m, fp32, row stride 16) -> out[m0 + i][n0 + j] for the valid i < rows, j < cols.
-inline void store_ct(const float* c, c10::BFloat16* out, const float* bias, const AmxArgs& a, int64_t m0,
+inline void store_ct(const float* c, c10::BFloat16* out, const c10::BFloat16* bias, const AmxArgs& a, int64_t m0,
                      int64_t n0) {
   const int64_t rows = std::min<int64_t>(16, a.M - m0), cols = std::min<int64_t>(16, a.N - n0);
   if (rows <= 0 || cols <= 0) return;
@@ -119,7 +119,9 @@ inline void store_ct(const float* c, c10::BFloat16* out, const float* bias, cons
   for (int j = 0; j < 16; ++j) r[j] = _mm512_load_ps(c + 16 * j);
   transpose16(r);
   const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias + n0) : _mm512_setzero_ps();
+  const __m512 bv = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(  // bf16 -> fp32: the high half of the word
+                               _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16))
+                         : _mm512_setzero_ps();
   for (int64_t i = 0; i < rows; ++i) {
     const __m256bh v = _mm512_cvtneps_pbh(_mm512_add_ps(r[i], bv));
     _mm256_mask_storeu_epi16(out + (m0 + i) * a.ldo + n0, mask, (__m256i)v);
@@ -147,7 +149,7 @@ inline void prefetch_a(const c10::BFloat16* w0, const c10::BFloat16* next, int64
 // every output still sums k in the same order whatever M is.
 inline void block_kernel(const c10::BFloat16* w0, int64_t ldw, const c10::BFloat16* ktail,
                          bool prefetch, const c10::BFloat16* next, const uint32_t* xp, int64_t t0, int64_t t1,
-                         c10::BFloat16* out, const float* bias, const AmxArgs& a, int64_t n0, float* cacc) {
+                         c10::BFloat16* out, const c10::BFloat16* bias, const AmxArgs& a, int64_t n0, float* cacc) {
   const int64_t chunks = a.k_pad / kTileK;
   const int64_t full_chunks = ktail ? chunks - 1 : chunks;
   const int64_t panel = a.k_pad / 2 * 16;  // dwords per packed panel
@@ -215,7 +217,7 @@ inline int64_t m_chunk_panels(const AmxArgs& a) {
 }
 
 inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                              const float* bias, const AmxArgs& a) {
+                              const c10::BFloat16* bias, const AmxArgs& a) {
   const int64_t panels = (a.M + 15) / 16;
   const int64_t panel = a.k_pad / 2 * 16;
   std::vector<uint32_t> xp(static_cast<size_t>(panels * panel));

@@ -99,11 +99,10 @@ void linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, 
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const amx::AmxArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0),
                        (K + amx::kTileK - 1) / amx::kTileK * amx::kTileK};
-  const at::Tensor bf = in.b.defined() ? in.b.to(at::kFloat) : at::Tensor();
   amx::linear_amx_kernel(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
                          reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
                          reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
-                         bf.defined() ? bf.data_ptr<float>() : nullptr, a);
+                         in.b.defined() ? reinterpret_cast<const c10::BFloat16*>(in.b.data_ptr()) : nullptr, a);
 #endif
 }
 

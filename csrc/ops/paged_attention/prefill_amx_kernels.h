@@ -30,10 +30,10 @@ struct PrefillAmxScratch : PrefillScratch {
   std::vector<uint32_t> VB;       // [kKeyTile/2][D] value pairs (key 2p, 2p+1) per dim (past n zero)
   std::vector<uint32_t> QB;       // [D/2][Rp] query pairs (d, d+1) per row, rows past the item zero
   std::vector<c10::BFloat16> PT;  // [Rp][kKeyTile] probabilities, rows = query rows (keys past n zero)
-  std::vector<float> O, corr;     // [Rp][D] output accumulator; [Rp] this tile's softmax rescale
+  std::vector<float> O;           // [Rp][D] output accumulator
   PrefillAmxScratch(int64_t D_, int64_t Rp_)
       : PrefillScratch(D_, Rp_), Kb(kKeyTile * D_), VB(kKeyTile / 2 * D_), QB(D_ / 2 * Rp_), PT(Rp_ * kKeyTile),
-        O(Rp_ * D_), corr(Rp_) {}
+        O(Rp_ * D_) {}
 };
 
 // 16 bf16 of `lo` and `hi` -> 16 dwords (lo[i] | hi[i] << 16).
@@ -100,28 +100,6 @@ inline void prefill_amx_scores(PrefillAmxScratch& w, int64_t D, float scale, int
     for (int64_t rv = 0; rv < Rp; rv += kLanes) vstore(w.ST.data() + j * Rp + rv, vmul(vload(w.ST.data() + j * Rp + rv), sv));
 }
 
-// Online softmax over the tile's n keys, vectorized across rows (as softmax_tile), leaving P in ST and the
-// rescale of the rows' earlier output in corr.
-inline void prefill_amx_softmax(PrefillAmxScratch& w, int64_t n) {
-  for (int64_t rv = 0; rv < w.Rp; rv += kLanes) {
-    VecF mt = vset1(kNegInf);
-    for (int64_t j = 0; j < n; ++j) mt = vmax(mt, vload(w.ST.data() + j * w.Rp + rv));
-    const VecF m_old = vload(w.m.data() + rv);
-    const VecF m_new = vmax(m_old, mt);
-    const VecF corr = vexp(vsub(m_old, m_new));
-    VecF sum = vzero();
-    for (int64_t j = 0; j < n; ++j) {
-      float* s = w.ST.data() + j * w.Rp + rv;
-      const VecF p = vexp(vsub(vload(s), m_new));
-      vstore(s, p);
-      sum = vadd(sum, p);
-    }
-    vstore(w.l.data() + rv, vfma(vload(w.l.data() + rv), corr, sum));
-    vstore(w.m.data() + rv, m_new);
-    vstore(w.corr.data() + rv, corr);
-  }
-}
-
 // O[r][d] = corr[r] * O[r][d] + sum_j P[j][r] * V[j][d] over the tile's keys.
 inline void prefill_amx_pv(PrefillAmxScratch& w, int64_t D, int64_t n) {
   const int64_t Rp = w.Rp;
@@ -168,7 +146,7 @@ inline void prefill_amx_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefil
     if (a.softcap > 0.f) apply_softcap(w.ST.data(), n * Rp, a.softcap);
     const bool boundary = start + n - 1 > p_first || (a.window > 0 && start < a.window_begin(p_last));
     if (boundary) mask_tile(a, w, start, n);
-    prefill_amx_softmax(w, n);
+    softmax_update(w, n, w.corr.data());
     prefill_amx_pv(w, D, n);
   }
   for (int64_t r = 0; r < (it.t1 - it.t0) * G; ++r) {

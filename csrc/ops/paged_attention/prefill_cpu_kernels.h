@@ -64,10 +64,10 @@ struct PrefillItem {
 
 struct PrefillScratch {
   int64_t D, Rp;
-  std::vector<float> QT, OT, Kf, Vf, ST, m, l, pos, row;
+  std::vector<float> QT, OT, Kf, Vf, ST, m, l, corr, pos, row;
   PrefillScratch(int64_t D_, int64_t Rp_)
       : D(D_), Rp(Rp_), QT(D_ * Rp_), OT(D_ * Rp_), Kf(kKeyTile * D_, 0.f), Vf(kKeyTile * D_, 0.f),
-        ST(kKeyTile * Rp_), m(Rp_), l(Rp_), pos(Rp_), row(D_) {}
+        ST(kKeyTile * Rp_), m(Rp_), l(Rp_), corr(Rp_), pos(Rp_), row(D_) {}
 };
 
 // Masks ST for keys [start, start + n): key after the row's position or before the row's window.
@@ -86,14 +86,15 @@ inline void mask_tile(const PagedAttnArgs<T>& a, PrefillScratch& w, int64_t star
   }
 }
 
-// Online softmax over the tile, vectorized across rows; rescales OT.
-inline void softmax_tile(PrefillScratch& w, int64_t n) {
+// Online softmax over the tile's n keys, vectorized across rows: ST becomes P, m and l move on, and
+// corr[r] is the factor the row's earlier output must be rescaled by.
+inline void softmax_update(PrefillScratch& w, int64_t n, float* corr) {
   for (int64_t rv = 0; rv < w.Rp; rv += kLanes) {
     VecF mt = vset1(kNegInf);
     for (int64_t j = 0; j < n; ++j) mt = vmax(mt, vload(w.ST.data() + j * w.Rp + rv));
     const VecF m_old = vload(w.m.data() + rv);
     const VecF m_new = vmax(m_old, mt);
-    const VecF corr = vexp(vsub(m_old, m_new));
+    const VecF c = vexp(vsub(m_old, m_new));
     VecF sum = vzero();
     for (int64_t j = 0; j < n; ++j) {
       float* s = w.ST.data() + j * w.Rp + rv;
@@ -101,9 +102,18 @@ inline void softmax_tile(PrefillScratch& w, int64_t n) {
       vstore(s, p);
       sum = vadd(sum, p);
     }
-    vstore(w.l.data() + rv, vfma(vload(w.l.data() + rv), corr, sum));
+    vstore(w.l.data() + rv, vfma(vload(w.l.data() + rv), c, sum));
     vstore(w.m.data() + rv, m_new);
-    for (int64_t d = 0; d < w.D; ++d) vstore(w.OT.data() + d * w.Rp + rv, vmul(vload(w.OT.data() + d * w.Rp + rv), corr));
+    vstore(corr + rv, c);
+  }
+}
+
+// softmax_update, then the rescale of OT [D][Rp].
+inline void softmax_tile(PrefillScratch& w, int64_t n) {
+  softmax_update(w, n, w.corr.data());
+  for (int64_t rv = 0; rv < w.Rp; rv += kLanes) {
+    const VecF c = vload(w.corr.data() + rv);
+    for (int64_t d = 0; d < w.D; ++d) vstore(w.OT.data() + d * w.Rp + rv, vmul(vload(w.OT.data() + d * w.Rp + rv), c));
   }
 }
 

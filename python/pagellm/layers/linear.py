@@ -30,6 +30,7 @@ except Exception:  # pragma: no cover - depends on the build
 #   - beyond that torch's GEMM (oneDNN) is as fast or faster.
 SMALL_M_MAX = 2 if _AMX_OK else 4
 AMX_MAX_M = 128 if _AMX_OK else 0
+_OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,17 +51,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
-        if 0 < m <= AMX_MAX_M or 0 < m <= SMALL_M_MAX:
-            if no_grad:
-                op = _linear_small_m if m <= SMALL_M_MAX else _linear_amx
-                n = weight.shape[0]
-                if x.dim() == 2:  # the decode case; every torch call costs microseconds here
-                    out = torch.empty((m, n), dtype=x.dtype)
-                    op(out, x, weight, bias)
-                    return out
-                out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
-                op(out.view(m, n), x.reshape(m, k), weight, bias)
+        if 0 < m <= _OWN_MAX_M and no_grad:
+            op = _linear_small_m if m <= SMALL_M_MAX else _linear_amx
+            n = weight.shape[0]
+            if x.dim() == 2:  # the decode case; every torch call costs microseconds here
+                out = torch.empty((m, n), dtype=x.dtype)
+                op(out, x, weight, bias)
                 return out
+            out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+            op(out.view(m, n), x.reshape(m, k), weight, bias)
+            return out
     return F.linear(x, weight, bias)
 
 
