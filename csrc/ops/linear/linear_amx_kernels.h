@@ -9,8 +9,8 @@
 //   - C tiles hold out^T (16 n x 16 m fp32); they are transposed on the way out (16x16 in registers).
 // Register blocking is 2 A x 2 B -> 4 C tiles (all 8 tile registers): a 32 n x 32 m block per k step.
 // Threads split N in blocks of 32 rows; each thread walks its weight rows once per chunk of M rows
-// (at most 128 rows, sized so x's packed chunk stays in L2), so the weight is streamed from memory once
-// for decode; inside a block, K goes in 256-wide slices so the weight slice is reused from L1.
+// (256-512 rows, sized so x's packed chunk stays in L2), so the weight is streamed from memory once
+// for decode; inside a block, K goes in 512-wide slices so the weight slice is reused from L1.
 // K and N tails go through small zero-padded copies, M tails through zero rows of the packed x, so the
 // tile configuration never changes. Every output element sums k in the same order whatever M is, so a
 // row's result does not depend on the other rows in the batch.
@@ -39,8 +39,8 @@ constexpr int64_t kTileK = 32;  // bf16 elements of k per tile row (64 bytes)
 constexpr int64_t kBlockN = 32;
 constexpr int64_t kBlockM = 32;
 constexpr int64_t kAmxPrefetchChunks = 4;  // software prefetch distance, in k chunks of the weight rows
-constexpr int64_t kSliceChunks = 8;        // k chunks per slice (256 k): a block's weight slice is 16 KiB
-constexpr int64_t kChunkPairs = 4;         // pairs of 16-row panels of x per chunk of M (128 rows)
+constexpr int64_t kSliceChunks = 16;       // k chunks per slice (512 k): a block's weight slice is 32 KiB
+constexpr int64_t kChunkPairs = 16;        // at most 16 pairs of 16-row panels of x per chunk of M (512 rows)
 
 struct alignas(64) TileConfig {
   uint8_t palette_id = 1;
@@ -66,47 +66,46 @@ struct AmxArgs {
   int64_t k_pad;          // K rounded up to kTileK
 };
 
-// x rows [m0, m0 + 16) -> one packed panel: k_pad/2 rows of 16 dwords, dword (p, i) = x[m0+i][2p:2p+2]
-// (zeros past M and K). A B tile for k chunk c is the 16 panel rows at p = 16c, stride 64 bytes.
-inline void pack_x_panel(uint32_t* dst, const c10::BFloat16* x, const AmxArgs& a, int64_t m0) {
-  const int64_t pairs = a.k_pad / 2, full_pairs = a.K / 2;
-  const int64_t rows = std::min<int64_t>(16, a.M - m0);
-  for (int64_t i = 0; i < 16; ++i) {
-    if (i >= rows) {
-      for (int64_t p = 0; p < pairs; ++p) dst[p * 16 + i] = 0;
-      continue;
+// 16x16 32-bit transpose in registers (r[i] = row i in, column i out): interleave 32-bit then 64-bit
+// lanes inside 128-bit groups, then move 128-bit groups across rows twice. 64 shuffles, no tables.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4)
+    for (int j = 0; j < 2; ++j) {
+      const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + j + 2]);
+      r[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      r[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
     }
-    const c10::BFloat16* src = x + (m0 + i) * a.ldx;
-    for (int64_t p = 0; p < full_pairs; ++p) {
-      uint32_t v;
-      std::memcpy(&v, src + 2 * p, 4);
-      dst[p * 16 + i] = v;
+  // r[4g + q] now holds, in each 128-bit group l, elements (4g .. 4g+3, column 4l + q).
+  for (int i = 0; i < 16; i += 8)
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0x88);      // groups 0,2 of each
+      t[i + j + 4] = _mm512_shuffle_f32x4(r[i + j], r[i + j + 4], 0xdd);  // groups 1,3 of each
     }
-    for (int64_t p = full_pairs; p < pairs; ++p) {
-      uint16_t lo = 0;
-      if (2 * p < a.K) std::memcpy(&lo, src + 2 * p, 2);
-      dst[p * 16 + i] = lo;  // high half (k = 2p + 1 >= K) is zero
-    }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_f32x4(t[j], t[j + 8], 0xdd);
   }
 }
 
-// 16x16 fp32 transpose in registers: four rounds, round b swaps bit b of the row and column index.
-inline void transpose16(__m512 r[16]) {
-  for (int b = 0; b < 4; ++b) {
-    const int d = 1 << b;
-    alignas(64) int32_t lo_idx[16], hi_idx[16];
-    for (int c = 0; c < 16; ++c) {
-      const bool bit = (c & d) != 0;
-      lo_idx[c] = bit ? 16 + (c ^ d) : c;
-      hi_idx[c] = bit ? 16 + c : (c ^ d);
-    }
-    const __m512i li = _mm512_load_si512(lo_idx), hi = _mm512_load_si512(hi_idx);
-    for (int i = 0; i < 16; ++i) {
-      if (i & d) continue;
-      const __m512 a = r[i], bb = r[i + d];
-      r[i] = _mm512_permutex2var_ps(a, li, bb);
-      r[i + d] = _mm512_permutex2var_ps(a, hi, bb);
-    }
+// x rows [m0, m0 + 16) -> one packed panel: k_pad/2 rows of 16 dwords, dword (p, i) = x[m0+i][2p:2p+2]
+// (zeros past M and K). A B tile for k chunk c is the 16 panel rows at p = 16c, stride 64 bytes.
+// Each k chunk is a 16 x 16 dword transpose of the 16 rows' 64 bytes.
+inline void pack_x_panel(uint32_t* dst, const c10::BFloat16* x, const AmxArgs& a, int64_t m0) {
+  const int64_t rows = std::min<int64_t>(16, a.M - m0);
+  for (int64_t k0 = 0; k0 < a.k_pad; k0 += kTileK) {
+    const int64_t kn = std::min<int64_t>(kTileK, a.K - k0);  // bf16 elements of this chunk inside K
+    const __mmask32 mask = kn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << kn) - 1);
+    __m512 r[16];
+    for (int64_t i = 0; i < 16; ++i)
+      r[i] = i < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, x + (m0 + i) * a.ldx + k0))
+                      : _mm512_setzero_ps();
+    transpose16(r);
+    for (int p = 0; p < 16; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(dst + (k0 / 2 + p) * 16), r[p]);
   }
 }
 
@@ -143,7 +142,7 @@ inline void prefetch_a(const c10::BFloat16* w0, const c10::BFloat16* next, int64
 // [t0, t1) of x, at most 2 * kChunkPairs panels. prefetch: software-prefetch w0's rows (a block of the
 // real weight); next: the following block's rows (same stride) when it is a full one, else null.
 //
-// K is walked in slices of kSliceChunks chunks: the block's slice of weight (32 x 256 bf16, 16 KiB) is
+// K is walked in slices of kSliceChunks chunks: the block's slice of weight (32 x 512 bf16, 32 KiB) is
 // loaded from memory on the first pair of panels and stays in L1 for the others, so for large M only
 // the packed x streams from L2. Between slices each pair's four C tiles wait in cacc (fp32, exact), so
 // every output still sums k in the same order whatever M is.
@@ -209,20 +208,25 @@ inline void block_kernel(const c10::BFloat16* w0, int64_t ldw, const c10::BFloat
   }
 }
 
-// Panels of M per packed chunk: x's packed chunk (m x k_pad bf16) stays within ~1 MiB of L2, and at
-// most 2 * kChunkPairs panels, whose C tiles (4 KiB per pair) sit in cacc between k slices.
+// Panels of M per packed chunk: x's packed chunk (m x k_pad bf16) stays within ~1 MiB of L2, but at
+// least 16 panels (256 rows; for large K, re-reading the weight per chunk costs more than L2 misses on
+// x) and at most 2 * kChunkPairs, whose C tiles (4 KiB per pair) sit in cacc between k slices.
 inline int64_t m_chunk_panels(const AmxArgs& a) {
   const int64_t rows = (int64_t(1) << 20) / (a.k_pad * 2);
-  return std::clamp<int64_t>(rows / kBlockM * 2, 2, 2 * kChunkPairs);
+  return std::clamp<int64_t>(rows / kBlockM * 2, 16, 2 * kChunkPairs);
 }
 
 inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                               const c10::BFloat16* bias, const AmxArgs& a) {
   const int64_t panels = (a.M + 15) / 16;
   const int64_t panel = a.k_pad / 2 * 16;
-  std::vector<uint32_t> xp(static_cast<size_t>(panels * panel));
+  // The packed x lives in a per-thread buffer that only grows: a fresh multi-MiB allocation per call
+  // costs a page fault per 4 KiB, which for prefill-sized M took as long as the GEMM itself.
+  thread_local std::vector<uint32_t> xp;
+  if (xp.size() < static_cast<size_t>(panels * panel)) xp.resize(static_cast<size_t>(panels * panel));
+  uint32_t* const xpd = xp.data();
   at::parallel_for(0, panels, 4, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) pack_x_panel(xp.data() + t * panel, x, a, t * 16);
+    for (int64_t t = b; t < e; ++t) pack_x_panel(xpd + t * panel, x, a, t * 16);
   });
   const int64_t n_blocks = (a.N + kBlockN - 1) / kBlockN;
   const int64_t chunk_panels = m_chunk_panels(a);
@@ -256,7 +260,7 @@ inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const 
           kt = ktail.data();
         }
         const bool next_full = rows == kBlockN && n0 + 2 * kBlockN <= a.N;
-        block_kernel(wb, ldw, kt, rows == kBlockN, next_full ? wb + kBlockN * ldw : nullptr, xp.data(), t0, t1, out,
+        block_kernel(wb, ldw, kt, rows == kBlockN, next_full ? wb + kBlockN * ldw : nullptr, xpd, t0, t1, out,
                      bias, a, n0, cacc);
       }
     }
