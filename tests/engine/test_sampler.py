@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pagellm.sampling import (Sampler, SamplingRow, apply_min_p, apply_top_k_top_p, build_sampling_metadata)
+from pagellm.sampling.sampler import argmax_rows
 from pagellm.sampling_params import SamplingParams
 
 V = 50
@@ -82,6 +83,37 @@ def test_greedy_is_argmax_and_min_tokens_masks_eos():
     assert toks[0] == logits[0].argmax().item() and toks[2] == logits[2].argmax().item()
     assert toks[1] != 0
     assert toks[3] == 7
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [7, 511, 512, 1000, 4097])
+def test_argmax_rows_matches_torch_argmax(dtype, v):
+    g = torch.Generator().manual_seed(v)
+    x = torch.randn(9, v, generator=g).to(dtype)
+    x[1] = torch.randint(0, 3, (v,), generator=g).to(dtype)  # many ties: the first index must win
+    x[2, -1] = 50.0  # the maximum in the last (possibly short) block
+    x[3, 0] = 50.0
+    x[4, v // 2] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+    x[5] = float("-inf")
+    x[6, v // 3] = float("inf")
+    x[7, v - 1] = x[7, v // 5] = 60.0  # tie between blocks
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:, : v - 1] if v > 1 else x), (x[:, : v - 1] if v > 1 else x).argmax(-1))
+    assert argmax_rows(x[:0]).shape == (0,)
+
+
+def test_greedy_bf16_logits_sample_as_float32():
+    """The greedy fast path takes model-dtype logits as they are; the general path widens them."""
+    torch.manual_seed(4)
+    logits = torch.randn(3, 3000).bfloat16()
+    rows = [_row(temperature=0.0) for _ in range(3)]
+    assert _sample(logits, rows).sampled_token_ids.tolist() == logits.float().argmax(-1).tolist()
+    rows = [_row(temperature=0.0, logprobs=2) for _ in range(3)]
+    out = _sample(logits, rows)
+    assert out.sampled_token_ids.tolist() == logits.float().argmax(-1).tolist()
+    assert out.logprobs.logprobs.dtype == torch.float32
+    ref = torch.log_softmax(logits.float(), -1)
+    assert torch.allclose(out.logprobs.logprobs[:, 0], ref.max(-1).values)
 
 
 def test_seeded_rows_independent_of_batch():

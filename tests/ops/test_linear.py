@@ -167,5 +167,5 @@ def test_layer_routing():
         head.weight.copy_(_rand(50, 96, dtype=torch.bfloat16))
     h = _rand(2, 96, dtype=torch.bfloat16)
     logits = head(h)
-    assert logits.dtype == torch.float32 and logits.shape == (2, 50)
+    assert logits.dtype == torch.bfloat16 and logits.shape == (2, 50)  # the model dtype, as HF's lm_head
     assert_close(logits, F.linear(h.float(), head.weight.float()), dtype=torch.bfloat16, scale=2.0)

@@ -31,8 +31,8 @@ def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mappin
 
 @dataclass
 class ModelRunnerOutput:
-    logits: torch.Tensor  # float32 [num_sampling, V], row order = logits_indices order
-    # row index (in the scheduler output) -> float32 [num_scheduled_tokens, V] logits of the chunk
+    logits: torch.Tensor  # model dtype [num_sampling, V], row order = logits_indices order
+    # row index (in the scheduler output) -> [num_scheduled_tokens, V] logits of the chunk (model dtype)
     prompt_logits: dict[int, torch.Tensor]
 
 
@@ -96,8 +96,8 @@ class ModelRunner:
         logits_indices = sched_out.logits_indices
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
-            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0), dtype=torch.float32), prompt_logits={})
-        logits = self.model.compute_logits(hidden[self._to_device(gather)]).float()
+            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={})
+        logits = self.model.compute_logits(hidden[self._to_device(gather)])  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits)
 

@@ -26,7 +26,8 @@ class VocabEmbedding(nn.Module):
 
 
 class LMHead(nn.Module):
-    """logits = hidden @ W^T, returned as float32. `tie_to(embedding)` shares the embedding's weight."""
+    """logits = hidden @ W^T in the model dtype (as HF's lm_head); the sampler widens to float32 only where
+    it computes more than an argmax. `tie_to(embedding)` shares the embedding's weight."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None, device=None,
                  tied_to: VocabEmbedding | None = None) -> None:
@@ -42,8 +43,7 @@ class LMHead(nn.Module):
             self.weight.weight_loader = default_weight_loader
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # In the model dtype like HF (lm_head is a Linear), then float32 for sampling.
-        return linear(hidden, self.weight).float()
+        return linear(hidden, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, tied={self.tied}"

@@ -96,6 +96,24 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return logits.masked_fill(full_mask, float("-inf"))
 
 
+def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
+    """x.argmax(-1) for a 2-D x, with torch's semantics (the first index of the maximum; NaN counts as the
+    maximum), in any float dtype. torch's CPU argmax reduction is ~5x slower than amax, and at batch 256
+    over a 150k vocabulary it cost a tenth of a decode step; so: maxima of blocks of `block` columns, the
+    first block holding the row's maximum, then the argmax inside that one block."""
+    n, v = x.shape
+    if n == 0 or v < 4 * block or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    vb = v // block * block
+    bmax = x[:, :vb].reshape(n, vb // block, block).amax(dim=-1)  # a view of x: no copy
+    if vb < v:
+        bmax = torch.cat([bmax, x[:, vb:].amax(dim=-1, keepdim=True)], dim=1)
+    b = bmax.argmax(dim=-1)  # first block whose maximum is the row's maximum (NaN first, as in argmax)
+    cols = (b.unsqueeze(1) * block + torch.arange(block, device=x.device)).clamp_(max=v - 1)
+    # clamping repeats column v-1 after itself in a short last block, which cannot move the first maximum
+    return b * block + x.gather(1, cols).argmax(dim=-1)
+
+
 def compute_logprobs_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
     """logprobs [N, V] float32, token_ids [N] -> sampled/target token + top-k, with ranks."""
     tok = token_ids.to(torch.int64).unsqueeze(1)
@@ -121,19 +139,23 @@ class Sampler(torch.nn.Module):
 
     @torch.inference_mode()
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits [N, V] in the model dtype; everything past a plain argmax runs in float32."""
+        modified = md.bias_rows is not None or md.min_tok_rows is not None or md.repetition_penalty is not None
+        if md.all_greedy and md.max_num_logprobs is None and not modified:
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits))  # exact in any dtype: no widening
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
         processed = logits
-        if md.bias_rows is not None or md.min_tok_rows is not None or md.repetition_penalty is not None:
+        if modified:
             processed = logits.clone()
             processed = apply_logit_bias(processed, md)
             processed = apply_min_tokens(processed, md)
             processed = apply_penalties(processed, md)
 
-        greedy_tokens = processed.argmax(dim=-1) if not md.all_random else None
+        greedy_tokens = argmax_rows(processed) if not md.all_random else None
         if md.all_greedy:
             sampled = greedy_tokens
             final = processed
