@@ -122,6 +122,23 @@ inline VecF vexp(VecF x) {
   return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), res)};
 }
 
+// exp(x) for values that are rounded to bf16 afterwards (attention probabilities): one-constant ln2 and a
+// degree-5 Taylor polynomial on |r| <= ln2/2, relative error < 3e-6 (bf16 keeps 2^-9), 12 instructions
+// against vexp's 16. Exactly 0 below -87, as vexp.
+inline VecF vexp_lowp(VecF x) {
+  const __m512 xc = _mm512_max_ps(x.v, _mm512_set1_ps(-87.5f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147180559945309f), xc);
+  __m512 p = _mm512_set1_ps(1.0f / 120.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return {_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x.v, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), _mm512_scalef_ps(p, n))};
+}
+
 #else  // portable fallback: same interface over plain arrays
 
 struct VecF {
@@ -147,6 +164,7 @@ inline VecF vswap_pairs(VecF a) { PAGELLM_VEC_MAP(a.v[i ^ 1]); }
 inline VecF vcopysign(VecF a, VecF s) { PAGELLM_VEC_MAP(std::copysign(a.v[i], s.v[i])); }
 inline VecF vselect_lt(VecF l, VecF r_, VecF a, VecF b) { PAGELLM_VEC_MAP(l.v[i] < r_.v[i] ? a.v[i] : b.v[i]); }
 inline VecF vexp(VecF x) { PAGELLM_VEC_MAP(x.v[i] < -87.0f ? 0.f : std::exp(x.v[i])); }
+inline VecF vexp_lowp(VecF x) { return vexp(x); }
 inline float vsum(VecF a) {
   float s = 0.f;
   for (int i = 0; i < kLanes; ++i) s += a.v[i];

@@ -87,18 +87,23 @@ inline void mask_tile(const PagedAttnArgs<T>& a, PrefillScratch& w, int64_t star
 }
 
 // Online softmax over the tile's n keys, vectorized across rows: ST becomes P, m and l move on, and
-// corr[r] is the factor the row's earlier output must be rescaled by.
-inline void softmax_update(PrefillScratch& w, int64_t n, float* corr) {
+// corr[r] is the factor the row's earlier output must be rescaled by. Scores may come unscaled: the
+// probabilities are exp(scale * (s - m)) with m the running maximum of the unscaled scores (scale > 0,
+// so the maximum is the same). kLowpExp: the probabilities feed a bf16 product (vexp_lowp).
+template <bool kLowpExp = false>
+inline void softmax_update(PrefillScratch& w, int64_t n, float* corr, float scale = 1.0f) {
+  const VecF sv = vset1(scale);
   for (int64_t rv = 0; rv < w.Rp; rv += kLanes) {
     VecF mt = vset1(kNegInf);
     for (int64_t j = 0; j < n; ++j) mt = vmax(mt, vload(w.ST.data() + j * w.Rp + rv));
     const VecF m_old = vload(w.m.data() + rv);
     const VecF m_new = vmax(m_old, mt);
-    const VecF c = vexp(vsub(m_old, m_new));
+    const VecF c = vexp(vmul(vsub(m_old, m_new), sv));
     VecF sum = vzero();
     for (int64_t j = 0; j < n; ++j) {
       float* s = w.ST.data() + j * w.Rp + rv;
-      const VecF p = vexp(vsub(vload(s), m_new));
+      const VecF x = vmul(vsub(vload(s), m_new), sv);
+      const VecF p = kLowpExp ? vexp_lowp(x) : vexp(x);
       vstore(s, p);
       sum = vadd(sum, p);
     }

@@ -25,11 +25,11 @@ except Exception:  # pragma: no cover - depends on the build
 # same rule for the fused decode layer (keep them in sync). Measured on the AMX dev machine:
 #   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2,
 #     and the best choice up to M = 4 on a CPU without AMX;
-#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, and is at
-#     least even up to 128 (the LM head gains most);
-#   - beyond that torch's GEMM (oneDNN) is as fast or faster.
+#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, 1.1-1.4x
+#     at 128-256 on the wide shapes (gate/up, the LM head) and about even on the others;
+#   - beyond that (prefill chunks) torch's GEMM (oneDNN) is as fast or faster.
 SMALL_M_MAX = 2 if _AMX_OK else 4
-AMX_MAX_M = 128 if _AMX_OK else 0
+AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
 
 
