@@ -198,6 +198,13 @@ def render(data: dict) -> str:
                 f"samples {', '.join(f'{x:.0f}' for x in g.get('samples_gflops', []))}).", ""]
     out.append(C.md_table(["model", "engine", "requests", "time s", "input tok/s", "output tok/s", "total tok/s", "MFU",
                            "pagellm/HF output (full run vs HF subset)", "pagellm/HF output (same subset)"], rows))
+    for m in data["models"]:
+        if "hf" in m and "ratio_total_tok_s" in m:
+            p, h = m["pagellm"], m["hf"]
+            out += ["", f"{m['model']}: output tokens per prompt token {p['output_tokens'] / p['input_tokens']:.2f} "
+                        f"over all {p['num_requests']} requests, {h['output_tokens'] / h['input_tokens']:.2f} over HF's "
+                        f"subset, so the full-run output ratio compares different mixes; in total (prompt + output) "
+                        f"tok/s the full run is {m['ratio_total_tok_s']:.2f}x HF's subset."]
     if data.get("concurrency"):
         s = data["concurrency"]
         out += ["", f"## Throughput vs concurrency ({s['model']}, {s['num_requests']} requests, in "
