@@ -44,9 +44,9 @@ struct PagedAttnArgs {
   int64_t window_begin(int64_t p) const { return window > 0 ? std::max<int64_t>(0, p - window + 1) : 0; }
 };
 
-// x = softcap * tanh(x / softcap) on n values.
-inline void apply_softcap(float* x, int64_t n, float softcap) {
-  const VecF c = vset1(softcap), inv = vset1(1.0f / softcap);
+// x = softcap * tanh(scale * x / softcap) on n values (scale: for scores that come unscaled).
+inline void apply_softcap(float* x, int64_t n, float softcap, float scale = 1.0f) {
+  const VecF c = vset1(softcap), inv = vset1(scale / softcap);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) vstore(x + i, vmul(c, vtanh(vmul(vload(x + i), inv))));
   if (i < n) {

@@ -149,12 +149,9 @@ inline void prefill_amx_pv(PrefillAmxScratch& w, int64_t D, int64_t n) {
 }
 
 inline void prefill_amx_item(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillAmxScratch& w) {
-  const int64_t s = it.seq, G = a.group(), D = a.head_dim, Rp = w.Rp;
-  const int64_t q_base = a.query_start_loc[s];
-  const int64_t q_len = a.query_start_loc[s + 1] - q_base;
-  const int64_t pos_base = a.seq_lens[s] - q_len;  // absolute position of the chunk's first token
+  const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
+  const auto [q_base, pos_base, p_first, p_last] = prefill_span(a, it);
   prefill_amx_load_queries(a, it, w, q_base, pos_base);
-  const int64_t p_first = pos_base + it.t0, p_last = pos_base + it.t1 - 1;
   // Key steps start at multiples of 16 (so whole 16-key runs come straight from cache blocks); with a
   // window, keys before it in the first step are masked like any key outside a row's window.
   const int64_t kmin = a.window_begin(p_first) / 16 * 16;
@@ -163,11 +160,9 @@ inline void prefill_amx_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefil
     const int64_t n = std::min(kAmxKeys, p_last + 1 - start);
     prefill_amx_load_kv(a, it, w, start, n, kt);
     prefill_amx_scores(w, D, n, kt);
-    float softmax_scale = a.scale;  // folded into the softmax, unless the soft-cap needs scaled scores
+    float softmax_scale = a.scale;  // folded into the softmax, or into the soft-cap when there is one
     if (a.softcap > 0.f) {
-      const VecF sv = vset1(a.scale);
-      for (int64_t i = 0; i < n * Rp; i += kLanes) vstore(w.ST.data() + i, vmul(vload(w.ST.data() + i), sv));
-      apply_softcap(w.ST.data(), n * Rp, a.softcap);
+      apply_softcap(w.ST.data(), n * Rp, a.softcap, a.scale);
       softmax_scale = 1.0f;
     }
     const bool boundary = start + n - 1 > p_first || (a.window > 0 && start < a.window_begin(p_last));

@@ -140,14 +140,25 @@ void prefill_load_queries(const PagedAttnArgs<T>& a, const PrefillItem& it, Pref
   }
 }
 
+// Where a work item's queries sit: the chunk's first query row and the absolute positions.
+struct PrefillSpan {
+  int64_t q_base;    // row of the chunk's first token in query / out
+  int64_t pos_base;  // absolute position of the chunk's first token
+  int64_t p_first, p_last;  // absolute positions of the item's first and last token
+};
+
+template <typename T>
+inline PrefillSpan prefill_span(const PagedAttnArgs<T>& a, const PrefillItem& it) {
+  const int64_t q_base = a.query_start_loc[it.seq];
+  const int64_t pos_base = a.seq_lens[it.seq] - (a.query_start_loc[it.seq + 1] - q_base);
+  return {q_base, pos_base, pos_base + it.t0, pos_base + it.t1 - 1};
+}
+
 template <typename T>
 void prefill_item(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScratch& w) {
   const int64_t s = it.seq, G = a.group(), D = a.head_dim, Rp = w.Rp;
-  const int64_t q_base = a.query_start_loc[s];
-  const int64_t q_len = a.query_start_loc[s + 1] - q_base;
-  const int64_t pos_base = a.seq_lens[s] - q_len;  // absolute position of the chunk's first token
+  const auto [q_base, pos_base, p_first, p_last] = prefill_span(a, it);
   prefill_load_queries(a, it, w, q_base, pos_base);
-  const int64_t p_first = pos_base + it.t0, p_last = pos_base + it.t1 - 1;
   const int64_t kmin = a.window_begin(p_first);
   for (int64_t start = kmin; start <= p_last; start += kKeyTile) {
     const int64_t n = std::min(kKeyTile, p_last + 1 - start);
