@@ -26,7 +26,7 @@ from datetime import datetime
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving.client import stream_completion  # noqa: E402
-from serving.datasets import builtin_requests, fit_to_context, load_jsonl  # noqa: E402
+from serving.datasets import MIXES, builtin_requests, fit_to_context, load_jsonl  # noqa: E402
 from serving.metrics import format_summary, parse_goodput, summarize  # noqa: E402
 from serving.plotting import plot_sweep  # noqa: E402
 
@@ -43,6 +43,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--label", default="server", help="name of this server in results and plots")
     p.add_argument("--api-key", default=os.environ.get("PAGELLM_API_KEY"))
     p.add_argument("--dataset", default="builtin", help="'builtin' or a JSONL file with prompt/output_len")
+    p.add_argument("--builtin-mix", default="mixed", choices=sorted(MIXES),
+                   help="class shares of the built-in prompts: mixed (45%% questions, 35%% passage + question, "
+                        "20%% long summaries), or one class alone: chat, rag, summarize")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--output-len", type=int, default=None, help="override every request's output length")
     p.add_argument("--max-model-len", type=int, default=None, help="shrink/drop requests to fit this context")
@@ -98,25 +101,54 @@ async def run_once(args, reqs, rate: float, warm=()) -> dict:
         sem = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         rng = random.Random(args.seed)
 
+        async def send(r):
+            res = await stream_completion(session, base_url, model, r.prompt, r.output_len, r.prompt_len or 0,
+                                          args.ignore_eos, args.api_key, args.timeout)
+            res.kind = r.kind
+            return res
+
         async def one(r):
             if sem is None:
-                return await stream_completion(session, base_url, model, r.prompt, r.output_len, r.prompt_len or 0,
-                                               args.ignore_eos, args.api_key, args.timeout)
+                return await send(r)
             async with sem:
-                return await stream_completion(session, base_url, model, r.prompt, r.output_len, r.prompt_len or 0,
-                                               args.ignore_eos, args.api_key, args.timeout)
+                return await send(r)
 
+        ticks0 = cpu_times()
         t0 = time.perf_counter()
         tasks = []
         async for i in _arrivals(len(reqs), rate, args.burstiness, rng):
             tasks.append(asyncio.create_task(one(reqs[i])))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
+        steal = steal_fraction(ticks0, cpu_times())
     s = summarize(results, duration, parse_goodput(args.goodput))
     s.update(label=args.label, request_rate="inf" if rate == float("inf") else rate, burstiness=args.burstiness,
              max_concurrency=args.max_concurrency, num_prompts=len(reqs), model=model, base_url=base_url,
-             dataset=args.dataset, date=datetime.now().isoformat(timespec="seconds"))
+             dataset=dataset_name(args), cpu_steal=steal, date=datetime.now().isoformat(timespec="seconds"))
     return s
+
+
+def cpu_times() -> list[int] | None:
+    """The machine's aggregate CPU tick counters (/proc/stat `cpu` line), or None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_fraction(before: list[int] | None, after: list[int] | None) -> float | None:
+    """Share of CPU time the hypervisor took from this (virtual) machine between two readings: on a shared
+    host this is what makes one run slower than another with the same code, so every result records it."""
+    if not before or not after or len(before) < 8:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta[:8])  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return delta[7] / total if total > 0 else None
+
+
+def dataset_name(args) -> str:
+    return f"builtin:{getattr(args, 'builtin_mix', 'mixed')}" if args.dataset == "builtin" else args.dataset
 
 
 def build_requests(args, num: int | None = None, seed: int | None = None):
@@ -130,7 +162,7 @@ def build_requests(args, num: int | None = None, seed: int | None = None):
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     if args.dataset == "builtin":
-        reqs = builtin_requests(num, seed, tok)
+        reqs = builtin_requests(num, seed, tok, getattr(args, "builtin_mix", "mixed"))
     else:
         reqs = load_jsonl(args.dataset)
         if seed != args.seed:

@@ -27,6 +27,7 @@ class RequestResult:
     start_time: float = 0.0
     error: str = ""
     status: int = 0
+    kind: str = ""                    # the request's class in the dataset (question, rag, summarize, ...)
 
 
 async def stream_completion(session: aiohttp.ClientSession, base_url: str, model: str | None, prompt: str,

@@ -2,7 +2,7 @@
 # pagellm vs llama.cpp on the same machine, one server at a time, the same requests and rates.
 #
 #   bash benchmarks/setup_peer.sh                      # once: .venv-peer (llama-server, llama-cpp-python)
-#   bash benchmarks/serving/compare_llamacpp.sh        # RATES, NUM_PROMPTS, SERVERS, TAG, SEED override the defaults
+#   bash benchmarks/serving/compare_llamacpp.sh        # RATES, NUM_PROMPTS, SERVERS, TAG, SEED, MIX, PARALLEL, INTERLEAVE override the defaults
 #
 # Servers (SERVERS picks a subset, space-separated):
 #   pagellm-bf16        pagellm serve, the default model (Q4_1 GGUF dequantized) in bfloat16
@@ -31,6 +31,8 @@ MODELS="$ROOT/benchmarks/models"
 PAGELLM_ARGS="${PAGELLM_ARGS:-}"
 WARMUP="${WARMUP:-2}"  # requests sent one by one before each rate (pagellm's oneDNN kernels JIT per shape)
 SEED="${SEED:-0}"      # request draw: every server gets the same requests at a rate for the same SEED
+MIX="${MIX:-mixed}"    # built-in prompt mix: mixed, chat, rag or summarize (bench_serving.py --builtin-mix)
+INTERLEAVE="${INTERLEAVE:-0}"  # 1: for each rate, every server in turn (restarting each), instead of server by server
 mkdir -p "$OUT"
 
 # The tokenizer of the default model, to count prompt tokens identically for every server.
@@ -58,14 +60,15 @@ start_server() {
   esac
 }
 
-for server in $SERVERS; do
-  echo "=== $server ==="
+run_server() {  # run_server SERVER RATES: start it, run bench_serving.py at those rates, stop it
+  local server="$1" rates="$2"
+  echo "=== $server @ $rates ==="
   if curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null 2>&1; then
     echo "port $PORT is already serving something: stop it first" >&2
     exit 1
   fi
-  start_server "$server" > "$OUT/$server.log" 2>&1 &
-  pid=$!
+  start_server "$server" >> "$OUT/$server.log" 2>&1 &
+  local pid=$!
   for _ in $(seq 300); do
     curl -sf "http://127.0.0.1:$PORT/v1/models" > /dev/null 2>&1 && break
     kill -0 "$pid" 2> /dev/null || { echo "$server exited; see $OUT/$server.log" >&2; exit 1; }
@@ -73,12 +76,22 @@ for server in $SERVERS; do
   done
   echo "serving: $(curl -s "http://127.0.0.1:$PORT/v1/models" | head -c 300)"
   "$PY" benchmarks/bench_serving.py --port "$PORT" --label "$server" --num-prompts "$NUM_PROMPTS" \
-    --request-rates "$RATES" --max-model-len "$MAX_MODEL_LEN" --tokenizer "$TOKENIZER" \
-    --goodput ttft:1000 tpot:100 --warmup "$WARMUP" --seed "$SEED" --result-dir "$OUT" || true
+    --request-rates "$rates" --max-model-len "$MAX_MODEL_LEN" --tokenizer "$TOKENIZER" \
+    --goodput ttft:1000 tpot:100 --warmup "$WARMUP" --seed "$SEED" --builtin-mix "$MIX" --result-dir "$OUT" || true
   kill "$pid" 2> /dev/null || true
   wait "$pid" 2> /dev/null || true
   sleep 2
-done
+}
+
+if [ "$INTERLEAVE" = 1 ]; then
+  # Rates outer, servers inner: each rate's runs of all servers lie minutes apart, so a slow phase of a shared
+  # host (see each result's cpu_steal) hits one rate of every server rather than every rate of one server.
+  for rate in ${RATES//,/ }; do
+    for server in $SERVERS; do run_server "$server" "$rate"; done
+  done
+else
+  for server in $SERVERS; do run_server "$server" "$RATES"; done
+fi
 
 "$PY" benchmarks/bench_serving.py --compare "$OUT"/*-rate*.json --plot "$OUT/compare.png"
 "$PY" benchmarks/serving/summarize.py "$OUT" | tee "$OUT/summary.md"

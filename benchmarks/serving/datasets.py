@@ -95,13 +95,26 @@ _TASKS = [
 ]
 
 
-def builtin_requests(num: int, seed: int = 0, tokenizer=None) -> list[BenchRequest]:
-    """A realistic mix (by approximate prompt tokens / output tokens):
+# Request classes of the built-in generator, by approximate prompt tokens / output tokens:
+#   question    short chat questions        ~15-40 prompt tokens,    64-256 output tokens
+#   rag         passage + question          ~150-600 prompt tokens,  64-192 output tokens
+#   summarize   long summarization          ~800-1800 prompt tokens, 96-256 output tokens
+# A mix gives each class's share. `mixed` is the realistic default; the one-class mixes isolate a regime
+# (`chat`: decode-bound short prompts, where a slow prefill does not decide the TTFT SLO by itself).
+MIXES: dict[str, tuple[float, float, float]] = {
+    "mixed": (0.45, 0.35, 0.20),
+    "chat": (1.0, 0.0, 0.0),
+    "rag": (0.0, 1.0, 0.0),
+    "summarize": (0.0, 0.0, 1.0),
+}
 
-        45% short chat questions       ~15-40 prompt tokens,   64-256 output tokens
-        35% passage + question (RAG)   ~150-600 prompt tokens, 64-192 output tokens
-        20% long summarization         ~800-1800 prompt tokens, 96-256 output tokens
-    """
+
+def builtin_requests(num: int, seed: int = 0, tokenizer=None, mix: str = "mixed") -> list[BenchRequest]:
+    """`num` requests of the built-in generator in the class shares of MIXES[mix] (question / rag /
+    summarize). Every mix consumes the random stream the same way, so `mixed` draws what it always drew."""
+    if mix not in MIXES:
+        raise ValueError(f"unknown built-in mix {mix!r}; choose one of {sorted(MIXES)}")
+    p_question, p_rag, _ = MIXES[mix]
     root = find_doc_root()
     rng = random.Random(seed)
     qs = faq_questions(root)
@@ -128,10 +141,10 @@ def builtin_requests(num: int, seed: int = 0, tokenizer=None) -> list[BenchReque
     for _ in range(num):
         u = rng.random()
         q = rng.choice(qs)
-        if u < 0.45:
+        if u < p_question:
             prompt = q if rng.random() < 0.5 else f"I am learning Python. {q} Please answer briefly."
             kind, out_len = "question", rng.randint(64, 256)
-        elif u < 0.80:
+        elif u < p_question + p_rag:
             ctx = passages_up_to(rng.randint(150, 600))
             prompt = f"{_TASKS[0]}\n\nDocumentation:\n{ctx}\n\nQuestion: {q}\nAnswer:"
             kind, out_len = "rag", rng.randint(64, 192)

@@ -36,6 +36,26 @@ def tpot_of(r) -> float | None:
     return (r.latency - r.ttft) / (r.output_tokens - 1)
 
 
+def meets_slos(r, slos: dict[str, float]) -> bool:
+    t = tpot_of(r)
+    if "ttft" in slos and r.ttft * 1000 > slos["ttft"]:
+        return False
+    if "tpot" in slos and t is not None and t * 1000 > slos["tpot"]:
+        return False
+    return not ("e2el" in slos and r.latency * 1000 > slos["e2el"])
+
+
+def per_request(r, slos: dict[str, float] | None) -> dict:
+    """One request's record in the result JSON: what it was and how it went (ms)."""
+    t = tpot_of(r)
+    rec = {"kind": r.kind, "prompt_len": r.prompt_len, "output_tokens": r.output_tokens, "success": r.success,
+           "start_time": r.start_time, "ttft_ms": r.ttft * 1000, "tpot_ms": None if t is None else t * 1000,
+           "e2el_ms": r.latency * 1000}
+    if slos:
+        rec["good"] = bool(r.success and meets_slos(r, slos))
+    return rec
+
+
 def summarize(results, duration_s: float, slos: dict[str, float] | None = None) -> dict:
     ok = [r for r in results if r.success]
     ttfts = [r.ttft for r in ok]
@@ -54,19 +74,11 @@ def summarize(results, duration_s: float, slos: dict[str, float] | None = None) 
     for vals, name in ((ttfts, "ttft"), (tpots, "tpot"), (itls, "itl"), (e2els, "e2el")):
         s.update(_stats(vals, name))
     if slos:
-        good = 0
-        for r in ok:
-            t = tpot_of(r)
-            if "ttft" in slos and r.ttft * 1000 > slos["ttft"]:
-                continue
-            if "tpot" in slos and t is not None and t * 1000 > slos["tpot"]:
-                continue
-            if "e2el" in slos and r.latency * 1000 > slos["e2el"]:
-                continue
-            good += 1
+        good = sum(meets_slos(r, slos) for r in ok)
         s["slos_ms"] = slos
         s["good_requests"] = good
         s["goodput"] = good / duration_s if duration_s else 0.0
+    s["requests"] = [per_request(r, slos) for r in results]
     errors = [r.error for r in results if not r.success]
     if errors:
         s["first_errors"] = errors[:5]
@@ -83,6 +95,8 @@ def format_summary(s: dict, label: str = "") -> str:
     for name in ("ttft", "tpot", "itl", "e2el"):
         lines.append(f"{name.upper():5s} ms  mean {s[f'mean_{name}_ms']:9.1f}  p50 {s[f'median_{name}_ms']:9.1f}  "
                      f"p90 {s[f'p90_{name}_ms']:9.1f}  p99 {s[f'p99_{name}_ms']:9.1f}")
+    if s.get("cpu_steal") is not None:
+        lines.append(f"cpu steal {100 * s['cpu_steal']:.0f} % (time the host took from this machine)")
     if s.get("first_errors"):
         lines.append(f"errors: {s['first_errors'][:2]}")
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """One Markdown table of a serving comparison: every server at every request rate, from the JSON results
 bench_serving.py wrote into a directory, plus pagellm's goodput ratio to each peer at the same rate; and
-a second table of SLO capacity: the highest measured request rate at which at least X % of requests met
-both SLOs (DistServe's definition of goodput as a rate), per server, and pagellm's ratio to each peer.
+a second table of SLO capacity: the highest measured request rate up to which every measured rate had at
+least X % of its requests meet both SLOs (DistServe's definition of goodput as a rate), per server, and
+pagellm's ratio to each peer; and a third of good requests per request class, from the per-request records.
 
     python benchmarks/serving/summarize.py benchmarks/results/serving-<tag> > summary.md
 """
@@ -34,7 +35,7 @@ def meets_slo(s: dict) -> bool:
 
 def table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
     head = ("| server | rate req/s | done | req/s | out tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | "
-            "ITL p50 ms | goodput req/s | good % | median meets SLO | pagellm goodput / this |")
+            "ITL p50 ms | goodput req/s | good % | median meets SLO | pagellm goodput / this | cpu steal % |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     ours_runs = next((r for label, r in runs.items() if label.startswith(ours)), {})
     for label in sorted(runs, key=lambda x: (not x.startswith(ours), x)):
@@ -46,11 +47,13 @@ def table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
             if not label.startswith(ours) and rate in ours_runs:
                 mine = ours_runs[rate].get("goodput", 0.0)
                 ratio = f"{mine / good:.2f}x" if good > 0 else ("inf" if mine > 0 else "-")
+            steal = s.get("cpu_steal")
             lines.append(
                 f"| {label} | {rate:g} | {s['completed']}/{n} | {s['request_throughput']:.3f} | "
                 f"{s['output_throughput']:.1f} | {s['median_ttft_ms']:.0f} / {s['p90_ttft_ms']:.0f} | "
                 f"{s['median_tpot_ms']:.1f} / {s['p90_tpot_ms']:.1f} | {s['median_itl_ms']:.1f} | {good:.3f} | "
-                f"{100 * s.get('good_requests', 0) / max(n, 1):.0f} | {'yes' if meets_slo(s) else 'no'} | {ratio} |"
+                f"{100 * s.get('good_requests', 0) / max(n, 1):.0f} | {'yes' if meets_slo(s) else 'no'} | {ratio} | "
+                f"{'-' if steal is None else f'{100 * steal:.0f}'} |"
             )
     return "\n".join(lines)
 
@@ -59,12 +62,16 @@ ATTAINMENTS = (90, 80, 50)
 
 
 def capacity(runs_of_label: dict[float, dict], attainment: float) -> float:
-    """Highest measured rate whose SLO attainment (good requests / all) is at least `attainment` %; 0 if none."""
+    """SLO capacity: the highest measured rate R such that every measured rate up to R had an SLO attainment
+    (good requests / all) of at least `attainment` %; 0 if the lowest rate already missed it. A rate that
+    passes above one that failed does not count (noise, or a draw of easy requests, is not capacity)."""
     best = 0.0
-    for rate, s in runs_of_label.items():
+    for rate in sorted(r for r in runs_of_label if r != float("inf")):
+        s = runs_of_label[rate]
         n = s["completed"] + s["failed"]
-        if n and 100 * s.get("good_requests", 0) / n >= attainment and rate != float("inf"):
-            best = max(best, rate)
+        if not n or 100 * s.get("good_requests", 0) / n < attainment:
+            break
+        best = rate
     return best
 
 
@@ -89,6 +96,29 @@ def capacity_table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") ->
     return "\n".join(lines)
 
 
+def class_table(runs: dict[str, dict[float, dict]], ours: str = "pagellm") -> str:
+    """Good requests per request class (from the per-request records), per server and rate: which kinds of
+    request miss the SLOs, and on which side (TTFT or TPOT)."""
+    kinds = sorted({q.get("kind") or "?" for r in runs.values() for s in r.values() for q in s.get("requests", [])})
+    if not kinds:
+        return ""
+    head = "| server | rate req/s | " + " | ".join(f"{k}: good / n (TTFT miss, TPOT miss)" for k in kinds) + " |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for label in sorted(runs, key=lambda x: (not x.startswith(ours), x)):
+        for rate in sorted(runs[label]):
+            s = runs[label][rate]
+            slos = s.get("slos_ms", {})
+            cells = []
+            for k in kinds:
+                qs = [q for q in s.get("requests", []) if (q.get("kind") or "?") == k]
+                good = sum(bool(q.get("good")) for q in qs)
+                ttft = sum(q["success"] and q["ttft_ms"] > slos.get("ttft", float("inf")) for q in qs)
+                tpot = sum(q["success"] and (q["tpot_ms"] or 0) > slos.get("tpot", float("inf")) for q in qs)
+                cells.append(f"{good} / {len(qs)} ({ttft}, {tpot})" if qs else "-")
+            lines.append(f"| {label} | {rate:g} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> None:
     if len(argv) != 1:
         sys.exit(__doc__)
@@ -97,9 +127,13 @@ def main(argv: list[str]) -> None:
     print(f"SLOs (ms): {any_run.get('slos_ms')}; {any_run['num_prompts']} requests per rate, "
           f"dataset {any_run['dataset']}.\n")
     print(table(runs))
-    print("\nSLO capacity: the highest measured request rate at which at least X % of the requests met both "
-          "SLOs (rates between the measured ones are not interpolated).\n")
+    print("\nSLO capacity: the highest measured request rate R such that at every measured rate up to R at least "
+          "X % of the requests met both SLOs (rates between the measured ones are not interpolated).\n")
     print(capacity_table(runs))
+    by_class = class_table(runs)
+    if by_class:
+        print("\nGood requests by request class (runs that saved per-request records):\n")
+        print(by_class)
 
 
 if __name__ == "__main__":
