@@ -148,7 +148,7 @@ def steal_fraction(before: list[int] | None, after: list[int] | None) -> float |
 
 
 def dataset_name(args) -> str:
-    return f"builtin:{getattr(args, 'builtin_mix', 'mixed')}" if args.dataset == "builtin" else args.dataset
+    return f"builtin:{args.builtin_mix}" if args.dataset == "builtin" else args.dataset
 
 
 def build_requests(args, num: int | None = None, seed: int | None = None):
@@ -162,7 +162,7 @@ def build_requests(args, num: int | None = None, seed: int | None = None):
 
         tok = AutoTokenizer.from_pretrained(args.tokenizer)
     if args.dataset == "builtin":
-        reqs = builtin_requests(num, seed, tok, getattr(args, "builtin_mix", "mixed"))
+        reqs = builtin_requests(num, seed, tok, args.builtin_mix)
     else:
         reqs = load_jsonl(args.dataset)
         if seed != args.seed:

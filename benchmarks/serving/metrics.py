@@ -73,12 +73,12 @@ def summarize(results, duration_s: float, slos: dict[str, float] | None = None) 
     }
     for vals, name in ((ttfts, "ttft"), (tpots, "tpot"), (itls, "itl"), (e2els, "e2el")):
         s.update(_stats(vals, name))
+    s["requests"] = [per_request(r, slos) for r in results]
     if slos:
-        good = sum(meets_slos(r, slos) for r in ok)
+        good = sum(rec["good"] for rec in s["requests"])
         s["slos_ms"] = slos
         s["good_requests"] = good
         s["goodput"] = good / duration_s if duration_s else 0.0
-    s["requests"] = [per_request(r, slos) for r in results]
     errors = [r.error for r in results if not r.success]
     if errors:
         s["first_errors"] = errors[:5]
