@@ -110,6 +110,7 @@ def test_prefill_window_softcap(device, window, softcap, chunks, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_backend_mixed_batch(backend_name, dtype):
     from pagellm.attention import AttentionLayerSpec, AttentionMetadata, get_attention_backend_cls
+    from pagellm.kv_cache import FullAttentionSpec, PagedKVCache
 
     device = "cpu"
     cls = get_attention_backend_cls(backend_name)
@@ -140,7 +141,8 @@ def test_backend_mixed_batch(backend_name, dtype):
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g).to(dtype)
     backend.plan(md)
-    out = backend.forward(layer, q, k, v, kc, vc)
+    kv_cache = PagedKVCache(FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype), kc, vc)
+    out = backend.forward(layer, q, k, v, kv_cache)
 
     # Expected: write with the reference, then per-request attention.
     ref.reshape_and_cache(kc_ref, vc_ref, k, v, md.slot_mapping)

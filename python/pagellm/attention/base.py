@@ -1,9 +1,11 @@
 """The attention-backend contract: a plan step once per batch, a forward step once per layer.
 
-A backend owns how K/V are written into the paged cache and how attention reads it. The KV-cache
-layout is fixed for every backend and device (see docs/kv_cache_layout.md):
+A backend owns how K/V are written into the paged cache and how attention reads it. Each layer
+hands it that layer's `PagedKVCache` (pagellm.kv_cache); the layout is fixed for every backend and
+device (see docs/kv_cache_layout.md):
 
-    key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    kv_cache.key_cache, kv_cache.value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
+    kv_cache.k_scale, kv_cache.v_scale:       [num_blocks, num_kv_heads] float32, quantized cache dtypes only
 
 The model runner builds one `AttentionMetadata` per step from the scheduler output, calls
 `backend.plan(metadata)` once, then every attention layer calls `backend.forward(...)`.
@@ -15,8 +17,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pagellm.kv_cache import PagedKVCache
 
 
 @dataclass
@@ -65,9 +71,10 @@ class BaseAttentionBackend(ABC):
     """Interface every attention backend implements. Subclasses set `name`."""
 
     name: str = "base"
-    # True when decode steps go through torch.ops.pagellm.paged_attention_decode on this device, so
-    # the model may run a decode-only step with torch.ops.pagellm.fused_decode_layer instead of forward()
-    supports_fused_decode_layer: bool = False
+    # True when plan() + forward() are replayable as a step graph (pagellm.step_graph): given the
+    # metadata's tensors and its num_reqs / num_tokens / num_decode_reqs, they make the same op calls
+    # every step and never read tensor data into Python (no .tolist(), .item(), max_seq_len).
+    step_graph_safe: bool = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
@@ -89,12 +96,14 @@ class BaseAttentionBackend(ABC):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: PagedKVCache,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend.
+        """Write this step's K/V into `kv_cache`, then attend.
 
         query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim].
+        kv_cache: this layer's PagedKVCache (a shared layer gets its target layer's object).
         Returns [num_tokens, num_heads, head_dim]: causal attention of each token over its request's
         cached context plus the chunk's earlier tokens (and itself).
+        A backend that cannot run on `kv_cache.spec.dtype` (e.g. a quantized cache) raises
+        NotImplementedError naming it.
         """

@@ -16,7 +16,7 @@ from pagellm.attention.torch_backend import PagedBackendBase
 
 @register_attention_backend("cpu")
 class CpuAttentionBackend(PagedBackendBase):
-    """C++ paged attention on CPU (AVX-512 when built for it)."""
+    """C++ paged attention on CPU (AVX-512 when built for it); float KV caches (PagedBackendBase.forward)."""
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -32,11 +32,12 @@ class CpuAttentionBackend(PagedBackendBase):
         _prefill = staticmethod(torch.ops.pagellm.paged_attention_prefill.default)
 
     @property
-    def supports_fused_decode_layer(self) -> bool:
-        """Only this class's own forward and ops: the fused layer calls reshape_and_cache and
-        paged_attention_decode itself, so it must never bypass a subclass that overrides forward()
-        or binds other kernels."""
+    def step_graph_safe(self) -> bool:
+        """The registered C++ ops only read the metadata tensors; a subclass that overrides plan() or
+        forward() or binds other kernels (a Python reference, say) may read data, so it must say so itself."""
         cls = type(self)
-        return (ops.ops_available()[0] and cls.forward is PagedBackendBase.forward
-                and cls._write is torch.ops.pagellm.reshape_and_cache.default
-                and cls._decode is torch.ops.pagellm.paged_attention_decode.default)
+        return bool(ops.ops_available()[0] and cls.forward is PagedBackendBase.forward
+                    and cls.plan is PagedBackendBase.plan
+                    and cls._write is torch.ops.pagellm.reshape_and_cache.default
+                    and cls._decode is torch.ops.pagellm.paged_attention_decode.default
+                    and cls._prefill is torch.ops.pagellm.paged_attention_prefill.default)

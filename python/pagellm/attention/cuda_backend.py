@@ -25,7 +25,7 @@ def _has_cuda_kernel(op_name: str) -> bool:
 
 @register_attention_backend("cuda")
 class CudaAttentionBackend(PagedBackendBase):
-    """CUDA paged attention (sm_80+; head dims 64, 80, 96, 112, 128, 256)."""
+    """CUDA paged attention (sm_80+; head dims 64, 80, 96, 112, 128, 256; float KV caches)."""
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:

@@ -4,7 +4,7 @@
 
     @register_attention_backend("mine")
     class MyBackend(BaseAttentionBackend):
-        def forward(self, layer, query, key, value, key_cache, value_cache): ...
+        def forward(self, layer, query, key, value, kv_cache): ...   # kv_cache: PagedKVCache
 
     LLM(model, attention_backend="mine")     # or PAGELLM_ATTENTION_BACKEND=mine
 """

@@ -9,6 +9,7 @@ import torch
 
 from pagellm.attention.base import AttentionLayerSpec, AttentionMetadata, BaseAttentionBackend
 from pagellm.attention.registry import register_attention_backend
+from pagellm.kv_cache import FLOAT_CACHE_DTYPES, PagedKVCache
 from pagellm.ops import reference
 
 
@@ -28,6 +29,15 @@ class _SplitBatch:
         self.prefill_query_start_loc = (md.query_start_loc[nd : md.num_reqs + 1] - nd).to(torch.int32)
 
 
+def _unsupported_cache(backend: str, kv_cache: object) -> Exception:
+    if not isinstance(kv_cache, PagedKVCache):
+        return TypeError(f"the {backend!r} attention backend takes a PagedKVCache, got {type(kv_cache).__name__}")
+    return NotImplementedError(
+        f"the {backend!r} attention backend runs on float KV caches ({', '.join(map(str, FLOAT_CACHE_DTYPES))}), "
+        f"not the quantized cache dtype {kv_cache.spec.dtype!r}"
+    )
+
+
 class PagedBackendBase(BaseAttentionBackend):
     """Shared forward(): write K/V, decodes through `_decode`, prefill chunks through `_prefill`."""
 
@@ -41,11 +51,13 @@ class PagedBackendBase(BaseAttentionBackend):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
+        kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         if self.metadata is None:
             raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
+        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k_scale is not None:
+            raise _unsupported_cache(self.name, kv_cache)
+        key_cache, value_cache = kv_cache.key_cache, kv_cache.value_cache
         md, sp = self.metadata, self._split
         n = sp.num_tokens
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -9,7 +9,8 @@ from pagellm.attention.base import AttentionLayerSpec
 
 
 class Attention(nn.Module):
-    """Holds one layer's static `AttentionLayerSpec`; the backend and this layer's KV cache come from `ctx`.
+    """Holds one layer's static `AttentionLayerSpec`; the backend and this layer's KV cache
+    (`ctx.kv_caches[layer_idx]`, a PagedKVCache) come from `ctx`.
 
     forward(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D], ctx) -> [T, Hq*D]
     """
@@ -36,8 +37,7 @@ class Attention(nn.Module):
         query = q.view(T, s.num_heads, s.head_dim)
         key = k.view(T, s.num_kv_heads, s.head_dim)
         value = v.view(T, s.num_kv_heads, s.head_dim)
-        key_cache, value_cache = ctx.kv_caches[s.layer_idx]
-        out = ctx.attn_backend.forward(s, query, key, value, key_cache, value_cache)
+        out = ctx.attn_backend.forward(s, query, key, value, ctx.kv_caches[s.layer_idx])
         return out.view(T, s.num_heads * s.head_dim)
 
     def extra_repr(self) -> str:

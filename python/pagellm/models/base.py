@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionLayerSpec
+from pagellm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedLinear, WeightShapeError, default_weight_loader
 
@@ -37,8 +38,6 @@ class CausalLMBase(nn.Module):
     # checkpoint tensors that are not parameters here and are dropped silently
     ignored_weight_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
     tie_word_embeddings: bool = False
-    # whether the decoder layers can run decode steps through torch.ops.pagellm.fused_decode_layer
-    supports_fused_decode: bool = False
 
     # ---- KV cache ------------------------------------------------------------------------------
     def attention_specs(self) -> list[AttentionLayerSpec]:
@@ -62,6 +61,17 @@ class CausalLMBase(nn.Module):
         """Per layer: keys a query sees (itself included), -1 = full attention."""
         return [s.window_size for s in self.attention_specs()]
 
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype | str) -> dict[int, KVCacheSpec]:
+        """Layer id -> what that layer stores per KV-cache block (pagellm.kv_cache): a SlidingWindowSpec
+        for a layer with a window, a FullAttentionSpec otherwise. `dtype`: a float torch dtype or a
+        quantized cache dtype name ("int8", "fp8_e4m3")."""
+        def spec(a: AttentionLayerSpec) -> KVCacheSpec:
+            if a.window_size > 0:
+                return SlidingWindowSpec(block_size, a.num_kv_heads, a.head_dim, dtype, a.window_size)
+            return FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
+
+        return {a.layer_idx: spec(a) for a in self.attention_specs()}
+
     # ---- weights -------------------------------------------------------------------------------
     def _hf_to_param(self, name: str) -> tuple[str, object]:
         for merged, hf, shard in self.stacked_params_mapping:
@@ -71,7 +81,8 @@ class CausalLMBase(nn.Module):
         return name, None
 
     def expected_weight_names(self) -> set[str]:
-        """HF tensor names a complete checkpoint provides for this model."""
+        """HF tensor names a complete checkpoint provides for this model: one per parameter, whatever its
+        LinearMethod registered (e.g. `weight` + `weight_scale`), and per shard for a merged layer's."""
         names: set[str] = set()
         modules = dict(self.named_modules())
         for pname, _ in self.named_parameters():

@@ -1,0 +1,52 @@
+"""The paged KV cache: per-layer specs (spec.py), groups and sizing (groups.py), typed caches (cache.py).
+
+    specs = model.kv_cache_specs(block_size, dtype)                # layer id -> spec
+    config = make_kv_cache_config(specs, device, max_model_len, max_num_seqs, kv_cache_memory_gb=1)
+    kv_caches = allocate_kv_caches(config, device)                 # kv_caches[layer_id] -> PagedKVCache
+"""
+
+from pagellm.kv_cache.cache import KVCaches, LatentKVCache, LayerKVCache, PagedKVCache, allocate_kv_caches
+from pagellm.kv_cache.groups import (
+    KVCacheConfig,
+    KVCacheGroup,
+    available_memory_bytes,
+    bytes_per_block,
+    check_one_block_table,
+    determine_num_blocks,
+    group_kv_cache_specs,
+    make_kv_cache_config,
+)
+from pagellm.kv_cache.spec import (
+    FLOAT_CACHE_DTYPES,
+    QUANTIZED_CACHE_DTYPES,
+    SCALE_DTYPE,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    SharedKVSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = [
+    "FLOAT_CACHE_DTYPES",
+    "QUANTIZED_CACHE_DTYPES",
+    "SCALE_DTYPE",
+    "FullAttentionSpec",
+    "KVCacheConfig",
+    "KVCacheGroup",
+    "KVCacheSpec",
+    "KVCaches",
+    "LatentKVCache",
+    "LayerKVCache",
+    "MLAAttentionSpec",
+    "PagedKVCache",
+    "SharedKVSpec",
+    "SlidingWindowSpec",
+    "allocate_kv_caches",
+    "available_memory_bytes",
+    "bytes_per_block",
+    "check_one_block_table",
+    "determine_num_blocks",
+    "group_kv_cache_specs",
+    "make_kv_cache_config",
+]
