@@ -10,6 +10,7 @@ from torch import nn
 from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file
 from pagellm.models.base import WeightLoadError
 from pagellm.models.registry import get_model_cls
+from pagellm.quantization import QuantizationConfig, get_quantization_config_cls, list_quantization_methods
 
 _ALLOWED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -33,8 +34,40 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config=None) -> torch.dtyp
     return _ALLOWED[name]
 
 
-def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu") -> nn.Module:
-    """Registry lookup by config.architectures[0], construct on `device` in `dtype`, load weights, eval()."""
+def resolve_quant_config(quantization: str | None, hf_config,
+                         cfg_file: Path | str = CONFIG_NAME) -> QuantizationConfig | None:
+    """The checkpoint's weight format: `quantization` if named (it must agree with the checkpoint's
+    `quantization_config.quant_method` when that is present), else that quant_method, else None (unquantized).
+    A name that is not registered -> ValueError naming it and the registered ones."""
+    hf_quant = getattr(hf_config, "quantization_config", None)
+    if hf_quant is not None and not isinstance(hf_quant, dict):
+        hf_quant = hf_quant.to_dict() if hasattr(hf_quant, "to_dict") else vars(hf_quant)
+    ckpt_method = (hf_quant or {}).get("quant_method")
+    if quantization is not None and ckpt_method is not None and quantization != ckpt_method:
+        raise ValueError(f"quantization={quantization!r}, but {cfg_file} says quant_method={ckpt_method!r}")
+    name = quantization if quantization is not None else ckpt_method
+    if name is None:
+        return None
+    if name not in list_quantization_methods():
+        where = "" if quantization is not None else f"{cfg_file}: quantization_config.quant_method "
+        raise ValueError(f"{where}unknown quantization method {name!r}; registered: {list_quantization_methods()} "
+                         "(None = unquantized)")
+    return get_quantization_config_cls(name).from_config(dict(hf_quant or {}))
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every linear layer's method its one chance to repack what it loaded (see LinearMethodBase)."""
+    with torch.no_grad():
+        for module in model.modules():
+            method = getattr(module, "linear_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+
+
+def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
+                quantization: str | None = None) -> nn.Module:
+    """Registry lookup by config.architectures[0], construct on `device` in `dtype` with the weight format
+    `resolve_quant_config` picks, load weights, let each linear method post-process them, eval()."""
     config = files.hf_config
     cfg_file = Path(files.path) / CONFIG_NAME
     archs = getattr(config, "architectures", None) or []
@@ -44,9 +77,12 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
         cls = get_model_cls(archs[0])
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {e}") from None
+    quant_config = resolve_quant_config(quantization, config, cfg_file)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device(device):
-        model = cls(config, torch_dtype)
+        # unquantized: built exactly as before, so model classes that take no quant_config still load
+        extra = {} if quant_config is None else {"quant_config": quant_config}
+        model = cls(config, torch_dtype, **extra)
 
     where: dict[str, Path] = {}
 
@@ -63,4 +99,5 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
     if missing:
         more = f" (and {len(missing) - 1} more: {missing[1:6]}...)" if len(missing) > 1 else ""
         raise WeightLoadError(missing[0], f"missing tensor{more}", file=str(files.path))
+    process_weights_after_loading(model)
     return model.eval()

@@ -1,0 +1,59 @@
+"""Which kernel a dense (unquantized) linear runs on: pagellm's own CPU kernels for few bf16 rows, else
+F.linear. Used by the unquantized LinearMethod and the LM head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import pagellm.ops as _compiled
+
+    _SMALL_M_OK = _compiled.ops_available()[0]
+    _linear_small_m = torch.ops.pagellm.linear_small_m.default if _SMALL_M_OK else None
+    _AMX_OK = _SMALL_M_OK and _compiled.amx_available()
+    _linear_amx = torch.ops.pagellm.linear_amx.default if _AMX_OK else None
+except Exception:  # pragma: no cover - depends on the build
+    _SMALL_M_OK = _AMX_OK = False
+
+# Which kernel a bf16 CPU linear of M (flattened) rows runs (the one place this is decided; decode steps
+# replayed from a step graph replay the choice made here). Measured on the AMX dev machine:
+#   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2,
+#     and the best choice up to M = 4 on a CPU without AMX;
+#   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, 1.1-1.4x
+#     at 128-256 on the wide shapes (gate/up, the LM head) and about even on the others;
+#   - beyond that (prefill chunks) torch's GEMM (oneDNN) is as fast or faster.
+SMALL_M_MAX = 2 if _AMX_OK else 4
+AMX_MAX_M = 256 if _AMX_OK else 0
+_OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except bf16 CPU inputs with few rows go through pagellm's own kernels (see above).
+
+    fp32 (and every other case) is exactly F.linear, so fp32 results stay bit-identical to HF.
+    """
+    # Checked cheapest first: this runs ~4 times per layer per decode step.
+    if (
+        _SMALL_M_OK
+        and x.dtype is torch.bfloat16
+        and weight.dtype is torch.bfloat16
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dim() >= 1
+        and (bias is None or bias.dtype is torch.bfloat16)
+    ):
+        k = x.shape[-1]
+        m = x.numel() // k if k else 0
+        no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
+        if 0 < m <= _OWN_MAX_M and no_grad:
+            op = _linear_small_m if m <= SMALL_M_MAX else _linear_amx
+            n = weight.shape[0]
+            if x.dim() == 2:  # the decode case; every torch call costs microseconds here
+                out = torch.empty((m, n), dtype=x.dtype)
+                op(out, x, weight, bias)
+                return out
+            out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+            op(out.view(m, n), x.reshape(m, k), weight, bias)
+            return out
+    return F.linear(x, weight, bias)

@@ -1,0 +1,16 @@
+"""Weight formats: `QuantizationConfig` + `LinearMethodBase` (the seam), the unquantized default, the registry."""
+
+from pagellm.quantization.base import (
+    LinearMethodBase, OutputShard, QuantizationConfig, ShardLoader, load_output_slice, new_linear_param,
+    set_weight_attrs,
+)
+from pagellm.quantization.registry import (
+    get_quantization_config_cls, list_quantization_methods, register_quantization_config,
+)
+from pagellm.quantization.unquantized import UnquantizedLinearMethod
+
+__all__ = [
+    "LinearMethodBase", "OutputShard", "QuantizationConfig", "ShardLoader", "UnquantizedLinearMethod",
+    "get_quantization_config_cls", "list_quantization_methods", "load_output_slice", "new_linear_param",
+    "register_quantization_config", "set_weight_attrs",
+]

@@ -1,0 +1,25 @@
+"""The default LinearMethod: the weight as in the checkpoint, [out, in] in the model dtype."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.ops.linear_dispatch import linear
+from pagellm.quantization.base import LinearMethodBase, new_linear_param
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """weight [out, in] (+ bias [out]) in `params_dtype`; apply = `pagellm.layers.linear.linear`, which picks
+    pagellm's bf16 small-M / AMX kernels or F.linear (fp32 is exactly F.linear)."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
+                       params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
+        layer.register_parameter("weight", new_linear_param((output_size, input_size), params_dtype, extra))
+        if bias:
+            layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(x, layer.weight, bias)
