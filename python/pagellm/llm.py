@@ -8,8 +8,19 @@ from typing import Any, Sequence
 
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
+from pagellm.inputs import InputProcessor, PromptType, chat_prompt
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    """One prompt or a batch of them, as a batch (a flat list of ints is one token-id prompt)."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]
+    return prompts
 
 
 class LLM:
@@ -56,6 +67,11 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    @property
+    def input_processor(self) -> InputProcessor:
+        """The engine's InputProcessor: what every prompt passed to generate / chat goes through."""
+        return self.llm_engine.input_processor
+
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
@@ -66,15 +82,19 @@ class LLM:
         return SamplingParams(**{k: gen[k] for k in keys if gen.get(k) is not None})
 
     # ------------------------------------------------------------------ generate
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every worker (vLLM's name)."""
+        return self.llm_engine.collective_rpc(method, args, kwargs)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns RequestOutputs in input order.
 
-        A prompt is a str, {"prompt_token_ids": [...]} or {"prompt": str}.
+        A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}
+        (pagellm.inputs); a list of those is a batch. Every prompt is checked (TypeError /
+        ValueError) before any is queued.
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -86,13 +106,15 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
+        # tokenized and checked once, all of them before any is queued: a bad batch queues nothing
+        processed = [self.input_processor.process(p, sp) for p, sp in zip(prompts, params_list)]
         ids = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            for i, req in enumerate(processed):
                 rid = str(next(self._counter))
-                engine.add_request(rid, p, sp, priority=0 if priority is None else priority[i])
+                engine.add_request(rid, req.as_prompt(), req.params, priority=0 if priority is None else priority[i])
                 ids.append(rid)
-        except Exception:
+        except BaseException:
             engine.abort_request(ids)
             raise
         return self._run_engine(ids, use_tqdm)
@@ -131,11 +153,13 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
              chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
-        """Generate replies for one conversation (a list of {"role", "content"} dicts) or a list of them."""
+        """Generate replies for one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered by pagellm.inputs.apply_chat_template (as the server's chat route does)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template,
-                                                          chat_template_kwargs, continue_final_message)}
+            chat_prompt(tok, c, add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
             for c in convs
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -143,10 +167,8 @@ class LLM:
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True, chat_template: str | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None,
                             continue_final_message: bool = False) -> list[int]:
-        tok = self.get_tokenizer()
-        text = tok.apply_chat_template(
-            conversation, tokenize=False, add_generation_prompt=add_generation_prompt and not continue_final_message,
-            continue_final_message=continue_final_message, chat_template=chat_template, **(chat_template_kwargs or {}),
-        )
-        # the template already carries BOS etc.
-        return list(tok(text, add_special_tokens=False)["input_ids"])
+        """The token ids `chat` would send for this conversation."""
+        prompt = chat_prompt(self.get_tokenizer(), conversation, add_generation_prompt=add_generation_prompt,
+                             continue_final_message=continue_final_message, chat_template=chat_template,
+                             chat_template_kwargs=chat_template_kwargs)
+        return self.input_processor.tokenize(prompt)[1]

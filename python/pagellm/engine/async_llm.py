@@ -2,8 +2,9 @@
 
 Three stages, overlapped (continuous batching keeps the batch full while clients come and go):
 
-    1. input processing   (caller's coroutine -> tokenizer thread): chat template / tokenization,
-                          prompt-length checks. Never on the engine thread.
+    1. input processing   (caller's coroutine -> tokenizer thread): the engine's InputProcessor
+                          tokenizes and validates; a bad request is refused here, in the caller's
+                          coroutine. Never on the engine thread (which only re-checks token ids).
     2. engine core        (engine thread): drain the inbox (adds, aborts), `engine.step()`,
                           hand the step's outputs to the event loop with ONE
                           `loop.call_soon_threadsafe` per step, then go straight on to the next step.
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
 from pagellm.engine.stats import EngineStats
+from pagellm.inputs import InputProcessor, ProcessedRequest, PromptType
+from pagellm.inputs import PromptTooLongError  # noqa: F401  (re-exported: raised by generate/submit)
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -45,10 +48,6 @@ class EngineDeadError(RuntimeError):
 
 class QueueFullError(RuntimeError):
     """More requests are waiting than max_queue_len allows (HTTP 429)."""
-
-
-class PromptTooLongError(ValueError):
-    """The prompt (plus at least one generated token) does not fit in max_model_len."""
 
 
 @dataclass
@@ -75,6 +74,9 @@ class AsyncLLM:
         running); further `generate` calls raise QueueFullError. None = unbounded.
     max_model_len: prompts with >= this many tokens are rejected (PromptTooLongError) before they
         reach the engine; probed from the engine when not given.
+    tokenizer: the tokenizer for text prompts (default: the engine's).
+    Inputs go through `input_processor`: the engine's own, unless a tokenizer or max_model_len of
+    this front's differs from the engine's, or the engine has none (a test double).
     """
 
     def __init__(self, engine, *, max_queue_len: int | None = None, max_model_len: int | None = None,
@@ -84,11 +86,12 @@ class AsyncLLM:
         self.max_model_len = max_model_len or engine.max_model_len
         self.max_num_seqs = max_num_seqs or engine.max_num_seqs
         self.max_queue_len = max_queue_len
+        self.input_processor = self._make_input_processor(engine, tokenizer)
         self._idle_poll_s = idle_poll_s
 
         # Inbox (any thread -> engine thread).
         self._inbox_lock = threading.Lock()
-        self._pending_adds: list[tuple[str, dict, SamplingParams, float, int]] = []
+        self._pending_adds: list[tuple[str, ProcessedRequest, float, int]] = []
         self._pending_aborts: list[str] = []
         self._wake = threading.Event()
 
@@ -160,50 +163,26 @@ class AsyncLLM:
         if self._stopped.is_set() or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError("engine loop is not running")
 
+    def _make_input_processor(self, engine, tokenizer) -> InputProcessor:
+        own = getattr(engine, "input_processor", None)
+        if own is not None and tokenizer is None and self.max_model_len == engine.max_model_len:
+            return own
+        return InputProcessor(self.tokenizer, engine.vocab_size, self.max_model_len,
+                              eos_token_ids=getattr(engine, "eos_token_ids", ()))
+
     # ------------------------------------------------------------------ stage 1: input processing
-    def _tokenize(self, prompt) -> dict:
-        add_special_tokens = True
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = [int(t) for t in prompt["prompt_token_ids"]]
-                return {"prompt_token_ids": ids, "prompt": prompt.get("prompt")}
-            add_special_tokens = prompt.get("add_special_tokens", True)
-            prompt = prompt["prompt"]
-        if isinstance(prompt, (list, tuple)):
-            return {"prompt_token_ids": [int(t) for t in prompt], "prompt": None}
-        if self.tokenizer is None:
-            return {"prompt": prompt}
-        try:
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        except TypeError:
-            ids = self.tokenizer.encode(prompt)
-        if hasattr(ids, "ids"):  # raw tokenizers.Tokenizer
-            ids = ids.ids
-        return {"prompt_token_ids": list(ids), "prompt": prompt}
+    async def run_in_tokenizer_thread(self, fn, *args):
+        """fn(*args) on the tokenizer thread: off the event loop and off the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tok_executor, fn, *args)
 
-    async def process_inputs(self, prompt) -> dict:
-        """Tokenize off the event loop and off the engine thread; check the length."""
-        loop = asyncio.get_running_loop()
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt or isinstance(prompt, (list, tuple)):
-            processed = self._tokenize(prompt)  # nothing to do but copy
-        else:
-            processed = await loop.run_in_executor(self._tok_executor, self._tokenize, prompt)
-        self.check_prompt_len(processed.get("prompt_token_ids"))
-        return processed
-
-    def check_prompt_len(self, token_ids, max_tokens: int | None = None) -> None:
-        if token_ids is None:
-            return
-        if len(token_ids) == 0:
-            raise ValueError("The prompt is empty")
-        if self.max_model_len and len(token_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"has {len(token_ids)} tokens (at least one generated token must fit).")
-        vocab = self.engine.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} out of vocabulary (valid range [0, {vocab}))")
+    async def process_inputs(self, prompt: PromptType, sampling_params: SamplingParams | None = None
+                             ) -> ProcessedRequest:
+        """The input processor's ProcessedRequest (token ids, completed SamplingParams); text is
+        tokenized on the tokenizer thread. Raises TypeError / ValueError (PromptTooLongError)."""
+        needs_tokenizer = isinstance(prompt, str) or isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+        if needs_tokenizer:
+            return await self.run_in_tokenizer_thread(self.input_processor.process, prompt, sampling_params)
+        return self.input_processor.process(prompt, sampling_params)
 
     def num_queued(self) -> int:
         """Requests in flight that cannot be running (each running seq takes one of max_num_seqs)."""
@@ -213,12 +192,13 @@ class AsyncLLM:
         return self.stats.num_waiting + len(self._pending_adds)
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str | None = None, *,
-                       priority: int = 0, arrival_time: float | None = None
+    async def generate(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None,
+                       request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None
                        ) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its (cumulative) RequestOutputs until it finishes.
 
-        prompt: a string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids.
+        prompt: a string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids; or a
+        ProcessedRequest from `process_inputs` (then sampling_params must be None: it carries its own).
         Closing / cancelling the generator aborts the request in the engine.
         """
         stream = await self.add_request(request_id, prompt, sampling_params, arrival_time=arrival_time,
@@ -226,8 +206,8 @@ class AsyncLLM:
         async for out in self.iterate(stream):
             yield out
 
-    async def submit(self, prompt, sampling_params: SamplingParams, request_id: str | None = None, *,
-                     priority: int = 0, arrival_time: float | None = None
+    async def submit(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None,
+                     request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None
                      ) -> AsyncGenerator[RequestOutput, None]:
         """Like generate, but the request is admitted (or rejected: QueueFullError,
         PromptTooLongError, ...) before this returns; iterate the returned generator for outputs.
@@ -249,8 +229,9 @@ class AsyncLLM:
             if not stream.finished:
                 self._abort_local(stream.request_id)
 
-    async def add_request(self, request_id: str | None, prompt, sampling_params: SamplingParams, *,
-                          arrival_time: float | None = None, priority: int = 0) -> _Stream:
+    async def add_request(self, request_id: str | None, prompt: PromptType | ProcessedRequest,
+                          sampling_params: SamplingParams | None, *, arrival_time: float | None = None,
+                          priority: int = 0) -> _Stream:
         self._ensure_started()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -260,17 +241,18 @@ class AsyncLLM:
             raise QueueFullError(
                 f"The server is overloaded: {self.num_queued()} requests are queued (max_queue_len="
                 f"{self.max_queue_len}). Retry later.")
-        processed = await self.process_inputs(prompt)
+        if isinstance(prompt, ProcessedRequest):
+            if sampling_params is not None:
+                raise TypeError("a ProcessedRequest carries its own SamplingParams; pass sampling_params=None")
+            processed = prompt
+        else:
+            processed = await self.process_inputs(prompt, sampling_params)
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
-        stream = _Stream(request_id, num_seqs=max(1, int(getattr(sampling_params, "n", 1) or 1)))
+        stream = _Stream(request_id, num_seqs=processed.params.n)
         self._streams[request_id] = stream
-        engine_prompt = ({"prompt_token_ids": processed["prompt_token_ids"]}
-                         if "prompt_token_ids" in processed else processed["prompt"])
-        if isinstance(engine_prompt, dict) and processed.get("prompt") is not None:
-            engine_prompt["prompt"] = processed["prompt"]
         with self._inbox_lock:
-            self._pending_adds.append((request_id, engine_prompt, sampling_params, arrival_time, priority))
+            self._pending_adds.append((request_id, processed, arrival_time, priority))
         self._wake.set()
         return stream
 
@@ -329,14 +311,11 @@ class AsyncLLM:
                     adds, self._pending_adds = self._pending_adds, []
                     aborts, self._pending_aborts = self._pending_aborts, []
                 failed: list[tuple[str, BaseException]] = []
-                for rid, prompt, params, arrival, prio in adds:
+                for rid, req, arrival, prio in adds:
                     if rid in aborts:
                         continue  # cancelled before it ever reached the engine
                     try:
-                        try:
-                            engine.add_request(rid, prompt, params, arrival_time=arrival, priority=prio)
-                        except TypeError:
-                            engine.add_request(rid, prompt, params)
+                        engine.add_request(rid, req.as_prompt(), req.params, arrival_time=arrival, priority=prio)
                     except Exception as e:  # bad request: fail that stream only
                         failed.append((rid, e))
                 if aborts:

@@ -28,6 +28,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagellm.config import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
+    from pagellm.inputs import chat_prompt
     from pagellm.sampling_params import SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(a)))
@@ -35,8 +36,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     if a.no_chat_template or getattr(tok, "chat_template", None) is None:
         prompt = a.prompt
     else:
-        text = tok.apply_chat_template([{"role": "user", "content": a.prompt}], tokenize=False, add_generation_prompt=True)
-        prompt = {"prompt_token_ids": list(tok(text, add_special_tokens=False)["input_ids"])}
+        prompt = chat_prompt(tok, [{"role": "user", "content": a.prompt}])
     gen = engine.generation_config
     params = SamplingParams(
         max_tokens=a.max_tokens,

@@ -61,11 +61,19 @@ def engine_kwargs(args) -> dict:
     return {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
 
 
+def default_served_name(model: str | None) -> str:
+    """The model name clients use when --served-model-name is not given: MODEL's base name."""
+    if not model:
+        return "SmolLM2-135M-Instruct"
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
 def run(args) -> int:
     import uvicorn
 
     from pagellm.engine.async_llm import AsyncLLM
-    from pagellm.entrypoints.openai.api_server import build_app, default_served_name
+    from pagellm.entrypoints.openai.api_server import build_app
     from pagellm.logger import init_logger
 
     logger = init_logger("pagellm.serve")

@@ -1,7 +1,9 @@
 """The OpenAI-compatible HTTP server: a FastAPI app in front of an AsyncLLM.
 
     app = build_app(async_llm, "SmolLM2-135M-Instruct", api_key=None, max_queue_len=256)
-    run_server(args)            # what `pagellm serve` calls
+
+`pagellm serve` (entrypoints/serve.py) builds the AsyncLLM, calls build_app and runs uvicorn; this
+module never imports it back.
 
 Errors are OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}:
     400 BadRequestError   malformed JSON, wrong field types, out-of-range values, prompt too long,
@@ -14,9 +16,7 @@ Errors are OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
-import os
 from contextlib import asynccontextmanager
 from http import HTTPStatus
 
@@ -25,7 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, PromptTooLongError, QueueFullError
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                  ModelCard, ModelList, TokenizeChatRequest,
@@ -33,6 +33,7 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, Completi
 from pagellm.entrypoints.openai.serving_base import OpenAIError, error_body
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.inputs import PromptTooLongError
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -70,7 +71,7 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        # The engine is owned by whoever built the AsyncLLM (run_server shuts it down).
+        # The engine is owned by whoever built the AsyncLLM (`pagellm serve` shuts it down).
 
     app = FastAPI(title="pagellm OpenAI-compatible server", lifespan=lifespan, root_path=root_path)
     app.state.async_llm = async_llm
@@ -170,13 +171,10 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
         completion.check_model(req.model)
         if isinstance(req, TokenizeChatRequest):
-            text = await chat.render_prompt(req)
-            inp = {"prompt": text, "add_special_tokens": req.add_special_tokens}
+            prompt = {**await chat.render_prompt(req), "add_special_tokens": req.add_special_tokens}
         else:
-            inp = {"prompt": req.prompt, "add_special_tokens": req.add_special_tokens}
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(async_llm._tok_executor, async_llm._tokenize, inp)
-        ids = out["prompt_token_ids"]
+            prompt = {"prompt": req.prompt, "add_special_tokens": req.add_special_tokens}
+        _, ids = await async_llm.run_in_tokenizer_thread(async_llm.input_processor.tokenize, prompt)
         return {"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids}
 
     @app.post("/detokenize")
@@ -192,18 +190,3 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
         return {"prompt": text}
 
     return app
-
-
-# ---------------------------------------------------------------------------- running
-def default_served_name(model: str | None) -> str:
-    if not model:
-        return "SmolLM2-135M-Instruct"
-    base = os.path.basename(os.path.normpath(model))
-    return base[:-5] if base.endswith(".gguf") else base
-
-
-def run_server(args) -> int:
-    """Build the engine from `pagellm serve` arguments and serve until interrupted."""
-    from pagellm.entrypoints import serve
-
-    return serve.run(args)

@@ -84,7 +84,7 @@ class _SamplingFields(OpenAIBaseModel):
             raise ValueError("stream_options can only be set when stream is true")
         return self
 
-    def _common_sampling_kwargs(self, default_max_tokens: int | None) -> dict[str, Any]:
+    def _common_sampling_kwargs(self) -> dict[str, Any]:
         logit_bias = None
         if self.logit_bias:
             try:
@@ -145,15 +145,14 @@ class CompletionRequest(_SamplingFields):
             return [list(p)]
         return list(p)
 
-    def to_sampling_params(self, max_model_len: int | None, prompt_len: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
+        """max_tokens=None is left for the input processor to fill in (up to max_model_len)."""
         echo_only = self.echo and self.max_tokens == 0
         max_tokens = self.max_tokens
-        if max_tokens is None and max_model_len:
-            max_tokens = max(1, max_model_len - prompt_len)
         prompt_logprobs = self.prompt_logprobs
         if self.echo and self.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
-        kw = self._common_sampling_kwargs(max_tokens)
+        kw = self._common_sampling_kwargs()
         if echo_only:  # score the prompt: one throw-away greedy token
             kw.update(temperature=0.0, n=1, stop=None, min_tokens=0)
         return SamplingParams(max_tokens=1 if echo_only else max_tokens, logprobs=self.logprobs,
@@ -228,13 +227,11 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs=true")
         return self
 
-    def to_sampling_params(self, max_model_len: int | None, prompt_len: int) -> SamplingParams:
+    def to_sampling_params(self) -> SamplingParams:
+        """max_tokens=None is left for the input processor to fill in (up to max_model_len)."""
         max_tokens = self.max_completion_tokens or self.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, (max_model_len or 2048) - prompt_len)
         n_logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=n_logprobs,
-                              **self._common_sampling_kwargs(max_tokens))
+        return SamplingParams(max_tokens=max_tokens, logprobs=n_logprobs, **self._common_sampling_kwargs())
 
 
 class ChatLogProbTop(OpenAIBaseModel):

@@ -1,5 +1,6 @@
-"""What completions and chat share: model check, admission of a request's prompts, token texts,
-merging per-prompt output streams, disconnect watching, SSE framing, OpenAI-style errors."""
+"""What completions and chat share: model check, admission of a request's processed prompts, token
+texts, merging per-prompt output streams, disconnect watching, SSE framing, OpenAI-style errors.
+Prompts are tokenized and checked by the engine's InputProcessor (through AsyncLLM.process_inputs)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from typing import Any, AsyncIterator
 
 from fastapi import Request
 
-from pagellm.engine.async_llm import AsyncLLM, PromptTooLongError
+from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.metrics import ServerMetrics
+from pagellm.inputs import ProcessedRequest
 
 
 class OpenAIError(Exception):
@@ -132,29 +134,15 @@ class ServingBase:
                 self._tok_text_cache[token_id] = t
         return t
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int | None, param: str = "max_tokens") -> None:
-        mml = self.llm.max_model_len
-        if not mml:
-            return
-        if len(prompt_ids) >= mml:
-            raise PromptTooLongError(
-                f"This model's maximum context length is {mml} tokens. However, your prompt has "
-                f"{len(prompt_ids)} tokens.")
-        if max_tokens is not None and len(prompt_ids) + max_tokens > mml:
-            raise OpenAIError(
-                f"This model's maximum context length is {mml} tokens. However, you requested "
-                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
-                f"completion). Please reduce the prompt or {param}.", param=param)
-
-    async def admit(self, request_id: str, prompts: list[dict], params_list: list, priority: int = 0,
+    async def admit(self, request_id: str, processed: list[ProcessedRequest], priority: int = 0,
                     arrival_time: float | None = None) -> tuple[list[AsyncIterator], list[str]]:
-        """Admit every prompt of a request (all or none); return their output iterators and ids."""
+        """Admit every processed prompt of a request (all or none); return their output iterators and ids."""
         gens: list[AsyncIterator] = []
         ids = []
         try:
-            for i, (p, sp) in enumerate(zip(prompts, params_list)):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                gens.append(await self.llm.submit(p, sp, rid, priority=priority, arrival_time=arrival_time))
+            for i, req in enumerate(processed):
+                rid = request_id if len(processed) == 1 else f"{request_id}-{i}"
+                gens.append(await self.llm.submit(req, None, rid, priority=priority, arrival_time=arrival_time))
                 ids.append(rid)
         except BaseException:
             await self.llm.abort(ids)

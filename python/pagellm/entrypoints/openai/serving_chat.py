@@ -1,10 +1,9 @@
-"""POST /v1/chat/completions: the tokenizer's chat template (a ChatML fallback when the tokenizer
-has none), n, logprobs/top_logprobs, stop, seed, max_tokens/max_completion_tokens, streaming with
+"""POST /v1/chat/completions: the conversation rendered by pagellm.inputs.chat (as LLM.chat renders
+it), n, logprobs/top_logprobs, stop, seed, max_tokens/max_completion_tokens, streaming with
 stream_options.include_usage."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import AsyncIterator
 
@@ -13,33 +12,12 @@ from fastapi import Request
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body,
                                                      run_until_disconnect, sse)
-
-
-def _chatml(messages: list[dict], add_generation_prompt: bool, continue_final: bool) -> str:
-    parts = []
-    for i, m in enumerate(messages):
-        last = i == len(messages) - 1
-        if continue_final and last:
-            parts.append(f"<|im_start|>{m['role']}\n{m['content']}")
-        else:
-            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
-    if add_generation_prompt and not continue_final:
-        parts.append("<|im_start|>assistant\n")
-    return "".join(parts)
-
-
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, **kwargs) -> str:
-    if getattr(tokenizer, "chat_template", None) and hasattr(tokenizer, "apply_chat_template"):
-        extra = {"continue_final_message": True} if continue_final_message else {}
-        return tokenizer.apply_chat_template(messages, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt and not
-                                             continue_final_message, **extra, **kwargs)
-    return _chatml(messages, add_generation_prompt, continue_final_message)
+from pagellm.inputs import ProcessedRequest, TextPrompt, chat_prompt
 
 
 class OpenAIServingChat(ServingBase):
-    async def render_prompt(self, req) -> str:
+    async def render_prompt(self, req) -> TextPrompt:
+        """The request's conversation as a TextPrompt (rendered on the tokenizer thread)."""
         messages = []
         for m in req.messages:
             try:
@@ -49,26 +27,25 @@ class OpenAIServingChat(ServingBase):
         if req.continue_final_message and req.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
                               param="continue_final_message")
-        loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(
-                self.llm._tok_executor,
-                lambda: apply_chat_template(self.tokenizer, messages, req.add_generation_prompt,
-                                            req.continue_final_message, **(req.chat_template_kwargs or {})))
+            return await self.llm.run_in_tokenizer_thread(
+                lambda: chat_prompt(self.tokenizer, messages, add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
+                                    chat_template_kwargs=req.chat_template_kwargs))
         except Exception as e:  # template errors (e.g. a role the template rejects) are the client's
             raise OpenAIError(f"chat template failed: {e}", param="messages") from e
+
+    async def process_chat(self, req: ChatCompletionRequest) -> ProcessedRequest:
+        """The request's rendered, tokenized and validated input: what is sent to the engine."""
+        return await self.llm.process_inputs(await self.render_prompt(req), req.to_sampling_params())
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
         arrival = time.time()
         request_id = random_id("chatcmpl")
-        text = await self.render_prompt(req)
-        inp = await self.llm.process_inputs({"prompt": text, "add_special_tokens": False})
-        ids = inp["prompt_token_ids"]
-        sp = req.to_sampling_params(self.llm.max_model_len, len(ids))
-        explicit = req.max_completion_tokens or req.max_tokens
-        self.check_length(ids, explicit, "max_completion_tokens" if req.max_completion_tokens else "max_tokens")
-        (gen,), rids = await self.admit(request_id, [{"prompt_token_ids": ids}], [sp], req.priority, arrival)
+        processed = await self.process_chat(req)
+        ids, text = processed.prompt_token_ids, processed.prompt
+        (gen,), rids = await self.admit(request_id, [processed], req.priority, arrival)
         tracker = self.metrics.tracker(arrival) if self.metrics else None
         if req.stream:
             return self._stream(req, request_id, ids, text, gen, tracker, rids)

@@ -5,6 +5,7 @@ streamed (SSE, ending with `data: [DONE]`) or not."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import AsyncIterator
 
 from fastapi import Request
@@ -12,6 +13,7 @@ from fastapi import Request
 from pagellm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body,
                                                      merge_async_iterators, run_until_disconnect, sse)
+from pagellm.inputs import ProcessedRequest
 
 
 def _top_dict(serving, lps: dict | None, k: int, chosen: int | None = None) -> dict[str, float] | None:
@@ -65,27 +67,22 @@ class OpenAIServingCompletion(ServingBase):
         self.check_model(req.model)
         arrival = time.time()
         request_id = random_id("cmpl")
-        prompts = req.prompts()
-        processed = []
-        for p in prompts:
-            if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
-                raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
-            inp = await self.llm.process_inputs({"prompt_token_ids": p} if isinstance(p, list) else p)
-            if inp.get("prompt") is None and req.echo:
-                inp["prompt"] = self.tokenizer.decode(inp["prompt_token_ids"])
-            processed.append(inp)
-        params_list = []
-        for inp in processed:
-            ids = inp["prompt_token_ids"]
-            sp = req.to_sampling_params(self.llm.max_model_len, len(ids))
-            self.check_length(ids, None if req.max_tokens is None else sp.max_tokens)
-            params_list.append(sp)
-        engine_prompts = [{"prompt_token_ids": inp["prompt_token_ids"]} for inp in processed]
-        gens, ids = await self.admit(request_id, engine_prompts, params_list, req.priority, arrival)
+        sp = req.to_sampling_params()
+        processed = [await self._process(req, p, sp) for p in req.prompts()]
+        gens, ids = await self.admit(request_id, processed, req.priority, arrival)
         trackers = [self.metrics.tracker(arrival) if self.metrics else None for _ in gens]
         if req.stream:
             return self._stream(req, request_id, processed, gens, trackers, ids)
         return await run_until_disconnect(self._full(req, request_id, processed, gens, trackers, ids), raw_request)
+
+    async def _process(self, req: CompletionRequest, prompt: str | list[int], sp) -> ProcessedRequest:
+        """One prompt through the input processor; a token-id prompt echoed back gets its decoded text."""
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
+        processed = await self.llm.process_inputs(prompt, sp)
+        if processed.prompt is None and req.echo:
+            processed = replace(processed, prompt=self.tokenizer.decode(processed.prompt_token_ids))
+        return processed
 
     # ------------------------------------------------------------------ non-streaming
     async def _full(self, req, request_id, processed, gens, trackers, ids) -> dict:
@@ -104,16 +101,16 @@ class OpenAIServingCompletion(ServingBase):
             if out is None:
                 raise OpenAIError("request was aborted", 500, "InternalServerError")
             if trackers[i]:
-                trackers[i].finish(out, len(processed[i]["prompt_token_ids"]),
+                trackers[i].finish(out, len(processed[i].prompt_token_ids),
                                    "length" if echo_only else None)
-            prompt_ids = processed[i]["prompt_token_ids"]
+            prompt_ids = processed[i].prompt_token_ids
             prompt_tokens += len(prompt_ids)
             for c in out.outputs:
                 text = ""
                 lp_obj = None
                 builder = _LogprobBuilder(self, req.logprobs or 0)
                 if req.echo:
-                    text = processed[i]["prompt"] or ""
+                    text = processed[i].prompt or ""
                     if req.logprobs is not None:
                         lp_obj = builder.build(prompt_ids, out.prompt_logprobs)
                 if not echo_only:
@@ -145,7 +142,7 @@ class OpenAIServingCompletion(ServingBase):
         sent_toks: dict[int, int] = {}
         builders: dict[int, _LogprobBuilder] = {}
         finished_choices: set[int] = set()
-        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in processed)
+        prompt_tokens = sum(len(p.prompt_token_ids) for p in processed)
         completion_tokens = 0
         completion_by_prompt = [0] * len(gens)
 
@@ -168,13 +165,13 @@ class OpenAIServingCompletion(ServingBase):
                         sent_text[idx] = 0
                         sent_toks[idx] = 0
                         if req.echo:
-                            lp = (builders[idx].build(processed[i]["prompt_token_ids"], out.prompt_logprobs)
+                            lp = (builders[idx].build(processed[i].prompt_token_ids, out.prompt_logprobs)
                                   if req.logprobs is not None else None)
                             if echo_only:
                                 finished_choices.add(idx)
-                                parts.append(chunk(idx, processed[i]["prompt"] or "", lp, "length"))
+                                parts.append(chunk(idx, processed[i].prompt or "", lp, "length"))
                                 continue
-                            parts.append(chunk(idx, processed[i]["prompt"] or "", lp, None))
+                            parts.append(chunk(idx, processed[i].prompt or "", lp, None))
                     if echo_only:
                         continue
                     delta = c.text[sent_text[idx]:]
@@ -192,7 +189,7 @@ class OpenAIServingCompletion(ServingBase):
                 if out.finished:
                     completion_by_prompt[i] = 0 if echo_only else sum(len(c.token_ids) for c in out.outputs)
                     if trackers[i]:
-                        trackers[i].finish(out, len(processed[i]["prompt_token_ids"]),
+                        trackers[i].finish(out, len(processed[i].prompt_token_ids),
                                            "length" if echo_only else None)
                 if parts:
                     yield "".join(parts)
