@@ -72,6 +72,11 @@ void bind_request(py::module_& m) {
       .def_property_readonly("extra_key", &Request::extra_key)
       .def_property_readonly("num_preemptions", &Request::num_preemptions)
       .def_property_readonly("num_cached_tokens", &Request::num_cached_tokens)
+      .def_property_readonly("max_tokens", [](const Request& r) -> std::optional<int64_t> {
+            if (r.max_tokens() == Request::kUnlimitedTokens) return std::nullopt;
+            return r.max_tokens();
+          })
+      .def_property_readonly("draft_token_ids", &Request::draft_token_ids)
       .def("__repr__", [](const Request& r) {
         return "<Request " + r.request_id() + " " + to_string(r.status()) + " computed=" +
                std::to_string(r.num_computed_tokens()) + "/" + std::to_string(r.num_tokens()) + ">";
@@ -153,6 +158,9 @@ void bind_output(py::module_& m) {
   def_view(cls, "block_tables", &SO::block_tables,
            [=](const SO& o) { return Shape{rows(o), static_cast<py::ssize_t>(o.max_blocks_in_batch)}; });
   def_view(cls, "do_sample", &SO::do_sample, [=](const SO& o) { return Shape{rows(o)}; }, "bool");
+  def_view(cls, "num_draft_tokens", &SO::num_draft_tokens, [=](const SO& o) { return Shape{rows(o)}; });
+  def_view(cls, "draft_token_ids", &SO::draft_token_ids,
+           [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.draft_token_ids.size())}; });
   def_view(cls, "logits_indices", &SO::logits_indices,
            [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.logits_indices.size())}; });
   def_view(cls, "cow_copies", &SO::cow_copies,
@@ -195,10 +203,14 @@ void bind_scheduler(py::module_& m) {
            py::arg("num_blocks") = 1024, py::arg("block_size") = 16, py::arg("enable_prefix_caching") = true,
            py::arg("watermark") = 0.01)
       .def("add_request", [](Scheduler& s, const std::string& id, std::vector<int64_t> prompt, std::optional<double> arrival,
-                             int32_t priority, uint64_t extra_key) {
-            s.add_request(id, std::move(prompt), arrival ? *arrival : now_seconds(), priority, extra_key);
+                             int32_t priority, uint64_t extra_key, std::optional<int64_t> max_tokens) {
+            s.add_request(id, std::move(prompt), arrival ? *arrival : now_seconds(), priority, extra_key,
+                          max_tokens ? *max_tokens : Request::kUnlimitedTokens);
           }, py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("arrival_time") = py::none(),
-          py::arg("priority") = 0, py::arg("extra_key") = 0)
+          py::arg("priority") = 0, py::arg("extra_key") = 0, py::arg("max_tokens") = py::none())
+      .def("set_draft_tokens", &Scheduler::set_draft_tokens, py::arg("request_id"), py::arg("draft_token_ids"))
+      .def("set_num_lookahead_tokens", &Scheduler::set_num_lookahead_tokens, py::arg("num_lookahead_tokens"))
+      .def("decode_ready_request_ids", &Scheduler::decode_ready_request_ids)
       .def("schedule", &Scheduler::schedule)
       .def("update", &update, py::arg("output"), py::arg("num_new_tokens"), py::arg("new_token_ids"),
            py::arg("finished") = std::vector<FinishedRequest>())
@@ -219,6 +231,7 @@ void bind_scheduler(py::module_& m) {
             return r.seq_handle() < 0 ? std::vector<int32_t>() : s.block_manager().block_table(r.seq_handle());
           }, py::arg("request_id"))
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)
+      .def_property_readonly("num_lookahead_tokens", [](const Scheduler& s) { return s.config().num_lookahead_tokens; })
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.block_manager().num_free_blocks(); })

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace pagellm {
@@ -26,9 +27,12 @@ const char* to_string(RequestStatus s);
 // all_token_ids()[num_computed_tokens():] (after a preemption the outputs are re-prefilled too).
 class Request {
  public:
-  // Throws std::invalid_argument for an empty prompt.
+  // max_tokens: most output tokens the caller will accept (kUnlimitedTokens = up to max_model_len).
+  static constexpr int64_t kUnlimitedTokens = -1;
+
+  // Throws std::invalid_argument for an empty prompt or max_tokens neither >= 1 nor kUnlimitedTokens.
   Request(std::string request_id, std::vector<int64_t> prompt_token_ids, double arrival_time,
-          int32_t priority = 0, uint64_t extra_key = 0);
+          int32_t priority = 0, uint64_t extra_key = 0, int64_t max_tokens = kUnlimitedTokens);
 
   // Request id.
   const std::string& request_id() const { return request_id_; }
@@ -80,7 +84,17 @@ class Request {
   int64_t queue_order() const { return queue_order_; }
   // Sets the waiting-queue order.
   void set_queue_order(int64_t o) { queue_order_ = o; }
-  // Copy of this request under a new id (for fork): same tokens, state, priority and arrival.
+  // Most output tokens (kUnlimitedTokens = no limit but max_model_len).
+  int64_t max_tokens() const { return max_tokens_; }
+  // Output tokens it may still produce: min(max_tokens - outputs, max_model_len - tokens), >= 0.
+  int64_t num_remaining_tokens(int64_t max_model_len) const;
+  // Draft tokens proposed for the next step (speculative decoding); empty = none.
+  const std::vector<int64_t>& draft_token_ids() const { return draft_token_ids_; }
+  // Sets the drafts for the next step (the scheduler validates and clamps them).
+  void set_draft_token_ids(std::vector<int64_t> drafts) { draft_token_ids_ = std::move(drafts); }
+  // Drops the drafts (consumed by schedule(), or lost to a preemption).
+  void clear_draft_token_ids() { draft_token_ids_.clear(); }
+  // Copy of this request under a new id (for fork): same tokens, state, priority and arrival; no drafts.
   Request clone_as(const std::string& new_id) const;
 
  private:
@@ -92,6 +106,8 @@ class Request {
   double arrival_time_;
   int32_t priority_;
   uint64_t extra_key_;
+  int64_t max_tokens_;
+  std::vector<int64_t> draft_token_ids_;
   int32_t num_preemptions_ = 0;
   int64_t num_cached_tokens_ = 0;
   int32_t seq_handle_ = -1;

@@ -32,9 +32,12 @@ Scheduler::Scheduler(const SchedulerConfig& config, const CacheConfig& cache_con
 }
 
 void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> prompt_token_ids,
-                            double arrival_time, int32_t priority, uint64_t extra_key) {
+                            double arrival_time, int32_t priority, uint64_t extra_key, int64_t max_tokens) {
   const int64_t n = static_cast<int64_t>(prompt_token_ids.size());
   if (n == 0) throw std::invalid_argument("prompt_token_ids must not be empty");
+  if (max_tokens < 1 && max_tokens != Request::kUnlimitedTokens) {
+    throw std::invalid_argument("max_tokens must be >= 1 or -1 (unlimited) (got " + std::to_string(max_tokens) + ")");
+  }
   if (n > config_.max_model_len) {
     throw std::invalid_argument("prompt has " + std::to_string(n) + " tokens, more than max_model_len=" +
                                 std::to_string(config_.max_model_len));
@@ -52,7 +55,8 @@ void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> 
                                 std::to_string(usable) + " can be admitted");
   }
   if (requests_.count(request_id)) throw std::invalid_argument("duplicate request id '" + request_id + "'");
-  auto req = std::make_unique<Request>(request_id, std::move(prompt_token_ids), arrival_time, priority, extra_key);
+  auto req = std::make_unique<Request>(request_id, std::move(prompt_token_ids), arrival_time, priority, extra_key,
+                                       max_tokens);
   waiting_.push_back(req.get());
   requests_.emplace(request_id, std::move(req));
 }
@@ -93,8 +97,8 @@ void Scheduler::fork(const std::string& parent_id, const std::string& child_id) 
   requests_.emplace(child_id, std::move(child));
 }
 
-void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, int64_t num_new_token_ids,
-                                const std::vector<FinishedRequest>& finished) const {
+void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
+                                int64_t num_new_token_ids, const std::vector<FinishedRequest>& finished) const {
   if (num_rows != static_cast<int64_t>(pending_.rows.size())) {
     throw std::invalid_argument("num_new_tokens has " + std::to_string(num_rows) + " entries, expected " +
                                 std::to_string(pending_.rows.size()) + " (scheduled rows + forked children)");
@@ -111,7 +115,9 @@ void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, int64_
     const Request* r = pending_.rows[static_cast<size_t>(i)];
     const bool sample = pending_.sample[static_cast<size_t>(i)] != 0;
     const auto where = [i, m]() { return "num_new_tokens[" + std::to_string(i) + "]=" + std::to_string(m); };
-    const int64_t row_max = static_cast<size_t>(i) < pending_.num_base_rows ? max_accept : 1;
+    const size_t row = static_cast<size_t>(i);
+    const int32_t k = row < pending_.num_base_rows ? pending_.draft_start[row + 1] - pending_.draft_start[row] : 0;
+    const int64_t row_max = row < pending_.num_base_rows ? (k > 0 ? 1 + k : max_accept) : 1;
     if (m < 0 || (!sample && m != 0) || m > row_max) {
       throw std::invalid_argument(where() + ": must be 0 for a non-sampling row, else in [1, " +
                                   std::to_string(row_max) + "]");
@@ -127,6 +133,12 @@ void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, int64_
     throw std::invalid_argument("new_token_ids has " + std::to_string(num_new_token_ids) +
                                 " entries but num_new_tokens sums to " + std::to_string(total));
   }
+  if (pending_.draft_token_ids.empty()) return;
+  const int64_t* tok = new_token_ids;
+  for (size_t i = 0; i < pending_.num_base_rows; ++i) {
+    if (pending_.rows[i]->status() == RequestStatus::RUNNING) validate_accepted_drafts(i, tok, num_new[i]);
+    tok += num_new[i];
+  }
 }
 
 void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
@@ -136,13 +148,15 @@ void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_row
     throw std::invalid_argument("update(): output of step " + std::to_string(step_id) +
                                 " is not the pending step (each step is updated exactly once, in order)");
   }
-  validate_update(num_new, num_rows, num_new_token_ids, finished);
+  validate_update(num_new, num_rows, new_token_ids, num_new_token_ids, finished);
   const int64_t* tok = new_token_ids;
   for (int64_t i = 0; i < num_rows; ++i) {
     Request* r = pending_.rows[static_cast<size_t>(i)];
     const int64_t m = num_new[i];
     if (r->status() == RequestStatus::RUNNING) {  // skip rows aborted since schedule()
-      int64_t computed = r->num_computed_tokens() + pending_.num_tokens[static_cast<size_t>(i)];
+      // A finishing spec row that keeps no token wrote KV past its tokens: never cache beyond them.
+      int64_t computed = std::min(r->num_computed_tokens() + pending_.num_tokens[static_cast<size_t>(i)],
+                                  r->num_tokens());
       if (m > 0) {
         r->append_output_tokens(tok, m);
         computed = r->num_tokens() - 1;  // every accepted token's KV is written except the newest

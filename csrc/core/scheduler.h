@@ -28,26 +28,48 @@ class UnknownRequestError : public std::out_of_range {
 // A request finished by the caller in update(): (request id, FINISHED_* status).
 using FinishedRequest = std::pair<std::string, RequestStatus>;
 
-// Step protocol: out = schedule(); run the model (apply out.cow_copies first); optionally fork();
-// update(out, ...). A step with rows is "pending" until its update(); schedule() refuses to run while
-// one is pending. Single-threaded.
+// Step protocol: optionally set_draft_tokens(); out = schedule(); run the model (apply out.cow_copies
+// first); optionally fork(); update(out, ...). A step with rows is "pending" until its update();
+// schedule() refuses to run while one is pending. Single-threaded.
+// Speculative decoding: num_lookahead_tokens (L) is the most drafts a request may get per step. Every
+// sampling row reserves L slots after its token; a spec row's k <= L drafts occupy the first k of them.
 class Scheduler {
  public:
   // Throws std::invalid_argument naming an invalid config field.
   Scheduler(const SchedulerConfig& config, const CacheConfig& cache_config);
 
-  // Queues a new request. Throws std::invalid_argument (state untouched) for an empty prompt, a prompt
-  // longer than max_model_len (or max_num_batched_tokens without chunked prefill, or the KV cache),
-  // or a live duplicate id.
+  // Queues a new request. max_tokens bounds its outputs (Request::kUnlimitedTokens = up to
+  // max_model_len); it only clamps drafts, the caller still decides when the request finishes.
+  // Throws std::invalid_argument (state untouched) for an empty prompt, a prompt longer than
+  // max_model_len (or max_num_batched_tokens without chunked prefill, or the KV cache), a live
+  // duplicate id or max_tokens neither >= 1 nor kUnlimitedTokens.
   void add_request(const std::string& request_id, std::vector<int64_t> prompt_token_ids,
-                   double arrival_time, int32_t priority = 0, uint64_t extra_key = 0);
+                   double arrival_time, int32_t priority = 0, uint64_t extra_key = 0,
+                   int64_t max_tokens = Request::kUnlimitedTokens);
+  // Gives a running, decode-ready request (num_computed == num_tokens - 1) draft tokens for the next
+  // schedule() (an empty list clears them). Drafts beyond what the request may still produce (its
+  // max_tokens and max_model_len, less the bonus token) are dropped; returns the number kept. The next
+  // schedule() consumes every request's drafts, scheduled or not (a preempted request drops them); a
+  // budget too small for all of them keeps a prefix. Throws UnknownRequestError for an unknown id,
+  // std::invalid_argument for more than num_lookahead_tokens drafts, a negative token id or a request
+  // that is not decode-ready, std::logic_error while a step is pending; state is untouched then.
+  int32_t set_draft_tokens(const std::string& request_id, std::vector<int64_t> draft_token_ids);
+  // Changes the most drafts per request and step (the lookahead slots reserved per sampling row).
+  // Drops every request's drafts. Throws std::invalid_argument outside [0, 256] or if a waiting
+  // request's prompt would no longer fit the KV cache, std::logic_error while a step is pending.
+  void set_num_lookahead_tokens(int32_t num_lookahead_tokens);
+  // Ids of the running requests that are decode-ready (may take drafts), in running order.
+  std::vector<std::string> decode_ready_request_ids() const;
   // Builds the next batch (see SchedulerOutput). Throws std::logic_error if the previous step with
   // scheduled rows has not been update()d.
   std::unique_ptr<SchedulerOutput> schedule();
   // Applies the model results of the pending step. Row i of num_new_tokens is the number of tokens
   // accepted for scheduled row i (0 for non-sampling prefill chunks, 1 for a normal sample,
-  // 1..1+num_lookahead_tokens with spec decode), followed by one entry per child forked into the step
-  // (0 or 1: the drafts' KV was written for the parent only).
+  // 1..1+k for a spec row with k drafts, whose first m - 1 tokens must equal its first drafts;
+  // 1..1+num_lookahead_tokens for another sampling row whose lookahead KV the caller wrote itself),
+  // followed by one entry per child forked into the step (0 or 1: the drafts' KV was written for the
+  // parent only). Slots of rejected drafts are freed; num_computed_tokens becomes num_tokens - 1, so
+  // prefix-cache hashes only ever cover accepted tokens.
   // new_token_ids holds those tokens back to back. Then finishes the `finished` requests.
   // Throws std::invalid_argument (state untouched) on inconsistent input.
   void update(uint64_t step_id, const int32_t* num_new_tokens, int64_t num_rows,
@@ -97,8 +119,9 @@ class Scheduler {
   // One scheduled row while the batch is being built.
   struct Row {
     Request* req;
-    int32_t num_tokens;
+    int32_t num_tokens;  // query length (1 + num_drafts for a spec row)
     bool sample;
+    int32_t num_drafts;  // the first num_drafts of req's drafts ride in this row
   };
   // The step between schedule() and update().
   struct PendingStep {
@@ -107,6 +130,8 @@ class Scheduler {
     std::vector<Request*> rows;
     std::vector<int32_t> num_tokens;
     std::vector<uint8_t> sample;
+    std::vector<int32_t> draft_start;    // [num_base_rows + 1] offsets of each base row's drafts
+    std::vector<int64_t> draft_token_ids;
     size_t num_base_rows = 0;  // rows from schedule(); later rows are children forked into the step
   };
 
@@ -126,13 +151,21 @@ class Scheduler {
   std::unique_ptr<SchedulerOutput> build_output(std::vector<Row>& rows, std::vector<std::string>& preempted);
   // Fills the flat token arrays, block tables and copy-on-write pairs.
   void fill_token_arrays(SchedulerOutput& out, const std::vector<Row>& rows, int32_t max_blocks);
-  // Records the rows of the step that update() will apply.
-  void record_pending(uint64_t step_id, const std::vector<Row>& rows);
+  // Records the rows (and their drafts, flat) of the step that update() will apply.
+  void record_pending(uint64_t step_id, const std::vector<Row>& rows, const std::vector<int64_t>& draft_token_ids);
   // Fills the per-token arrays of one row starting at flat token index t.
   void fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t) const;
+  // Drafts of a decode-ready r that fit the budget (0 if none or r is not decode-ready).
+  int32_t drafts_to_schedule(const Request& r, int64_t n, int64_t budget) const;
+  // Drops the drafts of every running request after schedule() consumed them.
+  void clear_all_drafts();
   // Checks update() arguments without changing anything; throws std::invalid_argument.
-  void validate_update(const int32_t* num_new, int64_t num_rows, int64_t num_new_token_ids,
-                       const std::vector<FinishedRequest>& finished) const;
+  void validate_update(const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
+                       int64_t num_new_token_ids, const std::vector<FinishedRequest>& finished) const;
+  // Checks that a spec row's accepted tokens start with its drafts; throws std::invalid_argument.
+  void validate_accepted_drafts(size_t row, const int64_t* tokens, int64_t m) const;
+  // Throws std::logic_error naming `what` while a step with rows awaits update().
+  void require_no_pending_step(const char* what) const;
   // Finishes a live request with a FINISHED_* status and frees its blocks.
   void finish_request(Request* r, RequestStatus status);
   // Removes r from the running list.
@@ -148,6 +181,7 @@ class Scheduler {
   PendingStep pending_;
   uint64_t step_counter_ = 0;
   int32_t block_shift_ = 0;
+  bool has_drafts_ = false;  // some request holds drafts (keeps schedule() free of a loop otherwise)
   double last_schedule_us_ = 0, last_update_us_ = 0, total_schedule_us_ = 0, total_update_us_ = 0;
 };
 

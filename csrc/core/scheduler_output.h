@@ -31,8 +31,12 @@ struct DefaultInitAllocator : std::allocator<T> {
 template <typename T>
 using UninitVector = std::vector<T, DefaultInitAllocator<T>>;
 
-// One scheduling step. Rows (requests) are ordered decodes first (query length exactly 1), then
-// prefill chunks. Flat token arrays have total_num_scheduled_tokens entries.
+// One scheduling step. Rows (requests) are ordered decodes first (query length exactly 1), then the
+// multi-token rows in scheduling order: prefill chunks and spec rows. A spec row is a decode-ready
+// request given k >= 1 draft tokens: query length 1 + k, input ids [last token, drafts...] at the
+// positions (and the lookahead slots) that follow, and logits needed at all 1 + k positions (position
+// j's logits verify draft j; the last gives the bonus token). Flat token arrays have
+// total_num_scheduled_tokens entries.
 struct SchedulerOutput {
   uint64_t step_id = 0;                         // matches the update() of this step
   std::vector<std::string> request_ids;         // [R]
@@ -45,8 +49,12 @@ struct SchedulerOutput {
   std::vector<int64_t> slot_mapping;            // [T] block_id * block_size + offset
   UninitVector<int32_t> block_tables;           // [R, max_blocks_in_batch] row-major, 0-padded
   int32_t max_blocks_in_batch = 0;
-  std::vector<uint8_t> do_sample;               // [R] last prefill chunk or decode
-  std::vector<int64_t> logits_indices;          // [num_sampling] flat token index of each sampling row
+  std::vector<uint8_t> do_sample;               // [R] last prefill chunk, decode or spec row
+  std::vector<int32_t> num_draft_tokens;        // [R] k of a spec row, else 0
+  std::vector<int64_t> draft_token_ids;         // [sum k] the drafts, row by row
+  // [sum over sampling rows of 1 + k] flat token indices that need logits, row by row: a sampling
+  // row's last token, or every one of a spec row's 1 + k tokens in position order.
+  std::vector<int64_t> logits_indices;
   std::vector<int64_t> cow_copies;              // [C, 2] (src, dst) block copies to apply first, in order
   std::vector<std::string> preempted_request_ids;
   int32_t num_decode_reqs = 0;

@@ -20,6 +20,7 @@ std::unique_ptr<SchedulerOutput> Scheduler::schedule() {
   schedule_running(budget, rows, preempted);
   if (preempted.empty()) schedule_waiting(budget, rows);  // no admissions in a step that preempted
   auto out = build_output(rows, preempted);
+  if (has_drafts_) clear_all_drafts();  // drafts are for this step only
   last_schedule_us_ = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
   total_schedule_us_ += last_schedule_us_;
   return out;
@@ -43,8 +44,10 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
     const int64_t n = chunk_size(*r, computed, budget);
     if (n <= 0) continue;
     const bool sample = computed + n == r->num_tokens();
+    const int32_t k = has_drafts_ ? drafts_to_schedule(*r, n, budget) : 0;
+    // A spec row's drafts take the first k of its L lookahead slots: the reservation is unchanged.
     bool scheduled = true;
-    while (!bm_.append_slots(r->seq_handle(), computed, n, sample ? lookahead : 0)) {
+    while (!bm_.append_slots(r->seq_handle(), computed, n + k, sample ? lookahead - k : 0)) {
       Request* victim = pick_victim();
       preempt(victim, budget, rows, preempted);
       if (victim == r) {
@@ -53,8 +56,8 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
       }
     }
     if (!scheduled) break;
-    rows.push_back(Row{r, static_cast<int32_t>(n), sample});
-    budget -= n;
+    rows.push_back(Row{r, static_cast<int32_t>(n + k), sample, k});
+    budget -= n + k;
   }
 }
 
@@ -76,7 +79,7 @@ void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
     r->set_num_computed_tokens(computed);
     r->set_num_cached_tokens(computed);
     running_.push_back(r);
-    rows.push_back(Row{r, static_cast<int32_t>(n), sample});
+    rows.push_back(Row{r, static_cast<int32_t>(n), sample, 0});
     budget -= n;
   }
 }
@@ -99,6 +102,7 @@ void Scheduler::preempt(Request* victim, int64_t& budget, std::vector<Row>& rows
   victim->set_status(RequestStatus::PREEMPTED);
   victim->set_num_computed_tokens(0);
   victim->add_preemption();
+  victim->clear_draft_token_ids();
   remove_running(victim);
   waiting_.push_front(victim);
   preempted.push_back(victim->request_id());
@@ -115,9 +119,11 @@ void Scheduler::fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t)
   const int64_t* ids = r.all_token_ids().data();
   const int32_t* table = bm_.block_table(r.seq_handle()).data();
   const int64_t mask = cache_config_.block_size - 1;
+  const int64_t num_real = row.num_tokens - row.num_drafts;  // tokens the request has; drafts follow
+  std::copy_n(ids + c, num_real, out.input_ids.begin() + t);
+  std::copy_n(r.draft_token_ids().begin(), row.num_drafts, out.input_ids.begin() + t + num_real);
   for (int64_t k = 0; k < row.num_tokens; ++k) {
     const int64_t p = c + k;
-    out.input_ids[static_cast<size_t>(t + k)] = ids[p];
     out.positions[static_cast<size_t>(t + k)] = p;
     out.slot_mapping[static_cast<size_t>(t + k)] = (static_cast<int64_t>(table[p >> block_shift_]) << block_shift_) | (p & mask);
   }
@@ -135,6 +141,7 @@ std::unique_ptr<SchedulerOutput> Scheduler::build_output(std::vector<Row>& rows,
   out->num_computed_tokens.resize(R);
   out->seq_lens.resize(R);
   out->do_sample.resize(R);
+  out->num_draft_tokens.resize(R);
   int64_t total = 0;
   int32_t max_blocks = 0;
   for (size_t i = 0; i < R; ++i) {
@@ -146,13 +153,20 @@ std::unique_ptr<SchedulerOutput> Scheduler::build_output(std::vector<Row>& rows,
     out->seq_lens[i] = out->num_computed_tokens[i] + row.num_tokens;
     out->do_sample[i] = row.sample ? 1 : 0;
     out->num_decode_reqs += row.num_tokens == 1 ? 1 : 0;
+    out->num_draft_tokens[i] = row.num_drafts;
     total += row.num_tokens;
     max_blocks = std::max(max_blocks, static_cast<int32_t>(bm_.block_table(row.req->seq_handle()).size()));
-    if (row.sample) out->logits_indices.push_back(total - 1);
+    if (row.sample) {
+      for (int64_t j = total - 1 - row.num_drafts; j < total; ++j) out->logits_indices.push_back(j);
+    }
+    if (row.num_drafts > 0) {
+      const auto& d = row.req->draft_token_ids();
+      out->draft_token_ids.insert(out->draft_token_ids.end(), d.begin(), d.begin() + row.num_drafts);
+    }
   }
   out->query_start_loc[R] = static_cast<int32_t>(total);
   fill_token_arrays(*out, rows, max_blocks);
-  record_pending(out->step_id, rows);
+  record_pending(out->step_id, rows, out->draft_token_ids);
   return out;
 }
 
@@ -179,17 +193,21 @@ void Scheduler::fill_token_arrays(SchedulerOutput& o, const std::vector<Row>& ro
   }
 }
 
-void Scheduler::record_pending(uint64_t step_id, const std::vector<Row>& rows) {
+void Scheduler::record_pending(uint64_t step_id, const std::vector<Row>& rows,
+                               const std::vector<int64_t>& draft_token_ids) {
   pending_.step_id = step_id;
   pending_.active = true;
   pending_.rows.clear();
   pending_.num_tokens.clear();
   pending_.sample.clear();
+  pending_.draft_start.assign(1, 0);
+  pending_.draft_token_ids = draft_token_ids;
   pending_.num_base_rows = rows.size();
   for (const Row& row : rows) {
     pending_.rows.push_back(row.req);
     pending_.num_tokens.push_back(row.num_tokens);
     pending_.sample.push_back(row.sample ? 1 : 0);
+    pending_.draft_start.push_back(pending_.draft_start.back() + row.num_drafts);
   }
 }
 

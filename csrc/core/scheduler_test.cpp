@@ -262,5 +262,175 @@ TEST(Scheduler, SpecDecodeLookaheadAccepted) {
   EXPECT_THROW(s.update(o2->step_id, &too_many, 1, t, 5, {}), std::invalid_argument);
 }
 
+
+// A scheduler with `lookahead` drafts per step whose request "a" (prompt 0..prompt_len-1) is decode-ready.
+std::unique_ptr<Scheduler> decode_ready_scheduler(int32_t lookahead, int64_t prompt_len = 5, int32_t budget = 64,
+                                                  int64_t max_tokens = Request::kUnlimitedTokens, int32_t max_len = 256) {
+  SchedulerConfig c = sched_cfg(budget, 8, max_len);
+  c.num_lookahead_tokens = lookahead;
+  auto s = std::make_unique<Scheduler>(c, cache_cfg(32, 4));
+  s->add_request("a", seq_tokens(0, prompt_len), 0.0, 0, 0, max_tokens);
+  step(*s);  // prefill + 1 token
+  return s;
+}
+
+TEST(SchedulerDrafts, SpecRowLayout) {
+  auto s_ptr = decode_ready_scheduler(3);
+  Scheduler& s = *s_ptr;
+  s.add_request("b", seq_tokens(40, 6), 1.0);
+  s.add_request("d", seq_tokens(80, 3), 2.0);
+  step(s);  // b and d prefilled: a, b, d all decode-ready
+  EXPECT_EQ(s.decode_ready_request_ids(), (std::vector<std::string>{"a", "b", "d"}));
+  s.add_request("p", seq_tokens(60, 5), 3.0);  // a prefill row in the same step
+  EXPECT_EQ(s.set_draft_tokens("b", {11, 12, 13}), 3);
+  const Request& b = s.get_request("b");
+  const int64_t c = b.num_computed_tokens();
+  auto out = s.schedule();
+  // Rows: the pure decodes a, d first; then the spec row b and the prefill p in scheduling order.
+  ASSERT_EQ(out->request_ids, (std::vector<std::string>{"a", "d", "b", "p"}));
+  EXPECT_EQ(out->num_decode_reqs, 2);
+  EXPECT_EQ(out->num_scheduled_tokens, (std::vector<int32_t>{1, 1, 4, 5}));
+  EXPECT_EQ(out->num_draft_tokens, (std::vector<int32_t>{0, 0, 3, 0}));
+  EXPECT_EQ(out->draft_token_ids, (std::vector<int64_t>{11, 12, 13}));
+  EXPECT_EQ(out->seq_lens[2], c + 4);
+  // Input ids [last token, drafts...] at the following positions and slots.
+  const int64_t t0 = out->query_start_loc[2];
+  const std::vector<int64_t> ids(out->input_ids.begin() + t0, out->input_ids.begin() + t0 + 4);
+  EXPECT_EQ(ids, (std::vector<int64_t>{b.all_token_ids().back(), 11, 12, 13}));
+  const int32_t* table = out->block_tables.data() + 2 * out->max_blocks_in_batch;
+  for (int64_t j = 0; j < 4; ++j) {
+    EXPECT_EQ(out->positions[static_cast<size_t>(t0 + j)], c + j);
+    EXPECT_EQ(out->slot_mapping[static_cast<size_t>(t0 + j)], table[(c + j) / 4] * 4 + (c + j) % 4);
+  }
+  // Logits: a, d (one each), every position of b, the last token of p.
+  EXPECT_EQ(out->logits_indices, (std::vector<int64_t>{0, 1, 2, 3, 4, 5, 10}));
+  EXPECT_EQ(out->total_num_scheduled_tokens, 11);
+  EXPECT_TRUE(s.get_request("b").draft_token_ids().empty());  // consumed by schedule()
+  const int32_t n[4] = {1, 1, 3, 1};
+  const int64_t toks[6] = {7, 8, 11, 12, 99, 9};  // b: drafts 11, 12 accepted, 99 corrects 13
+  s.update(out->step_id, n, 4, toks, 6, {});
+  EXPECT_EQ(b.output_token_ids(), (std::vector<int64_t>{1002, 11, 12, 99}));
+  EXPECT_EQ(b.num_computed_tokens(), b.num_tokens() - 1);
+  EXPECT_EQ(s.block_manager().block_table(b.seq_handle()).size(), static_cast<size_t>((b.num_tokens() + 3) / 4));
+}
+
+TEST(SchedulerDrafts, UpdateChecksAcceptedTokensAgainstDrafts) {
+  auto s_ptr = decode_ready_scheduler(3);
+  Scheduler& s = *s_ptr;
+  s.set_draft_tokens("a", {21});
+  auto out = s.schedule();
+  const int64_t before = s.get_request("a").num_tokens();
+  const int32_t two = 2, three = 3;
+  const int64_t wrong[2] = {22, 5}, right[3] = {21, 5, 6};
+  EXPECT_THROW(s.update(out->step_id, &two, 1, wrong, 2, {}), std::invalid_argument);  // 22 is not draft 21
+  EXPECT_THROW(s.update(out->step_id, &three, 1, right, 3, {}), std::invalid_argument);  // > 1 + k (k = 1 < L)
+  EXPECT_EQ(s.get_request("a").num_tokens(), before);
+  s.update(out->step_id, &two, 1, right, 2, {});
+  EXPECT_EQ(s.get_request("a").num_tokens(), before + 2);
+}
+
+TEST(SchedulerDrafts, SetDraftTokensValidationLeavesStateUntouched) {
+  auto s_ptr = decode_ready_scheduler(2);
+  Scheduler& s = *s_ptr;
+  s.add_request("w", seq_tokens(0, 9), 1.0);
+  EXPECT_THROW(s.set_draft_tokens("nope", {1}), UnknownRequestError);
+  EXPECT_THROW(s.set_draft_tokens("a", {1, 2, 3}), std::invalid_argument);  // > num_lookahead_tokens
+  EXPECT_THROW(s.set_draft_tokens("a", {1, -2}), std::invalid_argument);
+  EXPECT_THROW(s.set_draft_tokens("w", {1}), std::invalid_argument);  // waiting
+  EXPECT_TRUE(s.get_request("a").draft_token_ids().empty());
+  auto out = s.schedule();
+  EXPECT_THROW(s.set_draft_tokens("a", {1}), std::logic_error);  // pending step
+  const int32_t n[2] = {1, 1};
+  const int64_t t[2] = {3, 4};
+  s.update(out->step_id, n, 2, t, 2, {});
+  EXPECT_EQ(s.set_draft_tokens("a", {5, 6}), 2);
+  EXPECT_EQ(s.set_draft_tokens("a", {}), 0);  // clears
+  EXPECT_TRUE(s.get_request("a").draft_token_ids().empty());
+  EXPECT_THROW(s.set_num_lookahead_tokens(-1), std::invalid_argument);
+  EXPECT_EQ(s.config().num_lookahead_tokens, 2);
+  s.set_num_lookahead_tokens(0);
+  EXPECT_THROW(s.set_draft_tokens("a", {1}), std::invalid_argument);
+}
+
+TEST(SchedulerDrafts, ChunkedRequestIsNotDecodeReady) {
+  SchedulerConfig c = sched_cfg(4, 8, 256);
+  c.num_lookahead_tokens = 2;
+  Scheduler s(c, cache_cfg(32, 4));
+  s.add_request("a", seq_tokens(0, 10), 0.0);
+  step(s);  // 4 of 10 prompt tokens
+  EXPECT_TRUE(s.decode_ready_request_ids().empty());
+  EXPECT_THROW(s.set_draft_tokens("a", {1}), std::invalid_argument);
+}
+
+TEST(SchedulerDrafts, DraftsClampedToMaxTokensAndModelLen) {
+  auto s_ptr = decode_ready_scheduler(4, 5, 64, /*max_tokens=*/3);
+  Scheduler& s = *s_ptr;
+  EXPECT_EQ(s.get_request("a").max_tokens(), 3);
+  EXPECT_EQ(s.set_draft_tokens("a", {1, 2, 3, 4}), 1);  // 1 output so far: 2 more, one of them the bonus
+  EXPECT_EQ(s.get_request("a").draft_token_ids(), (std::vector<int64_t>{1}));
+  auto s2_ptr = decode_ready_scheduler(4, 5, 64, Request::kUnlimitedTokens, /*max_len=*/8);
+  Scheduler& s2 = *s2_ptr;
+  EXPECT_EQ(s2.set_draft_tokens("a", {1, 2, 3, 4}), 1);  // 6 tokens of 8
+  auto s3_ptr = decode_ready_scheduler(4, 5, 64, Request::kUnlimitedTokens, /*max_len=*/7);
+  Scheduler& s3 = *s3_ptr;
+  EXPECT_EQ(s3.set_draft_tokens("a", {1, 2}), 0);  // room for the last token only
+  EXPECT_THROW(s3.add_request("z", seq_tokens(0, 3), 0.0, 0, 0, 0), std::invalid_argument);
+}
+
+TEST(SchedulerDrafts, BudgetCountsDraftsAndTrimsThem) {
+  auto s_ptr = decode_ready_scheduler(3, 5, /*budget=*/3);
+  Scheduler& s = *s_ptr;
+  s.add_request("b", seq_tokens(30, 2), 1.0);
+  step(s);  // a decodes (1 token), b prefills its 2 tokens
+  s.set_draft_tokens("a", {1, 2, 3});
+  s.set_draft_tokens("b", {4, 5, 6});
+  auto out = s.schedule();  // a takes 1 + 2 of the 3-token budget (drafts trimmed); b does not fit
+  ASSERT_EQ(out->num_reqs(), 1);
+  EXPECT_EQ(out->num_scheduled_tokens[0], 3);
+  EXPECT_EQ(out->draft_token_ids, (std::vector<int64_t>{1, 2}));
+  EXPECT_TRUE(s.get_request("b").draft_token_ids().empty());  // consumed although not scheduled
+  const int32_t one = 1;
+  const int64_t t = 9;
+  s.update(out->step_id, &one, 1, &t, 1, {});
+  auto o2 = s.schedule();
+  EXPECT_EQ(o2->total_num_scheduled_tokens, 2);  // plain decodes: the drafts are gone
+}
+
+TEST(SchedulerDrafts, RejectedDraftsFreeBlocksAndStayOutOfThePrefixCache) {
+  SchedulerConfig c = sched_cfg(64);
+  c.num_lookahead_tokens = 6;
+  Scheduler s(c, cache_cfg(16, 4));
+  s.add_request("a", seq_tokens(0, 3), 0.0);
+  step(s);  // 4 tokens, computed 3
+  const Request& a = s.get_request("a");
+  s.set_draft_tokens("a", {50, 51, 52, 53, 54, 55});
+  auto out = s.schedule();  // positions 3..9: 3 blocks
+  EXPECT_EQ(s.block_manager().block_table(a.seq_handle()).size(), 3u);
+  EXPECT_EQ(s.block_manager().num_free_blocks(), 13);
+  const int32_t one = 1;
+  const int64_t t = 7;  // every draft rejected
+  s.update(out->step_id, &one, 1, &t, 1, {});
+  EXPECT_EQ(a.num_computed_tokens(), 4);
+  EXPECT_EQ(s.block_manager().block_table(a.seq_handle()).size(), 2u);  // 5 tokens
+  EXPECT_EQ(s.block_manager().num_free_blocks(), 14);
+  EXPECT_EQ(s.block_manager().num_cached_blocks(), 1);  // block 0 = tokens 0, 1, 2, 1001: accepted only
+  EXPECT_EQ(s.block_manager().pool().block(s.block_manager().block_table(a.seq_handle())[0]).token_ids,
+            (std::vector<int64_t>{0, 1, 2, 1001}));
+}
+
+TEST(SchedulerDrafts, PreemptedRequestDropsItsDrafts) {
+  SchedulerConfig c = sched_cfg(64);
+  c.num_lookahead_tokens = 1;
+  Scheduler s(c, cache_cfg(4, 4));
+  s.add_request("old", seq_tokens(0, 7), 0.0);
+  s.add_request("new", seq_tokens(100, 7), 1.0);
+  step(s);  // 8 tokens each, 2 blocks each: the cache is full
+  s.set_draft_tokens("new", {1});
+  auto out = s.schedule();  // "old" needs a 3rd block for its lookahead: "new" is preempted
+  EXPECT_EQ(out->preempted_request_ids, (std::vector<std::string>{"new"}));
+  EXPECT_TRUE(out->draft_token_ids.empty());
+  EXPECT_TRUE(s.get_request("new").draft_token_ids().empty());
+}
+
 }  // namespace
 }  // namespace pagellm

@@ -1,6 +1,7 @@
 // Randomized stress test of the scheduler + block manager with a simulated KV cache: after every
 // operation the block/ref-count/hash-index invariants are checked, and after every step the simulated
-// KV content of every running request is compared with its tokens.
+// KV content of every running request is compared with its tokens. With drafts on, decode-ready
+// requests get random drafts before each step and a random prefix of them is accepted.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -16,8 +17,8 @@ namespace {
 
 class StressHarness {
  public:
-  StressHarness(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed)
-      : s_(c, k), rng_(seed), kv_(static_cast<size_t>(k.num_blocks) * k.block_size, -7) {
+  StressHarness(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, bool use_drafts = false)
+      : s_(c, k), rng_(seed), kv_(static_cast<size_t>(k.num_blocks) * k.block_size, -7), use_drafts_(use_drafts) {
     for (int i = 0; i < 4; ++i) prefixes_.push_back(random_tokens(8 + 8 * i));
   }
 
@@ -49,6 +50,7 @@ class StressHarness {
   // Prefix-cache hit tokens so far.
   int64_t prefix_hits() const { return s_.block_manager().prefix_cache_hits(); }
   int64_t preemptions = 0, forks = 0, cow_copies = 0, steps = 0;
+  int64_t spec_rows = 0, drafts_scheduled = 0, drafts_accepted = 0, drafts_clamped = 0;
 
  private:
   std::vector<int64_t> random_tokens(int n) {
@@ -70,8 +72,9 @@ class StressHarness {
     const auto tail = random_tokens(static_cast<int>(rng_() % 12));
     prompt.insert(prompt.end(), tail.begin(), tail.end());
     const std::string id = "r" + std::to_string(next_id_++);
+    const int64_t max_tokens = rng_() % 3 == 0 ? 1 + static_cast<int64_t>(rng_() % 12) : Request::kUnlimitedTokens;
     s_.add_request(id, prompt, static_cast<double>(next_id_), static_cast<int32_t>(rng_() % 3),
-                   rng_() % 8 == 0 ? 1 : 0);
+                   rng_() % 8 == 0 ? 1 : 0, max_tokens);
   }
 
   void abort_random() {
@@ -117,9 +120,72 @@ class StressHarness {
     return s_.block_manager().block_table(r.seq_handle())[static_cast<size_t>(p / bs)] * bs + p % bs;
   }
 
+  // Random drafts for decode-ready requests, with bad calls that must leave the drafts untouched.
+  void propose_drafts() {
+    const int32_t L = s_.config().num_lookahead_tokens;
+    EXPECT_THROW(s_.set_draft_tokens("unknown", {}), UnknownRequestError);
+    for (const auto& id : s_.decode_ready_request_ids()) {
+      if (rng_() % 4 == 0) continue;
+      const Request& r = s_.get_request(id);
+      if (rng_() % 16 == 0) {
+        EXPECT_THROW(s_.set_draft_tokens(id, random_tokens(L + 1)), std::invalid_argument);
+        ASSERT_TRUE(r.draft_token_ids().empty());
+      }
+      const int32_t count = static_cast<int32_t>(rng_() % (L + 1));
+      const int64_t room = std::max<int64_t>(r.num_remaining_tokens(s_.config().max_model_len) - 1, 0);
+      const int32_t kept = s_.set_draft_tokens(id, random_tokens(count));
+      ASSERT_EQ(kept, std::min<int64_t>(count, room)) << id;
+      drafts_clamped += count - kept;
+    }
+  }
+
+  // Spec rows: input ids [last token, drafts...] at consecutive positions; logits at each of them.
+  void check_spec_rows(const SchedulerOutput& out) {
+    ASSERT_LE(out.total_num_scheduled_tokens, s_.config().max_num_batched_tokens);
+    size_t num_logits = 0, d = 0;
+    for (int32_t i = 0; i < out.num_reqs(); ++i) {
+      const int32_t k = out.num_draft_tokens[i];
+      num_logits += out.do_sample[i] ? 1 + k : 0;
+      if (k == 0) continue;
+      ++spec_rows;
+      drafts_scheduled += k;
+      const Request& r = s_.get_request(out.request_ids[i]);
+      const int64_t t0 = out.query_start_loc[i];
+      ASSERT_EQ(out.num_scheduled_tokens[i], 1 + k);
+      ASSERT_TRUE(out.do_sample[i]);
+      ASSERT_EQ(out.input_ids[t0], r.all_token_ids().back());
+      for (int32_t j = 0; j < k; ++j) ASSERT_EQ(out.input_ids[t0 + 1 + j], out.draft_token_ids[d + j]);
+      for (int32_t j = 0; j <= k; ++j) ASSERT_EQ(out.positions[t0 + j], r.num_computed_tokens() + j);
+      d += static_cast<size_t>(k);
+    }
+    ASSERT_EQ(d, out.draft_token_ids.size());
+    ASSERT_EQ(num_logits, out.logits_indices.size());
+    for (const auto& kv : s_.requests()) ASSERT_TRUE(kv.second->draft_token_ids().empty()) << "drafts not consumed";
+  }
+
+  // Accepted tokens of a sampling row: a random prefix of its drafts plus one token; else legacy
+  // lookahead (the caller writes the accepted tokens' KV) or one token. Truncated at max_tokens.
+  std::vector<int64_t> accepted_tokens(const SchedulerOutput& out, size_t i, size_t draft_offset, bool base) {
+    const int32_t L = s_.config().num_lookahead_tokens;
+    const int32_t k = base ? out.num_draft_tokens[i] : 0;
+    std::vector<int64_t> toks;
+    if (k > 0) {
+      const int32_t m = 1 + static_cast<int32_t>(rng_() % (k + 1));
+      toks.assign(out.draft_token_ids.begin() + static_cast<int64_t>(draft_offset),
+                  out.draft_token_ids.begin() + static_cast<int64_t>(draft_offset) + m - 1);
+      drafts_accepted += m - 1;
+      toks.push_back(static_cast<int64_t>(rng_() % 50));
+    } else {
+      toks = random_tokens(base && !use_drafts_ ? 1 + static_cast<int32_t>(rng_() % (L + 1)) : 1);
+    }
+    return toks;
+  }
+
   void do_step() {
+    if (use_drafts_) propose_drafts();
     auto out = s_.schedule();
     ++steps;
+    check_spec_rows(*out);
     preemptions += static_cast<int64_t>(out->preempted_request_ids.size());
     for (int32_t i = 0; i < out->num_reqs(); ++i) {
       if (i > 0) ASSERT_EQ(out->num_scheduled_tokens[i] == 1 && out->num_scheduled_tokens[i - 1] != 1, false);
@@ -142,23 +208,33 @@ class StressHarness {
         }
       }
     }
+    size_t draft_offset = 0;
     for (size_t i = 0; i < rows.size(); ++i) {
       const bool base = i < out->request_ids.size();
       const bool sample = base ? out->do_sample[i] != 0 : true;
       const Request& r = s_.get_request(rows[i]);
-      int32_t m = sample ? (base ? 1 + static_cast<int32_t>(rng_() % (L + 1)) : 1) : 0;
+      int32_t m = 0;
       if (sample) {
-        // Drafts accepted beyond the first token had their KV written in the lookahead slots.
-        const int64_t seq_len = base ? out->seq_lens[i] : 0;  // children get no draft KV
-        const auto drafts = random_tokens(m);
-        for (int32_t k = 0; base && k < L; ++k) kv_[static_cast<size_t>(slot_of(r, seq_len + k))] = k < m - 1 ? drafts[k] : -1;
-        toks.insert(toks.end(), drafts.begin(), drafts.end());
-        if (r.num_tokens() + m + L + 1 >= s_.config().max_model_len) {
+        auto accepted = accepted_tokens(*out, i, draft_offset, base);
+        bool length = false;
+        if (r.max_tokens() != Request::kUnlimitedTokens && r.num_output_tokens() + static_cast<int64_t>(accepted.size()) >= r.max_tokens()) {
+          accepted.resize(static_cast<size_t>(r.max_tokens() - r.num_output_tokens()));  // a stop inside the run
+          length = true;
+        }
+        m = static_cast<int32_t>(accepted.size());
+        if (base && out->num_draft_tokens[i] == 0) {
+          // Legacy lookahead: accepted tokens beyond the first had their KV written in the lookahead slots.
+          const int64_t seq_len = out->seq_lens[i];  // children get no draft KV
+          for (int32_t k = 0; k < L; ++k) kv_[static_cast<size_t>(slot_of(r, seq_len + k))] = k < m - 1 ? accepted[k] : -1;
+        }
+        toks.insert(toks.end(), accepted.begin(), accepted.end());
+        if (length || r.num_tokens() + m + L + 1 >= s_.config().max_model_len) {
           finished.emplace_back(rows[i], RequestStatus::FINISHED_LENGTH);
         } else if (rng_() % 20 == 0) {
           finished.emplace_back(rows[i], RequestStatus::FINISHED_STOPPED);
         }
       }
+      if (base) draft_offset += static_cast<size_t>(out->num_draft_tokens[i]);
       n.push_back(m);
     }
     s_.update(out->step_id, n.data(), static_cast<int64_t>(n.size()), toks.data(), static_cast<int64_t>(toks.size()), finished);
@@ -190,6 +266,7 @@ class StressHarness {
       }
       const SeqBlocks& seq = bm.seq(r.seq_handle());
       ASSERT_GE(static_cast<int64_t>(seq.blocks.size()) * bs, r.num_computed_tokens());
+      if (r.max_tokens() != Request::kUnlimitedTokens) ASSERT_LT(r.num_output_tokens(), r.max_tokens());
       for (int32_t b : seq.blocks) ++holders[static_cast<size_t>(b)];
       for (int32_t j = 0; j < seq.num_hashed; ++j) {  // registered content matches the owner's tokens
         const KVBlock& blk = pool.block(seq.blocks[static_cast<size_t>(j)]);
@@ -227,11 +304,21 @@ class StressHarness {
   std::vector<std::vector<int64_t>> prefixes_;
   int64_t next_id_ = 0;
   std::string log_;
+  bool use_drafts_;
 };
 
-void run_stress(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, int ops) {
-  StressHarness h(c, k, seed);
+void run_stress(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, int ops, bool use_drafts = false) {
+  StressHarness h(c, k, seed, use_drafts);
   h.run(ops);
+  if (use_drafts) {
+    EXPECT_GT(h.spec_rows, 0);
+    EXPECT_GT(h.drafts_accepted, 0);
+    EXPECT_LT(h.drafts_accepted, h.drafts_scheduled);  // some rejected too
+    EXPECT_GT(h.drafts_clamped, 0);
+    std::printf("spec_rows=%lld drafts=%lld accepted=%lld clamped=%lld\n", static_cast<long long>(h.spec_rows),
+                static_cast<long long>(h.drafts_scheduled), static_cast<long long>(h.drafts_accepted),
+                static_cast<long long>(h.drafts_clamped));
+  }
   EXPECT_GT(h.preemptions, 0);
   EXPECT_GT(h.prefix_hits(), 0);
   EXPECT_GT(h.forks, 0);
@@ -266,6 +353,33 @@ TEST(Stress, PriorityLookaheadThreshold) {
   k.block_size = 2;
   k.watermark = 0.05;
   run_stress(c, k, 99, 50000);
+}
+
+TEST(Stress, DraftTokens) {
+  SchedulerConfig c;
+  c.max_num_seqs = 10;
+  c.max_num_batched_tokens = 32;
+  c.max_model_len = 72;
+  c.num_lookahead_tokens = 5;
+  c.long_prefill_token_threshold = 16;
+  CacheConfig k;
+  k.num_blocks = 44;
+  k.block_size = 4;
+  k.watermark = 0.02;
+  run_stress(c, k, 7, 50000, /*use_drafts=*/true);
+}
+
+TEST(Stress, DraftTokensPriorityBlockSize2) {
+  SchedulerConfig c;
+  c.max_num_seqs = 12;
+  c.max_num_batched_tokens = 24;
+  c.max_model_len = 64;
+  c.policy = "priority";
+  c.num_lookahead_tokens = 3;
+  CacheConfig k;
+  k.num_blocks = 64;
+  k.block_size = 2;
+  run_stress(c, k, 2024, 50000, /*use_drafts=*/true);
 }
 
 }  // namespace

@@ -45,6 +45,12 @@ class Request:
     def num_preemptions(self) -> int: ...
     @property
     def num_cached_tokens(self) -> int: ...
+    @property
+    def max_tokens(self) -> Optional[int]:
+        """Most output tokens; None = up to max_model_len."""
+    @property
+    def draft_token_ids(self) -> List[int]:
+        """Drafts set for the next schedule() (empty once it consumed them)."""
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
@@ -86,7 +92,10 @@ class BlockManager:
     def num_seqs(self) -> int: ...
 
 class SchedulerOutput:
-    """One step's batch. Rows: decodes (query length 1) first, then prefill chunks. Arrays are zero-copy."""
+    """One step's batch. Rows: pure decodes (query length 1) first, then the multi-token rows (prefill
+    chunks and spec rows) in scheduling order. A spec row (num_draft_tokens[i] = k > 0) has query length
+    1 + k, input ids [last token, drafts...] at the following positions, and needs logits at all 1 + k
+    positions. Arrays are zero-copy."""
     step_id: int
     request_ids: List[str]
     preempted_request_ids: List[str]
@@ -115,7 +124,15 @@ class SchedulerOutput:
     @property
     def do_sample(self) -> npt.NDArray[np.bool_]: ...
     @property
-    def logits_indices(self) -> npt.NDArray[np.int64]: ...
+    def num_draft_tokens(self) -> npt.NDArray[np.int32]:
+        """[R] drafts k of each spec row, else 0."""
+    @property
+    def draft_token_ids(self) -> npt.NDArray[np.int64]:
+        """[sum k] the spec rows' drafts, row by row."""
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """[sum over sampling rows of 1 + k] flat token indices needing logits, row by row: a sampling
+        row's last token, or each of a spec row's 1 + k tokens in position order."""
     @property
     def cow_copies(self) -> npt.NDArray[np.int64]: ...
 
@@ -125,10 +142,22 @@ class Scheduler:
                  num_lookahead_tokens: int = 0, num_blocks: int = 1024, block_size: int = 16,
                  enable_prefix_caching: bool = True, watermark: float = 0.01) -> None: ...
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int], arrival_time: Optional[float] = None,
-                    priority: int = 0, extra_key: int = 0) -> None: ...
+                    priority: int = 0, extra_key: int = 0, max_tokens: Optional[int] = None) -> None:
+        """max_tokens (None = up to max_model_len) only clamps drafts; ValueError for invalid input."""
+    def set_draft_tokens(self, request_id: str, draft_token_ids: Sequence[int]) -> int:
+        """Drafts for a running, decode-ready request's next step (empty clears); clamped to what it may still
+        produce (max_tokens, max_model_len, less the bonus token); returns the number kept. The next
+        schedule() consumes every request's drafts. KeyError: unknown id; ValueError: more than
+        num_lookahead_tokens, negative ids, not decode-ready; RuntimeError: a step awaits update()."""
+    def set_num_lookahead_tokens(self, num_lookahead_tokens: int) -> None:
+        """Most drafts per request and step, in [0, 256]; drops all drafts. RuntimeError while a step is pending."""
+    def decode_ready_request_ids(self) -> List[str]:
+        """Running requests with num_computed_tokens == num_tokens - 1 (may take drafts), in running order."""
     def schedule(self) -> SchedulerOutput: ...
     def update(self, output: SchedulerOutput, num_new_tokens: npt.ArrayLike, new_token_ids: npt.ArrayLike,
-               finished: Sequence[Tuple[str, RequestStatus]] = ...) -> None: ...
+               finished: Sequence[Tuple[str, RequestStatus]] = ...) -> None:
+        """num_new_tokens: per row 0 (prefill chunk), 1, or 1..1+k for a spec row whose first m - 1 tokens
+        must be its drafts; then one 0/1 entry per forked child. ValueError (state untouched) otherwise."""
     def abort(self, request_id: str) -> bool: ...
     def fork(self, parent_id: str, child_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -138,6 +167,8 @@ class Scheduler:
     def get_output_token_ids(self, request_id: str) -> List[int]: ...
     def get_block_table(self, request_id: str) -> List[int]: ...
     def reset_prefix_cache(self) -> bool: ...
+    @property
+    def num_lookahead_tokens(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
     @property

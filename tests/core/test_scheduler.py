@@ -198,3 +198,36 @@ def test_priority_policy_and_timers():
     out = step(s)
     assert out.request_ids == ["high"]
     assert s.last_schedule_us > 0 and s.last_update_us > 0 and s.num_steps == 1
+
+
+def test_draft_tokens_through_the_bindings():
+    s = make(num_lookahead_tokens=3)
+    s.add_request("a", [1, 2, 3, 4, 5], arrival_time=0.0, max_tokens=20)
+    s.add_request("b", [9, 8], arrival_time=1.0)
+    assert s.get_request("a").max_tokens == 20 and s.get_request("b").max_tokens is None
+    with pytest.raises(ValueError):
+        s.add_request("c", [1], max_tokens=0)
+    step(s)
+    assert s.decode_ready_request_ids() == ["a", "b"] and s.num_lookahead_tokens == 3
+    assert s.set_draft_tokens("b", np.array([30, 31], np.int64)) == 2
+    with pytest.raises(KeyError):
+        s.set_draft_tokens("zz", [1])
+    with pytest.raises(ValueError, match="at most num_lookahead_tokens=3"):
+        s.set_draft_tokens("a", [1, 2, 3, 4])
+    assert s.get_request("a").draft_token_ids == [] and s.get_request("b").draft_token_ids == [30, 31]
+    out = s.schedule()
+    assert out.request_ids == ["a", "b"] and out.num_decode_reqs == 1
+    assert out.num_draft_tokens.dtype == np.int32 and out.num_draft_tokens.tolist() == [0, 2]
+    assert out.draft_token_ids.dtype == np.int64 and out.draft_token_ids.tolist() == [30, 31]
+    assert out.input_ids.tolist() == [7, 7, 30, 31] and out.positions.tolist() == [5, 2, 3, 4]
+    assert out.logits_indices.tolist() == [0, 1, 2, 3]
+    with pytest.raises(RuntimeError, match="update"):
+        s.set_draft_tokens("a", [1])
+    with pytest.raises(ValueError, match="draft"):  # b's first accepted token must be draft 30
+        s.update(out, np.array([1, 2], np.int32), np.array([5, 31, 6], np.int64))
+    s.update(out, np.array([1, 3], np.int32), np.array([5, 30, 31, 6], np.int64))
+    assert s.get_output_token_ids("b") == [7, 30, 31, 6] and s.get_num_computed_tokens("b") == 5
+    s.set_num_lookahead_tokens(0)
+    assert s.num_lookahead_tokens == 0
+    with pytest.raises(ValueError):
+        s.set_draft_tokens("a", [1])

@@ -134,6 +134,16 @@ class RequestState:
             seq.stop_checker.append(seq.detokenizer.flush())
         return seq.finished
 
+    def append_tokens(self, seq: SequenceState, token_ids: Sequence[int],
+                      logprob_rows: Sequence[tuple] | None = None) -> int:
+        """Append a run of tokens (a spec row's accepted drafts + one) one by one with the stop checks
+        of append_token; a stop inside the run drops the rest. Returns the number kept."""
+        for j, token_id in enumerate(token_ids):
+            if seq.finished:
+                return j
+            self.append_token(seq, int(token_id), None if logprob_rows is None else logprob_rows[j])
+        return len(token_ids)
+
     def abort(self) -> None:
         while len(self.seqs) < self.params.n:
             self.seqs.append(self._new_seq(len(self.seqs)))

@@ -11,123 +11,25 @@ rest of the batch; unseeded rows share the engine's generator.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from pagellm.sampling.metadata import SamplingMetadata
-
-
-@dataclass
-class LogprobsTensors:
-    """Column 0 is the sampled (or target) token; columns 1..K the top-K tokens, best first."""
-
-    token_ids: torch.Tensor  # int64 [N, 1 + K]
-    logprobs: torch.Tensor  # float32 [N, 1 + K]
-    ranks: torch.Tensor  # int64 [N, 1 + K] (1 = most likely)
-
-
-@dataclass
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # int64 [N]
-    logprobs: LogprobsTensors | None = None
-
-
-def apply_logit_bias(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    if md.bias_rows is not None:
-        logits.index_put_((md.bias_rows, md.bias_tokens), md.bias_values, accumulate=True)
-    return logits
-
-
-def apply_min_tokens(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    if md.min_tok_rows is not None:
-        logits[md.min_tok_rows, md.min_tok_tokens] = float("-inf")
-    return logits
-
-
-def _token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """int64 [N, L] padded with vocab_size -> counts [N, V]."""
-    counts = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.int32, device=ids.device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
-    return counts[:, :vocab_size]
-
-
-def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-    """Repetition (HF: seen in prompt or output -> positive / p, negative * p), then frequency and
-    presence on output tokens (OpenAI: logit -= f * count + p * [count > 0])."""
-    if md.repetition_penalty is None:
-        return logits
-    v = md.vocab_size
-    out_counts = _token_counts(md.output_token_ids, v)
-    out_seen = out_counts > 0
-    rp = md.repetition_penalty.unsqueeze(1)
-    if md.prompt_token_ids is not None:
-        seen = out_seen | (_token_counts(md.prompt_token_ids, v) > 0)
-        penalized = torch.where(logits > 0, logits / rp, logits * rp)
-        logits = torch.where(seen & (rp != 1.0), penalized, logits)
-    logits = logits - md.frequency_penalty.unsqueeze(1) * out_counts.to(logits.dtype)
-    logits = logits - md.presence_penalty.unsqueeze(1) * out_seen.to(logits.dtype)
-    return logits
-
-
-def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    return logits.masked_fill(probs < threshold, float("-inf"))
-
-
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (with -inf) tokens outside each row's top-k and nucleus. Ties at the k-th value are kept."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        mask |= sorted_logits == float("-inf")
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = probs.cumsum(dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first is always kept)
-        mask |= (cum - probs) >= top_p.unsqueeze(1)
-        mask[:, 0] = False
-    full_mask = torch.empty_like(mask).scatter_(1, sorted_idx, mask)
-    return logits.masked_fill(full_mask, float("-inf"))
-
-
-def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
-    """x.argmax(-1) for a 2-D x, with torch's semantics (the first index of the maximum; NaN counts as the
-    maximum), in any float dtype. torch's CPU argmax reduction is ~5x slower than amax, and at batch 256
-    over a 150k vocabulary it cost a tenth of a decode step; so: maxima of blocks of `block` columns, the
-    first block holding the row's maximum, then the argmax inside that one block."""
-    n, v = x.shape
-    if n == 0 or v < 4 * block or x.device.type != "cpu":
-        return x.argmax(dim=-1)
-    vb = v // block * block
-    bmax = x[:, :vb].reshape(n, vb // block, block).amax(dim=-1)  # a view of x: no copy
-    if vb < v:
-        bmax = torch.cat([bmax, x[:, vb:].amax(dim=-1, keepdim=True)], dim=1)
-    b = bmax.argmax(dim=-1)  # first block whose maximum is the row's maximum (NaN first, as in argmax)
-    cols = (b.unsqueeze(1) * block + torch.arange(block, device=x.device)).clamp_(max=v - 1)
-    # clamping repeats column v-1 after itself in a short last block, which cannot move the first maximum
-    return b * block + x.gather(1, cols).argmax(dim=-1)
-
-
-def compute_logprobs_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
-    """logprobs [N, V] float32, token_ids [N] -> sampled/target token + top-k, with ranks."""
-    tok = token_ids.to(torch.int64).unsqueeze(1)
-    tok_lp = logprobs.gather(1, tok)
-    tok_rank = (logprobs > tok_lp).sum(dim=-1, keepdim=True) + 1
-    if k > 0:
-        top_lp, top_ids = logprobs.topk(k, dim=-1)
-        top_ranks = torch.arange(1, k + 1, device=logprobs.device).expand(logprobs.shape[0], k)
-        return LogprobsTensors(
-            token_ids=torch.cat([tok, top_ids], dim=1),
-            logprobs=torch.cat([tok_lp, top_lp], dim=1),
-            ranks=torch.cat([tok_rank, top_ranks], dim=1),
-        )
-    return LogprobsTensors(token_ids=tok, logprobs=tok_lp, ranks=tok_rank)
+from pagellm.sampling.processors import (  # noqa: F401 (re-exported)
+    LogprobsTensors,
+    SamplerOutput,
+    apply_logit_bias,
+    apply_min_tokens,
+    _token_counts,
+    apply_penalties,
+    apply_min_p,
+    apply_top_k_top_p,
+    has_logit_processors,
+    apply_logit_processors,
+    apply_sampling_filters,
+    argmax_rows,
+    compute_logprobs_tensors,
+)
+from pagellm.sampling.rejection import verify_drafts
 
 
 class Sampler(torch.nn.Module):
@@ -140,30 +42,20 @@ class Sampler(torch.nn.Module):
     @torch.inference_mode()
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits [N, V] in the model dtype; everything past a plain argmax runs in float32."""
-        modified = md.bias_rows is not None or md.min_tok_rows is not None or md.repetition_penalty is not None
-        if md.all_greedy and md.max_num_logprobs is None and not modified:
+        if md.all_greedy and md.max_num_logprobs is None and not has_logit_processors(md):
             return SamplerOutput(sampled_token_ids=argmax_rows(logits))  # exact in any dtype: no widening
         logits = logits.to(torch.float32)
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits, dim=-1)
 
-        processed = logits
-        if modified:
-            processed = logits.clone()
-            processed = apply_logit_bias(processed, md)
-            processed = apply_min_tokens(processed, md)
-            processed = apply_penalties(processed, md)
-
+        processed = apply_logit_processors(logits, md)
         greedy_tokens = argmax_rows(processed) if not md.all_random else None
         if md.all_greedy:
             sampled = greedy_tokens
             final = processed
         else:
-            final = processed / md.temperature.unsqueeze(1)
-            if md.min_p is not None:
-                final = apply_min_p(final, md.min_p)
-            final = apply_top_k_top_p(final, md.top_k, md.top_p)
+            final = apply_sampling_filters(processed, md)
             probs = torch.softmax(final, dim=-1)
             random_tokens = self._sample(probs, md)
             sampled = random_tokens if greedy_tokens is None else torch.where(md.greedy_mask, greedy_tokens, random_tokens)
@@ -176,6 +68,12 @@ class Sampler(torch.nn.Module):
                 lps = torch.where(md.processed_logprobs_rows.unsqueeze(1), proc_lp, raw_logprobs)
             lp_out = compute_logprobs_tensors(lps, sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp_out)
+
+    def verify(self, target_logits: torch.Tensor, draft_token_ids, md: SamplingMetadata,
+               draft_probs: torch.Tensor | None = None):
+        """Verify draft tokens: target_logits [sum(1 + k_i), V], k_i drafts per row, md with one row per
+        target position -> VerifyOutput (accepted drafts + one token per row); see sampling/rejection.py."""
+        return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator)
 
     def _sample(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1): a draw from probs (Gumbel-max in another guise)."""

@@ -1,0 +1,110 @@
+"""The proposer contract of speculative decoding, and the checks the engine applies to proposals.
+
+Before each step the engine hands its proposer every decode-ready sequence (a `DraftRequest`); the
+proposer returns up to `max_num_drafts` guessed next tokens per sequence. The scheduler gives each
+drafted sequence a row of 1 + k tokens, the model scores all of them in one forward, and the sampler's
+`verify` keeps the longest acceptable prefix plus one token of its own. Outputs are the ones plain
+decoding would produce (token-identical for greedy rows, identically distributed for sampled rows);
+only the number of steps changes.
+
+A proposer is one file subclassing `BaseProposer`:
+
+    class RepeatLast(BaseProposer):
+        def propose(self, requests):
+            return {r.seq_id: [r.output_token_ids[-1]] * r.max_num_drafts for r in requests}
+
+    engine.set_proposer(RepeatLast(num_speculative_tokens=3))
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+MAX_SPECULATIVE_TOKENS = 256  # the scheduler's bound on lookahead slots
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """One decode-ready sequence a proposer may draft for. The token lists are the engine's own: read only."""
+
+    seq_id: str
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # drafts beyond this are dropped: num_speculative_tokens, less what max_tokens / max_model_len leave
+    max_num_drafts: int
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens (a new list)."""
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+    @classmethod
+    def for_sequence(cls, seq_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+                     max_tokens: int | None, max_model_len: int, num_speculative_tokens: int) -> "DraftRequest | None":
+        """The request for a sequence that may still emit drafts + one token (None when it may not)."""
+        n_out = len(output_token_ids)
+        limit = max_model_len - len(prompt_token_ids) - n_out
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - n_out)
+        room = min(limit - 1, num_speculative_tokens)  # the step's last token is the target's own
+        return cls(seq_id, prompt_token_ids, output_token_ids, room) if room > 0 else None
+
+
+class BaseProposer(ABC):
+    """Guesses the next tokens of running sequences. Stateless between calls as far as the engine is
+    concerned: a sequence may be preempted, aborted or forked between two calls."""
+
+    def __init__(self, num_speculative_tokens: int) -> None:
+        if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {num_speculative_tokens!r}")
+        self.num_speculative_tokens = num_speculative_tokens
+
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> Mapping[str, Sequence[int]]:
+        """Drafts per seq_id for any subset of `requests` (a missing or empty entry: no drafts). At most
+        num_speculative_tokens each; entries longer than a request's max_num_drafts are truncated."""
+
+
+def check_proposals(requests: Sequence[DraftRequest], proposals: Mapping[str, Sequence[int]],
+                    num_speculative_tokens: int, vocab_size: int) -> dict[str, list[int]]:
+    """A proposer's answer, validated and truncated to each request's max_num_drafts. Raises KeyError for
+    a seq_id that was not asked for, ValueError for more than num_speculative_tokens drafts or a token id
+    outside [0, vocab_size)."""
+    room = {r.seq_id: r.max_num_drafts for r in requests}
+    drafts: dict[str, list[int]] = {}
+    for seq_id, tokens in proposals.items():
+        if seq_id not in room:
+            raise KeyError(f"proposer returned drafts for {seq_id!r}, which was not among the requests")
+        tokens = [int(t) for t in tokens]
+        if len(tokens) > num_speculative_tokens:
+            raise ValueError(f"proposer returned {len(tokens)} drafts for {seq_id!r}; at most "
+                             f"num_speculative_tokens={num_speculative_tokens}")
+        if any(t < 0 or t >= vocab_size for t in tokens):
+            raise ValueError(f"draft token ids for {seq_id!r} must be in [0, {vocab_size})")
+        if tokens[: room[seq_id]]:
+            drafts[seq_id] = tokens[: room[seq_id]]
+    return drafts
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters since the proposer was set."""
+
+    num_spec_rows: int = 0  # rows that carried drafts
+    num_draft_tokens: int = 0  # drafts scored by the target model
+    num_accepted_draft_tokens: int = 0  # drafts the verifier accepted
+    num_emitted_tokens: int = 0  # tokens the spec rows added to outputs (after stop truncation)
+
+    def record(self, num_drafts: int, num_accepted: int, num_kept: int) -> None:
+        """One spec row: its drafts, the drafts accepted, the tokens kept after stop checks."""
+        self.num_spec_rows += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_draft_tokens += num_accepted
+        self.num_emitted_tokens += num_kept
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
