@@ -28,7 +28,8 @@ find_package(OpenMP REQUIRED)  # at::parallel_for is inline OpenMP; torch's libg
 
 file(GLOB PAGELLM_BINDING_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/csrc/bindings/*.cpp)
 file(GLOB_RECURSE PAGELLM_CPU_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/csrc/ops/*_cpu.cpp)
-set(PAGELLM_EXT_SOURCES ${PAGELLM_BINDING_SOURCES} ${PAGELLM_CPU_SOURCES})
+file(GLOB PAGELLM_GRAPH_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/csrc/graph/*.cpp)
+set(PAGELLM_EXT_SOURCES ${PAGELLM_BINDING_SOURCES} ${PAGELLM_GRAPH_SOURCES} ${PAGELLM_CPU_SOURCES})
 if(PAGELLM_WITH_CUDA)
   # *.cu are torch-free kernels + raw-pointer launchers; *_cuda.cpp are the torch glue (TORCH_LIBRARY_IMPL CUDA).
   file(GLOB_RECURSE PAGELLM_CUDA_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/csrc/ops/*.cu ${PROJECT_SOURCE_DIR}/csrc/ops/*_cuda.cpp)
@@ -37,7 +38,9 @@ endif()
 
 pybind11_add_module(_C MODULE ${PAGELLM_EXT_SOURCES})
 target_include_directories(_C PRIVATE ${PROJECT_SOURCE_DIR}/csrc)
-target_link_libraries(_C PRIVATE pagellm_core ${TORCH_LIBRARIES} OpenMP::OpenMP_CXX)
+# torch_python: the StepGraph bindings convert Python arguments to IValues with torch's own converter.
+find_library(PAGELLM_TORCH_PYTHON_LIBRARY torch_python PATHS "${TORCH_INSTALL_PREFIX}/lib" REQUIRED NO_DEFAULT_PATH)
+target_link_libraries(_C PRIVATE pagellm_core ${TORCH_LIBRARIES} ${PAGELLM_TORCH_PYTHON_LIBRARY} OpenMP::OpenMP_CXX)
 target_compile_definitions(_C PRIVATE $<$<BOOL:${PAGELLM_WITH_CUDA}>:PAGELLM_WITH_CUDA>)
 target_compile_options(_C PRIVATE $<$<COMPILE_LANGUAGE:CXX>:-march=${PAGELLM_CPU_ARCH} -O3 -Wall -Wno-unused-parameter>)
 if(PAGELLM_WITH_CUDA)

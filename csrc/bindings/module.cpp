@@ -3,8 +3,9 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings/py_core.h"
+#include "bindings/py_graph.h"
 
-#include "ops/linear/linear_choice.h"
+#include "ops/linear/amx_support.h"
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "pagellm native core: C++ block manager and scheduler (pybind11), torch.ops.pagellm kernels";
@@ -17,4 +18,5 @@ PYBIND11_MODULE(_C, m) {
         "True when torch.ops.pagellm.linear_amx can run: built with AMX, the CPU has AMX-BF16 and the OS "
         "granted the tile state.");
   pagellm::init_core_bindings(m);
+  pagellm::init_graph_bindings(m);
 }

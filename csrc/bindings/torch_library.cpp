@@ -36,17 +36,4 @@ TORCH_LIBRARY(pagellm, m) {
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
   m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
-
-  // ---- fused (CPU only) ----
-  // The rest of a Llama-family decoder layer after its input norm, for a decode-only batch (one token per
-  // sequence): qkv projection, optional per-head q/k RMSNorm, rope, KV-cache write, paged decode
-  // attention, o projection, post-attention fused add+norm (residual += attn), gated MLP -> out.
-  // residual is updated in place; act is "silu", "gelu" or "gelu_tanh".
-  m.def(
-      "fused_decode_layer(Tensor(a!) out, Tensor hidden, Tensor(b!) residual, Tensor positions, "
-      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, "
-      "Tensor qkv_weight, Tensor? qkv_bias, Tensor? q_norm_weight, Tensor? k_norm_weight, Tensor cos_sin_cache, "
-      "bool is_neox, int num_heads, int num_kv_heads, int head_dim, float scale, int window_size, float softcap, "
-      "Tensor o_weight, Tensor? o_bias, Tensor post_norm_weight, float eps, Tensor gate_up_weight, "
-      "Tensor? gate_up_bias, Tensor down_weight, Tensor? down_bias, str act) -> ()");
 }

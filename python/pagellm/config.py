@@ -1,6 +1,6 @@
 """Engine configuration: frozen, validated dataclasses, built from LLM(...) keyword arguments.
 
-    ModelConfig      what to load and how (model, tokenizer, dtype, device, max_model_len, seed)
+    ModelConfig      what to load and how (model, tokenizer, dtype, quantization, device, max_model_len, seed)
     CacheConfig      the paged KV cache (block size, memory budget, prefix caching)
     SchedulerConfig  batching limits (max_num_seqs, max_num_batched_tokens, chunked prefill)
     EngineConfig     the three together
@@ -12,7 +12,7 @@ keyword arguments of pagellm._C.Scheduler (its C++ configs) for the C++ schedule
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
@@ -37,6 +37,8 @@ class ModelConfig:
     seed: int = 0
     device: str = "cpu"
     attention_backend: str | None = None
+    quantization: str | None = None  # a registered weight format; None = the checkpoint's, if any
+    enforce_eager: bool = False  # True: every step runs the module forward (no step-graph replay)
 
     def __post_init__(self) -> None:
         _require(self.model is None or isinstance(self.model, str), "model", "a path or name (str) or None", self.model)
@@ -46,6 +48,13 @@ class ModelConfig:
         _require(_is_int(self.seed) and self.seed >= 0, "seed", "an integer >= 0", self.seed)
         _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                  "device", "'cpu', 'cuda' or 'cuda:N'", self.device)
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
+        if self.quantization is not None:
+            from pagellm.quantization import list_quantization_methods  # noqa: PLC0415 (torch; only when asked)
+
+            methods = list_quantization_methods()
+            _require(self.quantization in methods, "quantization", f"None or a registered method {methods}",
+                     self.quantization)
 
     def torch_dtype(self, checkpoint_dtype=None):
         """The dtype to load weights in. "auto" follows the checkpoint's config (`checkpoint_dtype`, its
@@ -137,10 +146,23 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the model runs: which executor reaches the workers (pagellm.engine.executor registry)."""
+
+    distributed_executor_backend: str = "uni"  # "uni": one worker in this process
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.distributed_executor_backend, str) and bool(self.distributed_executor_backend),
+                 "distributed_executor_backend", "a registered executor name such as 'uni'",
+                 self.distributed_executor_backend)
 
 
 @dataclass
@@ -163,6 +185,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str | None = None
+    quantization: str | None = None
+    enforce_eager: bool = False
+    distributed_executor_backend: str = "uni"
     seed: int = 0
     device: str = "cpu"
 
@@ -179,7 +204,8 @@ class EngineArgs:
             model=None if self.model is None else str(self.model),
             tokenizer=None if self.tokenizer is None else str(self.tokenizer),
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-            device=str(self.device), attention_backend=self.attention_backend,
+            device=str(self.device), attention_backend=self.attention_backend, quantization=self.quantization,
+            enforce_eager=self.enforce_eager,
         )
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
@@ -200,10 +226,11 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
         )
-        return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc)
+        pc = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-__all__ = ["CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "SchedulerConfig"]
+__all__ = ["CacheConfig", "EngineArgs", "EngineConfig", "ModelConfig", "ParallelConfig", "SchedulerConfig"]

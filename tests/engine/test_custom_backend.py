@@ -19,9 +19,9 @@ class CountingBackend(TorchAttentionBackend):
     calls = 0
     scale = 1.0
 
-    def forward(self, layer, query, key, value, key_cache, value_cache):
+    def forward(self, layer, query, key, value, kv_cache):
         type(self).calls += 1
-        return super().forward(layer, query, key, value, key_cache, value_cache) * type(self).scale
+        return super().forward(layer, query, key, value, kv_cache) * type(self).scale
 
 
 def _run(model_dir, backend: str, prompts):
@@ -51,24 +51,24 @@ def test_custom_backend_is_called_and_its_result_is_used(tiny_llama_dir, tiny_to
 
 @register_attention_backend("test-cpu-subclass")
 class CountingCpuBackend(CpuAttentionBackend):
-    """A subclass of the C++ backend that overrides forward: the fused decode layer must not bypass it."""
+    """A subclass of the C++ backend that overrides forward: a captured step graph must not bypass it."""
 
     decode_calls = 0
 
-    def forward(self, layer, query, key, value, key_cache, value_cache):
+    def forward(self, layer, query, key, value, kv_cache):
         if self.metadata.num_decode_reqs == self.metadata.num_reqs:
             type(self).decode_calls += 1
-        return super().forward(layer, query, key, value, key_cache, value_cache)
+        return super().forward(layer, query, key, value, kv_cache)
 
 
-def test_fused_decode_never_bypasses_a_backend_subclass(tiny_llama_dir, tiny_tokenizer):
+def test_step_graph_never_bypasses_a_backend_subclass(tiny_llama_dir, tiny_tokenizer):
     llm = LLM(str(tiny_llama_dir), dtype="float32", attention_backend="test-cpu-subclass", num_kv_blocks=64,
               max_model_len=256)
-    assert not llm.llm_engine.runner.fused_decode
+    assert llm.llm_engine.runner.step_graphs is None  # its Python forward may do anything: never replayed
     CountingCpuBackend.decode_calls = 0
     llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                  use_tqdm=False)
     assert CountingCpuBackend.decode_calls > 0
-    # the plain cpu backend does take the fused path
+    # the plain cpu backend does replay step graphs
     assert LLM(str(tiny_llama_dir), dtype="float32", attention_backend="cpu", num_kv_blocks=64,
-               max_model_len=256).llm_engine.runner.fused_decode
+               max_model_len=256).llm_engine.runner.step_graphs is not None

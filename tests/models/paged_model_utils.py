@@ -8,7 +8,8 @@ import random
 import torch
 
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
-from pagellm.models.context import ForwardContext
+from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, group_kv_cache_specs
+from pagellm.forward_context import ForwardContext
 
 
 # ---------------------------------------------------------------------------------------------
@@ -18,8 +19,9 @@ class RefPagedBackend(BaseAttentionBackend):
 
     name = "test-ref"
 
-    def forward(self, layer, query, key, value, key_cache, value_cache):
+    def forward(self, layer, query, key, value, kv_cache):
         md = self.metadata
+        key_cache, value_cache = kv_cache.key_cache, kv_cache.value_cache
         bs = key_cache.shape[2]
         slots = md.slot_mapping
         keep = slots >= 0
@@ -81,17 +83,16 @@ class PagedRunner:
     """Drives a pagellm model with a paged KV cache: random block assignment, decodes-first batches."""
 
     def __init__(self, model, backend: BaseAttentionBackend, block_size: int, max_tokens_per_req: int,
-                 max_reqs: int, seed: int = 0, fused_decode: bool = False) -> None:
+                 max_reqs: int, seed: int = 0) -> None:
         self.model = model
-        self.fused_decode = fused_decode  # decode-only steps through torch.ops.pagellm.fused_decode_layer
         self.backend = backend
         self.bs = block_size
         blocks_per_req = (max_tokens_per_req + block_size - 1) // block_size
         num_blocks = blocks_per_req * max_reqs + 3
         dtype = next(model.parameters()).dtype
-        shape = (num_blocks, model.num_kv_heads, block_size, model.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-                          for _ in range(model.num_layers)]
+        specs = model.kv_cache_specs(block_size, dtype)
+        config = KVCacheConfig(num_blocks=num_blocks, groups=group_kv_cache_specs(specs), layer_specs=specs)
+        self.kv_caches = allocate_kv_caches(config, torch.device("cpu"))
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[int, list[int]] = {}
@@ -130,8 +131,7 @@ class PagedRunner:
             query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         )
         self.backend.plan(md)
-        ctx = ForwardContext(attn_backend=self.backend, kv_caches=self.kv_caches,
-                             fused_decode=self.fused_decode and num_decode == len(work))
+        ctx = ForwardContext(attn_backend=self.backend, kv_caches=self.kv_caches)
         with torch.inference_mode():
             hidden = self.model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), ctx)
         self.last_hidden = hidden
@@ -153,12 +153,11 @@ def paged_prompt_logprobs(model, backend, prompts: list[list[int]], block_size: 
 
 
 def paged_greedy(model, backend, prompts: list[list[int]], max_new_tokens: int, block_size: int, seed: int = 0,
-                 return_logprobs: bool = False, fused_decode: bool = False):
+                 return_logprobs: bool = False):
     """Greedy decoding; all but the last prompt prefill in step 1, the last joins step 2 as a prefill
     next to the others' decodes (a mixed batch). Returns generated token lists (and per-step logprobs)."""
     n = len(prompts)
-    runner = PagedRunner(model, backend, block_size, max(map(len, prompts)) + max_new_tokens + 1, n, seed,
-                         fused_decode=fused_decode)
+    runner = PagedRunner(model, backend, block_size, max(map(len, prompts)) + max_new_tokens + 1, n, seed)
     gen: list[list[int]] = [[] for _ in range(n)]
     lps: list[list[torch.Tensor]] = [[] for _ in range(n)]
     started = [False] * n

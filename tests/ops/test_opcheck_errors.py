@@ -39,13 +39,6 @@ def _cases():
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
     xb = x.to(torch.bfloat16)
     yield "linear_amx", (torch.empty(5, 24, dtype=torch.bfloat16), xb, torch.randn(24, 128).to(xb.dtype), xb[0, :24])
-    h, layer_lens = torch.randn(2, 32), torch.tensor([9, 4], dtype=torch.int32)
-    yield "fused_decode_layer", (
-        torch.empty(2, 32), h, torch.randn(2, 32), torch.tensor([8, 3]), kc.clone(), vc.clone(), torch.tensor([1, 5]),
-        bt, layer_lens, torch.randn(4 * 64 + 2 * 2 * 64, 32), None, None, None, torch.randn(16, 64), True, 4, 2, 64,
-        0.125, -1, 0.0, torch.randn(32, 256), None, torch.ones(32), 1e-6, torch.randn(40, 32), None,
-        torch.randn(32, 20), None, "silu",
-    )  # fmt: skip
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])

@@ -5,7 +5,7 @@
 
 #include "ops/common/checks.h"
 #include "ops/linear/linear_amx_kernels.h"
-#include "ops/linear/linear_choice.h"
+#include "ops/linear/amx_support.h"
 #include "ops/linear/linear_cpu_kernels.h"
 
 #include <sys/syscall.h>

@@ -17,7 +17,7 @@
 #include <string>
 
 #include "ops/linear/linear_amx_kernels.h"
-#include "ops/linear/linear_choice.h"
+#include "ops/linear/amx_support.h"
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
 namespace pagellm::cpu {

@@ -16,48 +16,26 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from functools import cached_property
+from typing import Any, Iterable
 
 import numpy as np
 import torch
 
 from pagellm.config import EngineArgs, EngineConfig
-from pagellm.engine.kv_cache import KVCacheSpec, allocate_kv_caches, determine_num_blocks
-from pagellm.engine.model_runner import ModelRunner
+from pagellm.engine.executor import get_executor_cls
+from pagellm.engine.spec_step import SpecDecodeStep
+from pagellm.engine.step_update import SampleTarget, StepUpdate, finished_status
 from pagellm.engine.stats import EngineStats
-from pagellm.engine.output_processor import FINISH_LENGTH, OutputProcessor, RequestState, child_seq_id
+from pagellm.engine.output_processor import OutputProcessor, RequestState, child_seq_id
+from pagellm.inputs import InputProcessor, PromptType
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
+from pagellm.spec_decode import BaseProposer
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
-
-
-def _finished_status(finish_reason: str):
-    """The scheduler status of a sequence Python decided to stop."""
-    from pagellm import _C  # noqa: PLC0415
-
-    return _C.RequestStatus.FINISHED_LENGTH if finish_reason == FINISH_LENGTH else _C.RequestStatus.FINISHED_STOPPED
-
-
-class _SampleTarget(NamedTuple):
-    """Where a sampled token goes: sequence `index` of `state`; a new child is created on apply."""
-
-    state: RequestState
-    index: int
-    is_new_child: bool
-
-
-@dataclass
-class _StepUpdate:
-    """What one step's sampled tokens changed, for the scheduler and the outputs."""
-
-    token_by_seq: dict[str, int] = field(default_factory=dict)  # scheduled sequence id -> new token
-    forks: list[tuple[str, str, int]] = field(default_factory=list)  # (parent id, child id, first token)
-    finished: list[tuple[str, Any]] = field(default_factory=list)  # (sequence id, RequestStatus)
-    changed: dict[str, RequestState] = field(default_factory=dict)
 
 
 def _eos_ids(files, tokenizer) -> list[int]:
@@ -72,11 +50,11 @@ def _eos_ids(files, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True) -> None:
+class LLMEngine(SpecDecodeStep):
+    def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True,
+                 proposer: BaseProposer | None = None) -> None:
         from pagellm import _C  # noqa: PLC0415
-        from pagellm.attention import select_attention_backend  # noqa: PLC0415
-        from pagellm.model_loader import build_model, open_model, resolve_dtype  # noqa: PLC0415
+        from pagellm.model_loader import open_model  # noqa: PLC0415
 
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
@@ -94,21 +72,11 @@ class LLMEngine:
         self.max_model_len = sc.max_model_len
         self.max_num_seqs = sc.max_num_seqs
 
-        self.dtype = mc.torch_dtype(resolve_dtype("auto", files.hf_config))
-        self.model = build_model(files, self.dtype, self.device)
-        self.model.eval()
-        spec = KVCacheSpec(
-            num_layers=self.model.num_layers, num_kv_heads=self.model.num_kv_heads, head_dim=self.model.head_dim,
-            block_size=cc.block_size, dtype=self.dtype,
-        )
-        self.num_blocks = determine_num_blocks(
-            spec, self.device, sc.max_model_len, sc.max_num_seqs, cc.kv_cache_memory_gb, cc.kv_cache_fraction,
-            cc.num_kv_blocks,
-        )
-        self.kv_caches = allocate_kv_caches(spec, self.num_blocks, self.device)
-        self.attn_backend = select_attention_backend(mc.attention_backend, self.device)
+        # the workers own the device, the model, the KV cache and the runner; the engine reaches them
+        # through the executor only (execute_model once per step, collective_rpc for everything else)
+        self.executor = get_executor_cls(config.parallel_config.distributed_executor_backend)(config, files)
+        self.num_blocks = self.executor.num_kv_blocks
         self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks))
-        self.runner = ModelRunner(self.model, self.attn_backend, self.kv_caches, self.device)
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats
@@ -117,6 +85,7 @@ class LLMEngine:
         self._rng = random.Random(mc.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.set_proposer(proposer)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -135,57 +104,32 @@ class LLMEngine:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
-    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]}")
-            return prompt, list(self.tokenizer(prompt)["input_ids"]) if prompt else []
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-                return prompt.get("prompt"), [int(t) for t in ids]
-            if "prompt" in prompt:
-                return self._tokenize(prompt["prompt"])
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, (int, np.integer)) for t in prompt):
-            return None, [int(t) for t in prompt]
-        raise TypeError(f"prompt must be a str or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+    @cached_property
+    def input_processor(self) -> InputProcessor:
+        """The engine's InputProcessor (pagellm.inputs): every add_request goes through it, and front ends
+        (LLM, AsyncLLM, the server) use it to validate and tokenize before they submit."""
+        return InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, eos_token_ids=self.eos_token_ids)
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request. Raises ValueError (the engine stays usable) for an empty prompt, token
-        ids outside the vocabulary, prompt + max_tokens > max_model_len, invalid sampling
+        """Queue a request. The input processor checks everything before anything is registered, so on
+        TypeError/ValueError the engine is unchanged and usable: a prompt of the wrong type, an empty
+        prompt, token ids outside the vocabulary, prompt + max_tokens > max_model_len, invalid sampling
         parameters, or a duplicate request id."""
         request_id = str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if "#" in request_id:
             raise ValueError(f"request_id {request_id!r} must not contain '#' (reserved for n > 1 children)")
-        params = SamplingParams() if params is None else params.clone()
-        params._verify()  # parameters may have been mutated after construction
-        text, ids = self._tokenize(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        bad = [t for t in ids if t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} out of vocabulary (valid range [0, {self.vocab_size}))")
-        if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
-            raise ValueError(f"logit_bias token ids must be < vocab size {self.vocab_size}")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
-        if params.max_tokens is None:
-            params.max_tokens = self.max_model_len - len(ids)
-        elif len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {len(ids) + params.max_tokens} "
-                f"exceeds max_model_len={self.max_model_len}; lower max_tokens to <= {self.max_model_len - len(ids)}"
-            )
-        params.update_from_generation_config(self.eos_token_ids)
+        req = self.input_processor.process(prompt, params)
+        params, ids = req.params, req.prompt_token_ids
         arrival = time.time() if arrival_time is None else float(arrival_time)
         # prompt logprobs need every prompt position computed: keep such requests off the prefix
         # cache with a private hash salt
         extra_key = self._rng.getrandbits(63) + 1 if params.prompt_logprobs is not None else 0
-        self.scheduler.add_request(request_id, ids, arrival, priority, extra_key)  # ValueError on invalid
-        self.output_processor.add_request(request_id, text, ids, params, arrival)
+        # ValueError on invalid; the scheduler knows max_tokens (it never schedules drafts past it)
+        self.scheduler.add_request(request_id, ids, arrival, priority, extra_key, max_tokens=params.max_tokens)
+        self.output_processor.add_request(request_id, req.prompt, ids, params, arrival)
         if params.seed is not None:
             self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
         self.num_prompt_tokens_total += len(ids)
@@ -218,17 +162,22 @@ class LLMEngine:
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run the model on it, apply the sampled tokens; returns the RequestOutputs
-        that changed this step."""
+        that changed this step. With a proposer, decode-ready sequences carry drafts that are verified."""
+        if self.proposer is not None:
+            self._propose_drafts()
         sched_out = self.scheduler.schedule()
         seq_ids = list(sched_out.request_ids)
         if not seq_ids:
             return []
         prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
-        result = self.runner.execute(sched_out, prompt_logprob_rows)
+        result = self.executor.execute_model(sched_out, prompt_logprob_rows)
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
-        targets, rows, logit_rows = self._build_sampling_rows(seq_ids, np.flatnonzero(sched_out.do_sample))
-        token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
-        update = self._apply_sampled_tokens(targets, token_ids, logprob_lists)
+        if len(sched_out.draft_token_ids):
+            update = self._sample_and_verify(sched_out, seq_ids, result.logits)
+        else:
+            targets, rows, logit_rows = self._build_sampling_rows(seq_ids, np.flatnonzero(sched_out.do_sample))
+            token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
+            update = self._apply_sampled_tokens(targets, token_ids, logprob_lists)
         self._report_to_scheduler(sched_out, seq_ids, update)
         return self._collect_outputs(update.changed)
 
@@ -273,11 +222,11 @@ class LLMEngine:
 
     def _build_sampling_rows(
         self, seq_ids: list[str], sampling_rows: np.ndarray
-    ) -> tuple[list[_SampleTarget], list[SamplingRow], list[int] | None]:
+    ) -> tuple[list[SampleTarget], list[SamplingRow], list[int] | None]:
         """One SamplingRow per sampled token. A finished prefill of an n > 1 request expands into n rows
         over the same logits; children are created only once their tokens are applied. Returns the
         targets, the rows and, when something expanded, the logits row each sampling row reads."""
-        targets: list[_SampleTarget] = []
+        targets: list[SampleTarget] = []
         rows: list[SamplingRow] = []
         logit_rows: list[int] = []
         expanded = False
@@ -290,7 +239,7 @@ class LLMEngine:
                 sid = child_seq_id(st.request_id, i)
                 out_ids = [] if is_new_child else seq.output_token_ids
                 rows.append(SamplingRow(st.params, st.prompt_token_ids, out_ids, self._generator(sid, st.params, i)))
-                targets.append(_SampleTarget(st, i, is_new_child))
+                targets.append(SampleTarget(st, i, is_new_child))
                 logit_rows.append(k)
         return targets, rows, logit_rows if expanded else None
 
@@ -307,11 +256,11 @@ class LLMEngine:
         logprob_lists = None if lt is None else (lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist())
         return sout.sampled_token_ids.tolist(), logprob_lists
 
-    def _apply_sampled_tokens(self, targets: list[_SampleTarget], token_ids: list[int],
-                              logprob_lists: tuple[list, list, list] | None) -> _StepUpdate:
+    def _apply_sampled_tokens(self, targets: list[SampleTarget], token_ids: list[int],
+                              logprob_lists: tuple[list, list, list] | None) -> StepUpdate:
         """Append each token to its sequence (forking the children of an expanded prefill first), with
         stop checks and token-time metrics; collects what the scheduler and the outputs need."""
-        update = _StepUpdate()
+        update = StepUpdate()
         now = time.time()  # tokens exist from here on (TTFT / TPOT)
         for j, (st, index, is_new_child) in enumerate(targets):
             token = int(token_ids[j])
@@ -327,19 +276,24 @@ class LLMEngine:
             st.metrics.last_token_time = now
             logprob_row = None if logprob_lists is None else tuple(lists[j] for lists in logprob_lists)
             if st.append_token(seq, token, logprob_row):
-                update.finished.append((seq.seq_id, _finished_status(seq.finish_reason)))
+                update.finished.append((seq.seq_id, finished_status(seq.finish_reason)))
             update.changed[st.request_id] = st
             self.num_generation_tokens_total += 1
         return update
 
-    def _report_to_scheduler(self, sched_out, seq_ids: list[str], update: _StepUpdate) -> None:
+    def _report_to_scheduler(self, sched_out, seq_ids: list[str], update: StepUpdate) -> None:
         """Fork the new children, then hand the scheduler one new token per row that sampled; children's
         first tokens follow the batch's rows, in fork order."""
         for parent_id, child_id, _ in update.forks:
             self.scheduler.fork(parent_id, child_id)
         sampled = update.token_by_seq
-        num_new = [1 if sid in sampled else 0 for sid in seq_ids] + [1] * len(update.forks)
-        new_ids = [sampled[sid] for sid in seq_ids if sid in sampled] + [tok for _, _, tok in update.forks]
+        if update.tokens_by_seq:  # spec rows: the kept run of tokens, 1..1+k of them
+            runs = {**{sid: [tok] for sid, tok in sampled.items()}, **update.tokens_by_seq}
+            num_new = [len(runs.get(sid, ())) for sid in seq_ids] + [1] * len(update.forks)
+            new_ids = [tok for sid in seq_ids for tok in runs.get(sid, ())] + [tok for _, _, tok in update.forks]
+        else:
+            num_new = [1 if sid in sampled else 0 for sid in seq_ids] + [1] * len(update.forks)
+            new_ids = [sampled[sid] for sid in seq_ids if sid in sampled] + [tok for _, _, tok in update.forks]
         self.scheduler.update(sched_out, np.asarray(num_new, dtype=np.int32), np.asarray(new_ids, dtype=np.int64),
                               update.finished)
 
@@ -376,6 +330,27 @@ class LLMEngine:
         self.reset_prefix_cache()
         self.num_prompt_tokens_total, self.num_generation_tokens_total = counters
         return time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ workers
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every worker; results in rank
+        order. Call between steps (an RL trainer's weight update, a kernel swap, a memory probe)."""
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    @property
+    def _driver_worker(self):
+        worker = getattr(self.executor, "driver_worker", None)
+        if worker is None:
+            raise AttributeError(f"{type(self.executor).__name__} keeps its workers out of process; use collective_rpc")
+        return worker
+
+    # In-process introspection (tests, notebooks): the driver worker's objects.
+    model = property(lambda self: self._driver_worker.model)
+    runner = property(lambda self: self._driver_worker.runner)
+    kv_caches = property(lambda self: self._driver_worker.kv_caches)
+    kv_cache_config = property(lambda self: self._driver_worker.kv_cache_config)
+    attn_backend = property(lambda self: self._driver_worker.attn_backend)
+    dtype = property(lambda self: self._driver_worker.dtype)
 
     # ------------------------------------------------------------------ stats
     @property

@@ -9,54 +9,65 @@ for prompt logprobs.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-from pagellm import ops
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
+from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
-from pagellm.ops import reference
+from pagellm.forward_context import ForwardContext
+from pagellm.step_graph import StepGraphCache, iter_tensors
 
 logger = init_logger(__name__)
 
+try:
+    from pagellm import _C as _compiled  # noqa: F401
 
-def copy_blocks(kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_mapping: torch.Tensor) -> None:
-    """Copy block src -> dst in every layer's key and value cache; block_mapping: int64 [num_pairs, 2]."""
-    # a build without the compiled ops still runs the engine, on the pure-torch reference
-    copy = ops.copy_blocks if ops.ops_available()[0] else reference.copy_blocks
-    copy([k for k, _ in kv_caches], [v for _, v in kv_caches], block_mapping)
+    _C_AVAILABLE = True
+except ImportError:  # pragma: no cover - a build without the extension runs every step eagerly
+    _C_AVAILABLE = False
 
 
 @dataclass
 class ModelRunnerOutput:
-    logits: torch.Tensor  # model dtype [num_sampling, V], row order = logits_indices order
+    logits: torch.Tensor  # model dtype [len(logits_indices), V], logits_indices order (1 + k rows per spec row)
     # row index (in the scheduler output) -> [num_scheduled_tokens, V] logits of the chunk (model dtype)
     prompt_logits: dict[int, torch.Tensor]
+    # [sum of num_scheduled_tokens over hidden_state_rows, hidden]: the final (normed) hidden states of
+    # every position of each requested row, in the requested row order (None when none were requested)
+    hidden_states: torch.Tensor | None = None
 
 
-FUSED_DECODE_ENV = "PAGELLM_FUSED_DECODE"  # "0" turns the fused decode path off (for A/B tests)
+STEP_GRAPH_ENV = "PAGELLM_STEP_GRAPH"  # "0" runs every step eagerly (A/B tests, debugging)
+
+
+def _block_table_width(width: int) -> int:
+    """Decode steps pad their block tables to a power of two (>= 8) columns, so that one captured graph
+    serves a batch size while its sequences grow (the kernels read only the blocks seq_lens cover)."""
+    return max(8, 1 << max(0, width - 1).bit_length())
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: BaseAttentionBackend,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
-                 fused_decode: bool | None = None) -> None:
+                 kv_caches: KVCaches, device: torch.device, use_step_graph: bool | None = None) -> None:
         self.model = model
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.device = torch.device(device)
-        if fused_decode is None:
-            fused_decode = os.environ.get(FUSED_DECODE_ENV, "1") != "0"
-        # Decode-only steps run each decoder layer as one C++ op (same kernels, same order, same
-        # results): the per-op Python cost is a third of a batch-1 step on a small model.
-        self.fused_decode = bool(fused_decode and getattr(model, "supports_fused_decode", False)
-                                 and attn_backend.supports_fused_decode_layer)
+        if use_step_graph is None:
+            use_step_graph = os.environ.get(STEP_GRAPH_ENV, "1") != "0"
+        # Decode-only steps on CPU are captured once per (batch size, block-table width) and replayed from
+        # C++: the per-op Python cost is a third of a batch-1 step on a small model (see step_graph/).
+        self.step_graphs: StepGraphCache | None = None
+        if use_step_graph and self.device.type == "cpu" and attn_backend.step_graph_safe and _C_AVAILABLE:
+            self.step_graphs = StepGraphCache(iter_tensors([model, kv_caches]))
 
-    def use_fused_decode(self, md: AttentionMetadata) -> bool:
-        """A decode-only step (one token per request, nothing padded) with the fused path enabled."""
-        return self.fused_decode and 0 < md.num_reqs == md.num_decode_reqs == md.num_tokens
+    def invalidate_step_graphs(self) -> None:
+        """Forget captured graphs: call after replacing weight or KV-cache tensors (not after in-place copies)."""
+        if self.step_graphs is not None:
+            self.step_graphs.invalidate(iter_tensors([self.model, self.kv_caches]))
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         """A scheduler-output array (already the right dtype, C-contiguous) as a tensor on the model's device."""
@@ -77,29 +88,54 @@ class ModelRunner:
             query_start_loc=self._to_device(sched_out.query_start_loc),
         )
 
-    @torch.inference_mode()
-    def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None) -> ModelRunnerOutput:
-        from pagellm.models.context import ForwardContext  # noqa: PLC0415
+    def _forward(self, metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The model's forward for one step: plan the attention backend, run the module tree."""
+        self.attn_backend.plan(metadata)
+        return self.model(input_ids, positions, ForwardContext(attn_backend=self.attn_backend, kv_caches=self.kv_caches))
 
+    def _decode_with_graph(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decode-only step through the step graph of its shape (captured from `_forward`)."""
+        width = md.block_tables.shape[1]
+        padded = _block_table_width(width)
+        block_tables = md.block_tables
+        if padded != width:
+            block_tables = torch.zeros((md.num_reqs, padded), dtype=block_tables.dtype, device=block_tables.device)
+            block_tables[:, :width] = md.block_tables
+        inputs = [input_ids, positions, md.slot_mapping, block_tables, md.seq_lens, md.query_start_loc]
+
+        def step(ins: list[torch.Tensor]) -> torch.Tensor:
+            step_md = replace(md, slot_mapping=ins[2], block_tables=ins[3], seq_lens=ins[4], query_start_loc=ins[5])
+            return self._forward(step_md, ins[0], ins[1])
+
+        return self.step_graphs.run((md.num_reqs, padded), inputs, step)
+
+    @torch.inference_mode()
+    def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None,
+                hidden_state_rows: list[int] | None = None) -> ModelRunnerOutput:
         cow_copies = sched_out.cow_copies
         if len(cow_copies):
-            copy_blocks(self.kv_caches, self._to_device(cow_copies))
+            self.kv_caches.copy_blocks(self._to_device(cow_copies))
 
         metadata = self.build_metadata(sched_out)
-        self.attn_backend.plan(metadata)
-        hidden = self.model(
-            self._to_device(sched_out.input_ids), self._to_device(sched_out.positions),
-            ForwardContext(attn_backend=self.attn_backend, kv_caches=self.kv_caches,
-                           fused_decode=self.use_fused_decode(metadata)),
-        )
+        input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
+        if self.step_graphs is not None and 0 < metadata.num_reqs == metadata.num_decode_reqs == metadata.num_tokens:
+            hidden = self._decode_with_graph(metadata, input_ids, positions)
+        else:
+            hidden = self._forward(metadata, input_ids, positions)
 
         logits_indices = sched_out.logits_indices
+        hidden_states = None
+        if hidden_state_rows:  # draft heads read these (speculative decoding)
+            rows, qsl = hidden_state_rows, sched_out.query_start_loc
+            positions_of_rows = np.concatenate([np.arange(qsl[r], qsl[r + 1], dtype=np.int64) for r in rows])
+            hidden_states = hidden[self._to_device(positions_of_rows)]
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
-            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={})
+            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states)
         logits = self.model.compute_logits(hidden[self._to_device(gather)])  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
-        return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits)
+        return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
+                                 hidden_states=hidden_states)
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,

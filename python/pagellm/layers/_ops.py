@@ -100,19 +100,3 @@ def _resolve() -> types.SimpleNamespace:
 
 
 ops = _resolve()
-
-
-def _fused_decode_layer():
-    """torch.ops.pagellm.fused_decode_layer when pagellm._C is built (it has no pure-torch fallback on
-    the hot path: without the compiled ops the model runner never asks for the fused path)."""
-    try:
-        import pagellm.ops as compiled
-
-        if compiled.ops_available()[0]:
-            return torch.ops.pagellm.fused_decode_layer.default
-    except Exception:  # pragma: no cover
-        pass
-    return None
-
-
-fused_decode_layer = _fused_decode_layer()

@@ -9,7 +9,6 @@ from pagellm.layers._ops import ops
 
 
 class SiluAndMul(nn.Module):
-    fused_name = "silu"  # the `act` of torch.ops.pagellm.fused_decode_layer
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)
         ops.silu_and_mul(out, x)  # the kernel takes strided rows
@@ -22,7 +21,6 @@ class GeluAndMul(nn.Module):
         if approximate not in ("none", "tanh"):
             raise ValueError(f"unknown gelu approximation {approximate!r}")
         self.approximate = approximate
-        self.fused_name = "gelu" if approximate == "none" else "gelu_tanh"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=x.dtype, device=x.device)

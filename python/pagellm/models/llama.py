@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagellm.layers._ops import fused_decode_layer as _fused_decode_layer
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import LMHead, VocabEmbedding
@@ -45,12 +44,14 @@ def layer_window_size(config, layer_idx: int) -> int:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, dtype: torch.dtype) -> None:
+    def __init__(self, config, dtype: torch.dtype, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype)
-        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
+                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, quant_config=quant_config,
+                                prefix=f"{prefix}.down_proj")
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +69,8 @@ class LlamaAttention(nn.Module):
     def o_bias(config) -> bool:
         return bool(getattr(config, "attention_bias", False))
 
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1) -> None:
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -76,8 +78,10 @@ class LlamaAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                  bias=self.qkv_bias(config), dtype=dtype)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=self.o_bias(config), dtype=dtype)
+                                  bias=self.qkv_bias(config), dtype=dtype, quant_config=quant_config,
+                                  prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=self.o_bias(config), dtype=dtype,
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
             self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
@@ -101,10 +105,12 @@ class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
 
-    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1) -> None:
+    def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1, quant_config=None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = self.attention_cls(config, layer_idx, dtype, window_size)
-        self.mlp = self.mlp_cls(config, dtype)
+        self.self_attn = self.attention_cls(config, layer_idx, dtype, window_size, quant_config=quant_config,
+                                            prefix=f"{prefix}.self_attn")
+        self.mlp = self.mlp_cls(config, dtype, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -114,50 +120,19 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        if ctx.fused_decode:
-            return self.fused_decode(positions, hidden, residual, ctx), residual
         hidden = self.self_attn(positions, hidden, ctx)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-    def fused_decode(self, positions, hidden, residual, ctx) -> torch.Tensor:
-        """Everything after the input norm as one op (torch.ops.pagellm.fused_decode_layer) for a decode-only
-        batch on the `cpu` attention backend: the same ops in the same order as the three lines above, minus
-        ~30 Python-level calls per layer. Updates residual in place and returns the MLP output."""
-        attn = self.self_attn
-        key_cache, value_cache = ctx.kv_caches[attn.attn.spec.layer_idx]
-        md = ctx.attn_backend.metadata
-        out = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
-        _fused_decode_layer(out, hidden, residual, positions, key_cache, value_cache, md.slot_mapping,
-                            md.block_tables, md.seq_lens, *self.fused_decode_args())
-        return out
-
-    def fused_decode_args(self) -> tuple:
-        """The layer's static arguments of fused_decode_layer (parameters, not their data, so in-place
-        weight updates are seen), built once."""
-        args = self.__dict__.get("_fused_decode_args")
-        if args is None:
-            a, mlp, spec = self.self_attn, self.mlp, self.self_attn.attn.spec
-            eps = self.post_attention_layernorm.eps
-            if a.qk_norm and not (a.q_norm.eps == a.k_norm.eps == eps):
-                raise ValueError("fused_decode_layer takes one eps for the post-attention, q and k norms")
-            rope = a.rotary_emb
-            args = (a.qkv_proj.weight, a.qkv_proj.bias, a.q_norm.weight if a.qk_norm else None,
-                    a.k_norm.weight if a.qk_norm else None, rope.cos_sin_cache, rope.is_neox_style,
-                    spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale, spec.window_size, spec.softcap,
-                    a.o_proj.weight, a.o_proj.bias, self.post_attention_layernorm.weight, eps,
-                    mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, mlp.down_proj.weight, mlp.down_proj.bias,
-                    mlp.act_fn.fused_name)  # fmt: skip
-            self.__dict__["_fused_decode_args"] = args
-        return args
-
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer], window_fn) -> None:
+    def __init__(self, config, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer], window_fn, quant_config=None,
+                 prefix: str = "model") -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = nn.ModuleList(
-            [layer_cls(config, i, dtype, window_fn(config, i)) for i in range(config.num_hidden_layers)]
+            [layer_cls(config, i, dtype, window_fn(config, i), quant_config=quant_config, prefix=f"{prefix}.layers.{i}")
+             for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
@@ -173,14 +148,14 @@ class LlamaModel(nn.Module):
 @register_model("LlamaForCausalLM")
 class LlamaForCausalLM(CausalLMBase):
     layer_cls = LlamaDecoderLayer
-    supports_fused_decode = _fused_decode_layer is not None
 
-    def __init__(self, config, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config, dtype: torch.dtype = torch.float32, quant_config=None) -> None:
         super().__init__()
         self.config = config
         self.dtype = dtype
+        self.quant_config = quant_config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer)
+        self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer, quant_config=quant_config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
 

@@ -35,7 +35,6 @@ __all__ = [
     "linear_small_m",
     "linear_amx",
     "amx_available",
-    "fused_decode_layer",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -245,34 +244,3 @@ def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
     _dtype(x, torch.bfloat16, "x")
     _check_linear(out, x, weight, bias)
     torch.ops.pagellm.linear_amx(out, x, weight, bias)
-
-
-def fused_decode_layer(
-    out: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor,
-    is_neox: bool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window_size: int,
-    softcap: float, o_weight: torch.Tensor, o_bias: torch.Tensor | None, post_norm_weight: torch.Tensor,
-    eps: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None, act: str,
-) -> None:
-    """A Llama-family decoder layer after its input norm, for a decode-only batch (CPU): qkv projection,
-    optional per-head q/k norm, rope, cache write, paged decode attention, o projection, post-attention
-    add+norm (residual updated in place), gated MLP into out. Same ops, same order as the module path."""
-    _float(hidden, "hidden")
-    for t, n in ((out, "out"), (residual, "residual"), (qkv_weight, "qkv_weight"), (o_weight, "o_weight"),
-                 (gate_up_weight, "gate_up_weight"), (down_weight, "down_weight"), (key_cache, "key_cache")):
-        _tensor(t, n)
-        _same(t, hidden, n, "hidden")
-    _ndim(hidden, 2, "hidden")
-    _dtype(slot_mapping, torch.int64, "slot_mapping")
-    _dtype(positions, torch.int64, "positions")
-    if act not in ("silu", "gelu", "gelu_tanh"):
-        raise ValueError(f"act must be 'silu', 'gelu' or 'gelu_tanh', got {act!r}")
-    torch.ops.pagellm.fused_decode_layer(
-        out, hidden, residual, positions, key_cache, value_cache, slot_mapping, block_tables, seq_lens,
-        qkv_weight, qkv_bias, q_norm_weight, k_norm_weight, cos_sin_cache, bool(is_neox), int(num_heads),
-        int(num_kv_heads), int(head_dim), float(scale), int(window_size), float(softcap), o_weight, o_bias,
-        post_norm_weight, float(eps), gate_up_weight, gate_up_bias, down_weight, down_bias, act,
-    )  # fmt: skip

@@ -23,7 +23,6 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
-    "fused_decode_layer",
 ]
 
 
@@ -198,48 +197,3 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """The same product as linear_small_m (fp32 accumulation, one rounding); bf16 only."""
     linear_small_m(out, x, weight, bias)
-
-
-# ---------------------------------------------------------------- fused decoder layer
-
-
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
-    linear_small_m(out, x, weight, bias)
-    return out
-
-
-def fused_decode_layer(
-    out: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
-    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None,
-    q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None, cos_sin_cache: torch.Tensor,
-    is_neox: bool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, window_size: int,
-    softcap: float, o_weight: torch.Tensor, o_bias: torch.Tensor | None, post_norm_weight: torch.Tensor,
-    eps: float, gate_up_weight: torch.Tensor, gate_up_bias: torch.Tensor | None, down_weight: torch.Tensor,
-    down_bias: torch.Tensor | None, act: str,
-) -> None:
-    """A Llama-family decoder layer after its input norm, for one decode token per sequence: the ops
-    above in the order of pagellm/models/llama.py. residual is updated in place; the MLP output goes to out."""
-    T = hidden.shape[0]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = _linear(hidden, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-    if q_norm_weight is not None:
-        q = _rms_normalize(q.reshape(T * num_heads, head_dim), q_norm_weight, eps).view(T, q_size)
-        k = _rms_normalize(k.reshape(T * num_kv_heads, head_dim), k_norm_weight, eps).view(T, kv_size)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    rotary_embedding(positions, q, k, head_dim, cos_sin_cache, is_neox)
-    reshape_and_cache(key_cache, value_cache, k.view(T, num_kv_heads, head_dim), v.view(T, num_kv_heads, head_dim),
-                      slot_mapping)
-    attn = torch.empty(T, num_heads, head_dim, dtype=hidden.dtype, device=hidden.device)
-    paged_attention_decode(attn, q.view(T, num_heads, head_dim), key_cache, value_cache, block_tables, seq_lens,
-                           scale, window_size, softcap)
-    h = _linear(attn.view(T, q_size), o_weight, o_bias)
-    fused_add_rms_norm(h, residual, post_norm_weight, eps)
-    gate_up = _linear(h, gate_up_weight, gate_up_bias)
-    a = torch.empty(T, gate_up.shape[1] // 2, dtype=hidden.dtype, device=hidden.device)
-    if act == "silu":
-        silu_and_mul(a, gate_up)
-    else:
-        gelu_and_mul(a, gate_up, "none" if act == "gelu" else "tanh")
-    linear_small_m(out, a, down_weight, down_bias)
