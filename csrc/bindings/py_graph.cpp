@@ -10,6 +10,7 @@
 #include <ATen/ScalarOps.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -24,22 +25,6 @@ namespace {
 using graph::ArgSource;
 using graph::OutputTarget;
 using graph::StepGraph;
-
-ArgSource list_element(const py::tuple& d, const c10::TypePtr& elem_type) {
-  const std::string kind = d[0].cast<std::string>();
-  ArgSource a;
-  if (kind == "s") {
-    a.kind = ArgSource::Kind::kSlot;
-    a.slot = d[1].cast<int64_t>();
-  } else if (kind == "c") {
-    a.constant = torch::jit::toIValue(d[1], elem_type);
-  } else if (kind == "n") {
-    a.constant = c10::IValue();
-  } else {
-    throw std::invalid_argument("unknown list element kind '" + kind + "'");
-  }
-  return a;
-}
 
 // A Python number passed where the schema takes a Tensor (`x * 2`): a 0-dim "wrapped number" tensor, as
 // torch's argument parser makes, so type promotion treats it as a scalar.
@@ -58,27 +43,31 @@ c10::IValue constant(py::handle obj, const c10::TypePtr& type) {
   return torch::jit::toIValue(obj, type);
 }
 
-ArgSource argument(const py::tuple& d, const c10::Argument& schema_arg) {
+// One descriptor of a value of schema type `type` (an argument, or a list element when in_list).
+ArgSource source(const py::tuple& d, const c10::TypePtr& type, const std::string& name, bool in_list,
+                 const std::optional<c10::IValue>& default_value = std::nullopt) {
   const std::string kind = d[0].cast<std::string>();
   ArgSource a;
   if (kind == "s") {
     a.kind = ArgSource::Kind::kSlot;
     a.slot = d[1].cast<int64_t>();
   } else if (kind == "c") {
-    a.constant = constant(d[1], schema_arg.real_type());
-  } else if (kind == "d") {
-    if (!schema_arg.default_value().has_value()) {
-      throw std::invalid_argument("argument '" + schema_arg.name() + "' has no default value");
-    }
-    a.constant = *schema_arg.default_value();
-  } else if (kind == "l") {
-    const auto* list = schema_arg.real_type()->castRaw<c10::ListType>();
-    if (list == nullptr) throw std::invalid_argument("argument '" + schema_arg.name() + "' is not a list");
+    a.constant = constant(d[1], type);
+  } else if (kind == "n" && in_list) {
+    a.constant = c10::IValue();
+  } else if (kind == "d" && !in_list) {
+    if (!default_value.has_value()) throw std::invalid_argument("argument '" + name + "' has no default value");
+    a.constant = *default_value;
+  } else if (kind == "l" && !in_list) {
+    const auto* list = type->castRaw<c10::ListType>();
+    if (list == nullptr) throw std::invalid_argument("argument '" + name + "' is not a list");
     a.kind = ArgSource::Kind::kList;
-    a.list_type = schema_arg.real_type();
-    for (py::handle e : d[1].cast<py::list>()) a.elements.push_back(list_element(e.cast<py::tuple>(), list->getElementType()));
+    a.list_type = type;
+    for (py::handle e : d[1].cast<py::list>()) {
+      a.elements.push_back(source(e.cast<py::tuple>(), list->getElementType(), name, /*in_list=*/true));
+    }
   } else {
-    throw std::invalid_argument("unknown argument kind '" + kind + "'");
+    throw std::invalid_argument("argument '" + name + "': unknown descriptor kind '" + kind + "'");
   }
   return a;
 }
@@ -92,7 +81,10 @@ void add_node(StepGraph& g, const std::string& name, const std::string& overload
   }
   std::vector<ArgSource> sources;
   sources.reserve(args.size());
-  for (size_t i = 0; i < args.size(); ++i) sources.push_back(argument(args[i].cast<py::tuple>(), schema.arguments()[i]));
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::Argument& arg = schema.arguments()[i];
+    sources.push_back(source(args[i].cast<py::tuple>(), arg.real_type(), arg.name(), /*in_list=*/false, arg.default_value()));
+  }
   std::vector<OutputTarget> targets;
   for (const auto& [index, element, slot] : outputs) targets.push_back(OutputTarget{index, element, slot});
   g.add_node(name, overload, std::move(sources), std::move(targets));

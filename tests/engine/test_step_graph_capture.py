@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagellm.step_graph import CaptureError, StepGraphCache, StepRecorder, build_step_graph
+from pagellm.step_graph import CaptureError, StepGraphCache, StepGraphMismatch, StepRecorder, build_step_graph
 
 pytest.importorskip("pagellm._C", reason="StepGraph lives in the compiled extension")
 
@@ -113,3 +113,15 @@ def test_bad_arguments_are_value_errors():
     graph = build_step_graph(recorder.recording, [recorder.slot(out)])
     with pytest.raises(ValueError, match="takes 1 inputs"):
         graph.run([])
+
+
+def test_check_mode_catches_a_data_read_the_recorder_cannot_see():
+    def reads_tolist(ins):
+        # .tolist() reads tensor data without a dispatcher call: the recording bakes this step's value in
+        return ins[0] * ins[0].tolist()[0]
+
+    cache = StepGraphCache([], capture_after=1, check=True)
+    assert torch.equal(cache.run("k", [torch.full((2,), 3.0)], reads_tolist), torch.full((2,), 9.0))
+    assert torch.equal(cache.run("k", [torch.full((2,), 3.0)], reads_tolist), torch.full((2,), 9.0))  # same data: fine
+    with pytest.raises(StepGraphMismatch, match="differs from the eager forward"):
+        cache.run("k", [torch.full((2,), 2.0)], reads_tolist)

@@ -41,6 +41,8 @@ class ModelRunnerOutput:
 
 
 STEP_GRAPH_ENV = "PAGELLM_STEP_GRAPH"  # "0" runs every step eagerly (A/B tests, debugging)
+# "1": every replay is checked against the eager forward (bit-identical or StepGraphMismatch); for debugging
+STEP_GRAPH_CHECK_ENV = "PAGELLM_STEP_GRAPH_CHECK"
 
 
 def _block_table_width(width: int) -> int:
@@ -62,7 +64,8 @@ class ModelRunner:
         # C++: the per-op Python cost is a third of a batch-1 step on a small model (see step_graph/).
         self.step_graphs: StepGraphCache | None = None
         if use_step_graph and self.device.type == "cpu" and attn_backend.step_graph_safe and _C_AVAILABLE:
-            self.step_graphs = StepGraphCache(iter_tensors([model, kv_caches]))
+            self.step_graphs = StepGraphCache(iter_tensors([model, kv_caches]),
+                                              check=os.environ.get(STEP_GRAPH_CHECK_ENV, "0") == "1")
 
     def invalidate_step_graphs(self) -> None:
         """Forget captured graphs: call after replacing weight or KV-cache tensors (not after in-place copies)."""

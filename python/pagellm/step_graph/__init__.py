@@ -4,7 +4,7 @@ The CPU analogue of CUDA graphs: no second definition of the model, no per-model
 `recorder.py` (what is recorded, what is refused) and `graph_cache.py` (when graphs are captured).
 """
 
-from pagellm.step_graph.graph_cache import StepGraphCache, build_step_graph
+from pagellm.step_graph.graph_cache import StepGraphCache, StepGraphMismatch, build_step_graph
 from pagellm.step_graph.recorder import CaptureError, StepRecorder, iter_tensors
 
-__all__ = ["CaptureError", "StepGraphCache", "StepRecorder", "build_step_graph", "iter_tensors"]
+__all__ = ["CaptureError", "StepGraphCache", "StepGraphMismatch", "StepRecorder", "build_step_graph", "iter_tensors"]

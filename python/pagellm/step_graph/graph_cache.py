@@ -19,6 +19,10 @@ from pagellm.step_graph.recorder import CaptureError, Recording, StepRecorder
 
 logger = init_logger(__name__)
 
+class StepGraphMismatch(RuntimeError):
+    """A replayed step differed from the eager forward (only raised with check=True)."""
+
+
 StepFn = Callable[[list[torch.Tensor]], torch.Tensor]
 
 
@@ -40,11 +44,16 @@ class StepGraphCache:
     """Graphs of one step function by shape key. `constants`: every tensor the step may read that is not
     an input (weights, buffers, KV caches); call `invalidate(constants)` when those tensors are replaced."""
 
-    def __init__(self, constants: Iterable[torch.Tensor], max_graphs: int = 64, capture_after: int = 2) -> None:
+    def __init__(self, constants: Iterable[torch.Tensor], max_graphs: int = 64, capture_after: int = 2,
+                 check: bool = False) -> None:
         if max_graphs < 1 or capture_after < 1:
             raise ValueError(f"max_graphs and capture_after must be >= 1, got {max_graphs}, {capture_after}")
         self.max_graphs = max_graphs
         self.capture_after = capture_after
+        # check: every replay also runs the step eagerly and raises StepGraphMismatch unless the results are
+        # bit-identical (for a forward you wrote: a data read into Python that the recorder could not see,
+        # such as .tolist() on step data, shows up here). The step's KV writes are idempotent, so this is safe.
+        self.check = check
         self._graphs: OrderedDict[Hashable, object] = OrderedDict()
         self._failed: dict[Hashable, str] = {}
         self._seen: dict[Hashable, int] = {}
@@ -70,13 +79,24 @@ class StepGraphCache:
         if graph is not None:
             self._graphs.move_to_end(key)
             self.num_replays += 1
-            return graph.run(inputs)[0]
+            out = graph.run(inputs)[0]
+            if self.check:
+                self._check(key, out, step(inputs))
+            return out
         if key in self._failed:
             return step(inputs)
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         if seen < self.capture_after:
             return step(inputs)
         return self._capture(key, inputs, step)
+
+    @staticmethod
+    def _check(key: Hashable, replayed: torch.Tensor, eager: torch.Tensor) -> None:
+        if not torch.equal(replayed, eager):
+            diff = (replayed.float() - eager.float()).abs().max().item()
+            raise StepGraphMismatch(f"step graph {key} replayed a result that differs from the eager forward (max "
+                                    f"|diff| {diff:.3g}): the forward makes a data-dependent choice the recorder "
+                                    "cannot see; set step_graph_safe = False on its backend or run with enforce_eager")
 
     def _capture(self, key: Hashable, inputs: list[torch.Tensor], step: StepFn) -> torch.Tensor:
         recorder = StepRecorder(inputs, lambda t: id(t) in self._constant_ids)
