@@ -4,6 +4,7 @@ tests can look at the engine's free-block count), in front of the fake engine or
 from __future__ import annotations
 
 import contextlib
+import signal
 import socket
 import threading
 import time
@@ -16,6 +17,7 @@ httpx = pytest.importorskip("httpx")
 
 from pagellm.engine.async_llm import AsyncLLM  # noqa: E402
 from pagellm.entrypoints.openai.api_server import build_app  # noqa: E402
+from pagellm.entrypoints.uvicorn_server import GracefulServer  # noqa: E402
 
 from .fake_engine import FakeEngine  # noqa: E402
 
@@ -27,18 +29,23 @@ def free_port() -> int:
 
 
 class ServerHandle:
-    def __init__(self, engine, model_name="test-model", api_key=None, max_queue_len=None, **llm_kwargs):
+    """app_kwargs go to build_app (max_request_bytes, metrics_require_auth); the server drains on
+    `sigterm()` as `pagellm serve` does on SIGTERM, with shutdown_timeout_s for requests in flight."""
+
+    def __init__(self, engine, model_name="test-model", api_key=None, max_queue_len=None, app_kwargs=None,
+                 shutdown_timeout_s=30.0, **llm_kwargs):
         import uvicorn
 
         self.engine = engine
         self.llm = AsyncLLM(engine, **llm_kwargs)
-        self.app = build_app(self.llm, model_name, api_key=api_key, max_queue_len=max_queue_len)
+        self.app = build_app(self.llm, model_name, api_key=api_key, max_queue_len=max_queue_len,
+                             **(app_kwargs or {}))
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.model = model_name
         cfg = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
                              timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(cfg)
+        self.server = GracefulServer(cfg, self.app.state.drain, shutdown_timeout_s=shutdown_timeout_s)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 20
@@ -46,6 +53,10 @@ class ServerHandle:
             if time.time() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server did not start")
             time.sleep(0.02)
+
+    def sigterm(self):
+        """What a SIGTERM does to `pagellm serve` (signal handlers only run in the main thread)."""
+        self.server.handle_exit(signal.SIGTERM, None)
 
     def stop(self):
         self.server.should_exit = True

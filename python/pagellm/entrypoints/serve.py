@@ -10,11 +10,20 @@ from __future__ import annotations
 import argparse
 import os
 
+from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
+
 
 def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _non_negative_float(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
     return v
 
 
@@ -24,7 +33,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PAGELLM_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                        "(default: $PAGELLM_API_KEY, else none)")
+    p.add_argument("--metrics-require-auth", action="store_true",
+                   help="put /metrics behind the API key too")
+    p.add_argument("--max-request-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BYTES,
+                   help="largest request body accepted; bigger ones get HTTP 413 before they are read "
+                        f"(default {DEFAULT_MAX_REQUEST_BYTES})")
+    p.add_argument("--shutdown-timeout", type=_non_negative_float, default=30.0,
+                   help="on SIGTERM/SIGINT: seconds requests in flight get to finish (new ones get 503) before "
+                        "the rest are ended with an error event; then the server exits 0 (default 30)")
     p.add_argument("--served-model-name", default=None, help="the model name clients use (default: from MODEL)")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests allowed to wait for a batch slot; more get HTTP 429 (default 256)")
@@ -34,6 +52,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) | int8 | fp8_e4m3")
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
@@ -54,7 +73,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 _ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "device", "kv_cache_memory_gb",
-                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed")
+                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed", "kv_cache_dtype")
 
 
 def engine_kwargs(args) -> dict:
@@ -74,6 +93,7 @@ def run(args) -> int:
 
     from pagellm.engine.async_llm import AsyncLLM
     from pagellm.entrypoints.openai.api_server import build_app
+    from pagellm.entrypoints.uvicorn_server import GracefulServer
     from pagellm.logger import init_logger
 
     logger = init_logger("pagellm.serve")
@@ -83,14 +103,15 @@ def run(args) -> int:
         logger.info("warm-up done in %.1f s", llm.engine.warmup())
     name = args.served_model_name or default_served_name(args.model)
     names = [name] + ([args.model] if args.model and args.model != name else [])
-    app = build_app(llm, names, api_key=api_key, max_queue_len=args.max_queue_len)
+    app = build_app(llm, names, api_key=api_key, max_queue_len=args.max_queue_len,
+                    max_request_bytes=args.max_request_bytes, metrics_require_auth=args.metrics_require_auth)
     logger.info("serving %s on http://%s:%d/v1 (max_model_len=%s, api key %s)", name, args.host, args.port,
                 llm.max_model_len, "on" if api_key else "off")
+    # uvicorn's own grace period only follows our drain (GracefulServer), which has ended every request.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_keep_alive=5, timeout_graceful_shutdown=5)
     try:
-        # On SIGTERM/SIGINT uvicorn waits for in-flight responses; after 5 s it cancels them (their requests
-        # are aborted), so a stopped server never keeps generating for clients that are gone.
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_keep_alive=5,
-                    timeout_graceful_shutdown=5)
+        GracefulServer(config, app.state.drain, shutdown_timeout_s=args.shutdown_timeout).run()
     finally:
         llm.shutdown()
     return 0

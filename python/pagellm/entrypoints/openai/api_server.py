@@ -5,68 +5,65 @@
 `pagellm serve` (entrypoints/serve.py) builds the AsyncLLM, calls build_app and runs uvicorn; this
 module never imports it back.
 
-Errors are OpenAI-style JSON: {"error": {"message", "type", "param", "code"}}:
-    400 BadRequestError   malformed JSON, wrong field types, out-of-range values, prompt too long,
-                          empty messages, unsupported options
-    401 AuthenticationError  missing / wrong bearer token on /v1/* (when an API key is set)
-    404 NotFoundError     unknown model name (as OpenAI answers)
-    429 RateLimitError    more than max_queue_len requests waiting for a batch slot
-    503 ServiceUnavailableError  the engine loop died (also /health)
+Every route but /health and /metrics needs the API key when one is set (/metrics too with
+metrics_require_auth). A body over max_request_bytes is refused (413) while it is read. Every request
+is validated before its response starts: a stream that answered 200 only ends early with an error event
+for a failure inside the engine, or for a shutdown (drain.py). Errors: see errors.py.
 """
 
 from __future__ import annotations
 
-import hmac
 from contextlib import asynccontextmanager
-from http import HTTPStatus
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagellm.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.openai.drain import DrainMiddleware, ServerDrain
+from pagellm.entrypoints.openai.errors import install_error_handlers
+from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                 ModelCard, ModelList, TokenizeChatRequest,
-                                                 TokenizeCompletionRequest)
-from pagellm.entrypoints.openai.serving_base import OpenAIError, error_body
+from pagellm.entrypoints.openai.middleware import AuthMiddleware, RequestSizeLimitMiddleware
+from pagellm.entrypoints.openai.openapi import responses, schema_without_422
+from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                                 CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                                 HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
+                                                 TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
+from pagellm.entrypoints.openai.serving_base import OpenAIError
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from pagellm.inputs import PromptTooLongError
-from pagellm.logger import init_logger
-
-logger = init_logger(__name__)
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HEALTH_PATH, METRICS_PATH = "/health", "/metrics"
 
 
-def _err(status: int, message: str, type: str = "BadRequestError", param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, type, param, code), status_code=status)
+async def engine_dead_reason(llm: AsyncLLM) -> str | None:
+    """Why the engine cannot serve (its loop died or was shut down), or None when it can."""
+    dead = getattr(llm, "dead_error", None)  # AsyncLLM's "engine loop died" report, where it has one
+    if dead is not None:
+        return str(dead)
+    try:
+        await llm.check_health()
+    except EngineDeadError as e:
+        return str(e)
+    return None
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request", None
-    e = errs[0]
-    if e.get("type") == "json_invalid":
-        return f"Invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
-    param = ".".join(loc) or None
-    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
-                    for er in errs[:5])
-    return msg, param
+def _json_or_stream(result) -> Response:
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
 
 
 def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
-              max_queue_len: int | None = None, root_path: str = "") -> FastAPI:
+              max_queue_len: int | None = None, root_path: str = "", *,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_require_auth: bool = False) -> FastAPI:
+    """The app; `app.state.drain` is its ServerDrain (a SIGTERM handler awaits `drain.drain(timeout_s)`)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if max_queue_len is not None:
         async_llm.max_queue_len = max_queue_len
     metrics = ServerMetrics(names[0])
-    completion = OpenAIServingCompletion(async_llm, names, metrics)
-    chat = OpenAIServingChat(async_llm, names, metrics)
+    drain = ServerDrain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -77,116 +74,88 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     app.state.async_llm = async_llm
     app.state.metrics = metrics
     app.state.served_model_names = names
+    app.state.drain = drain
+    install_error_handlers(app)
+    _add_status_routes(app, async_llm, names, metrics, drain, metrics_auth=bool(api_key and metrics_require_auth))
+    _add_model_routes(app, async_llm, names, metrics)
+    app.openapi = schema_without_422(app)
 
-    # ---------------------------------------------------------------- errors
-    @app.exception_handler(RequestValidationError)
-    async def _on_validation(_req, exc: RequestValidationError):
-        msg, param = _validation_message(exc)
-        return _err(400, msg, "BadRequestError", param)
-
-    @app.exception_handler(OpenAIError)
-    async def _on_openai_error(_req, exc: OpenAIError):
-        return JSONResponse(exc.body(), status_code=exc.status_code)
-
-    @app.exception_handler(QueueFullError)
-    async def _on_queue_full(_req, exc: QueueFullError):
-        return JSONResponse(error_body(str(exc), "RateLimitError", None, "queue_full"), status_code=429,
-                            headers={"Retry-After": "1"})
-
-    @app.exception_handler(PromptTooLongError)
-    async def _on_too_long(_req, exc: PromptTooLongError):
-        return _err(400, str(exc), "BadRequestError", "prompt", "context_length_exceeded")
-
-    @app.exception_handler(ValueError)
-    async def _on_value_error(_req, exc: ValueError):
-        return _err(400, str(exc), "BadRequestError")
-
-    @app.exception_handler(EngineDeadError)
-    async def _on_dead(_req, exc: EngineDeadError):
-        return _err(503, str(exc), "ServiceUnavailableError", code=503)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _on_http(_req, exc: StarletteHTTPException):
-        phrase = HTTPStatus(exc.status_code).phrase if exc.status_code in HTTPStatus._value2member_map_ else ""
-        return _err(exc.status_code, str(exc.detail or phrase), "NotFoundError" if exc.status_code == 404
-                    else "invalid_request_error")
-
-    @app.exception_handler(Exception)
-    async def _on_any(_req, exc: Exception):
-        logger.exception("unhandled error")
-        return _err(500, f"{type(exc).__name__}: {exc}", "InternalServerError", code=500)
-
-    # ---------------------------------------------------------------- auth
+    # add_middleware wraps what is there: the last added runs first. Drain (refuse while shutting down,
+    # count what is in flight) -> auth -> body size -> the routes.
+    app.add_middleware(RequestSizeLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
-        expected = f"Bearer {api_key}".encode()
+        open_paths = {HEALTH_PATH} if metrics_require_auth else {HEALTH_PATH, METRICS_PATH}
+        app.add_middleware(AuthMiddleware, api_key=api_key, open_paths=frozenset(open_paths))
+    app.add_middleware(DrainMiddleware, drain=drain, open_paths=frozenset({HEALTH_PATH, METRICS_PATH}))
+    return app
 
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.method != "OPTIONS" and request.url.path.startswith(f"{root_path}/v1"):
-                got = request.headers.get("authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
-                    return _err(401, "Invalid or missing API key (expected 'Authorization: Bearer <key>').",
-                                "AuthenticationError", code="invalid_api_key")
-            return await call_next(request)
 
-    # ---------------------------------------------------------------- routes
-    @app.get("/health")
+def _add_status_routes(app: FastAPI, async_llm: AsyncLLM, names: list[str], metrics: ServerMetrics,
+                       drain: ServerDrain, metrics_auth: bool) -> None:
+    @app.get(HEALTH_PATH, response_model=None, responses={
+        200: {"model": HealthResponse, "description": "Serving"},
+        503: {"model": HealthResponse, "description": "Draining for shutdown, or the engine loop is dead"}})
     async def health():
-        try:
-            await async_llm.check_health()
-        except EngineDeadError as e:
-            return _err(503, str(e), "ServiceUnavailableError", code=503)
-        return Response(status_code=200)
+        if drain.draining:
+            return JSONResponse({"status": "draining", "message": "the server is shutting down"}, 503,
+                                headers={"Retry-After": str(drain.retry_after_s)})
+        reason = await engine_dead_reason(async_llm)
+        if reason is not None:
+            return JSONResponse({"status": "dead", "message": reason}, 503)
+        return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get(METRICS_PATH, response_model=None, responses=responses(None, auth=metrics_auth, media_type=CONTENT_TYPE))
     async def get_metrics():
         return Response(metrics.render(async_llm.get_stats()), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses=responses(ModelList))
     async def models():
         cards = [ModelCard(id=n, root=names[0], max_model_len=async_llm.max_model_len) for n in names]
-        return ModelList(data=cards).model_dump()
+        return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.get("/version")
+    @app.get("/version", response_model=None, responses=responses(VersionResponse))
     async def version():
         from pagellm.version import __version__
 
-        return {"version": __version__}
+        return JSONResponse({"version": __version__})
 
-    @app.post("/v1/completions")
+
+def _add_model_routes(app: FastAPI, async_llm: AsyncLLM, names: list[str], metrics: ServerMetrics) -> None:
+    completion = OpenAIServingCompletion(async_llm, names, metrics)
+    chat = OpenAIServingChat(async_llm, names, metrics)
+
+    @app.post("/v1/completions", response_model=None,
+              responses=responses(CompletionResponse, 400, 404, 413, 429, stream=True))
     async def create_completion(req: CompletionRequest, raw_request: Request):
-        result = await completion.create_completion(req, raw_request)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _json_or_stream(await completion.create_completion(req, raw_request))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=responses(ChatCompletionResponse, 400, 404, 413, 429, stream=True))
     async def create_chat_completion(req: ChatCompletionRequest, raw_request: Request):
-        result = await chat.create_chat_completion(req, raw_request)
-        if isinstance(result, dict):
-            return JSONResponse(result)
-        return StreamingResponse(result, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return _json_or_stream(await chat.create_chat_completion(req, raw_request))
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=None, responses=responses(TokenizeResponse, 400, 404, 413))
     async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest):
         completion.check_model(req.model)
+        await async_llm.check_health()  # its tokenizer thread is gone with the engine (503)
         if isinstance(req, TokenizeChatRequest):
             prompt = {**await chat.render_prompt(req), "add_special_tokens": req.add_special_tokens}
         else:
+            completion.check_prompt_chars(len(req.prompt))
             prompt = {"prompt": req.prompt, "add_special_tokens": req.add_special_tokens}
         _, ids = await async_llm.run_in_tokenizer_thread(async_llm.input_processor.tokenize, prompt)
-        return {"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids}
+        return JSONResponse({"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=None, responses=responses(DetokenizeResponse, 400, 404, 413))
     async def detokenize(req: DetokenizeRequest):
         completion.check_model(req.model)
-        vocab = getattr(async_llm.tokenizer, "vocab_size", None)
+        await async_llm.check_health()
+        vocab_size = async_llm.input_processor.vocab_size
+        bad = [t for t in req.tokens if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"token id {bad[0]} is not in the vocabulary (ids 0..{vocab_size - 1})", param="tokens")
         try:
-            text = async_llm.tokenizer.decode(req.tokens)
-        except Exception as e:
+            text = await async_llm.run_in_tokenizer_thread(async_llm.tokenizer.decode, req.tokens)
+        except Exception as e:  # noqa: BLE001 - whatever the tokenizer refuses is the client's input
             raise OpenAIError(f"cannot decode tokens: {e}", param="tokens") from e
-        if vocab and any(t < 0 or t >= vocab + 1024 for t in req.tokens):
-            raise OpenAIError("token id out of range", param="tokens")
-        return {"prompt": text}
-
-    return app
+        return JSONResponse({"prompt": text})

@@ -44,6 +44,9 @@ class ServerMetrics:
                              registry=r)
         self.kv_usage = Gauge("pagellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", labels,
                               registry=r)
+        self.kv_blocks_in_use = Gauge("pagellm:kv_cache_blocks_in_use",
+                                      "KV-cache blocks held by requests (cached-but-free prefix blocks are free).",
+                                      labels, registry=r)
         self.prefix_hit_rate = Gauge("pagellm:prefix_cache_hit_rate",
                                      "Prefix-cache hit rate (hit tokens / queried tokens, cumulative).", labels,
                                      registry=r)
@@ -62,6 +65,8 @@ class ServerMetrics:
             self.running.labels(**self._l).set(stats.num_running)
             self.waiting.labels(**self._l).set(stats.num_waiting)
             self.kv_usage.labels(**self._l).set(stats.kv_cache_usage)
+            if stats.num_total_blocks is not None and stats.num_free_blocks is not None:
+                self.kv_blocks_in_use.labels(**self._l).set(stats.num_total_blocks - stats.num_free_blocks)
             self.prefix_hit_rate.labels(**self._l).set(stats.prefix_cache_hit_rate)
             self.prefix_queries.labels(**self._l).set(stats.prefix_cache_queries)
             self.prefix_hits.labels(**self._l).set(stats.prefix_cache_hits)

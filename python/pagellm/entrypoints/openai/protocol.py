@@ -1,18 +1,21 @@
 """Pydantic models of the OpenAI-compatible API (OpenAI's field names, plus vLLM's extras).
 
 Requests: unknown fields are ignored (OpenAI SDKs send fields we do not know), known fields are
-validated strictly (no "0.5" -> 0.5 coercion, no bool for int) and range-checked; any failure is a
-400 with an OpenAI-style error body (see api_server.py).
+validated strictly (no "0.5" -> 0.5 coercion, no bool for int) and range-checked, and every string
+in a request body must be valid Unicode (no lone UTF-16 surrogates); any failure is a 400 with an
+OpenAI-style error body (see api_server.py).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic_core import PydanticCustomError
 
+from pagellm.entrypoints.openai.input_checks import find_lone_surrogate, lone_surrogate_message, quote_input
 from pagellm.sampling_params import SamplingParams
 
 # OpenAI caps logprobs at 5 for completions and top_logprobs at 20 for chat; we allow 20 for both.
@@ -39,6 +42,27 @@ class ErrorResponse(OpenAIBaseModel):
     error: ErrorInfo
 
 
+class RequestModel(OpenAIBaseModel):
+    """A request body: refused as a whole if any string in it (or key) is not valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        found = find_lone_surrogate(data)
+        if found is not None:
+            raise PydanticCustomError("invalid_unicode", lone_surrogate_message(*found))
+        return data
+
+
+class HealthResponse(OpenAIBaseModel):
+    status: Literal["ok", "draining", "dead"]
+    message: str | None = None
+
+
+class VersionResponse(OpenAIBaseModel):
+    version: str
+
+
 # ---------------------------------------------------------------------------- shared
 class StreamOptions(OpenAIBaseModel):
     include_usage: bool | None = False
@@ -51,7 +75,12 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
-class _SamplingFields(OpenAIBaseModel):
+# logit_bias: {"<token id>": bias in [-100, 100]}, as OpenAI; ids are checked against the vocabulary later.
+LogitBiasKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+LogitBiasValue = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
+class _SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -63,7 +92,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[LogitBiasKey, LogitBiasValue] | None = None
     seed: int | None = None
     user: str | None = None
     # vLLM extras
@@ -202,7 +231,7 @@ class ChatMessage(OpenAIBaseModel):
         parts = []
         for p in self.content:
             if p.type != "text":
-                raise ValueError(f"content part type {p.type!r} is not supported (text only)")
+                raise ValueError(f"content part type {quote_input(p.type)} is not supported (text only)")
             parts.append(p.text or "")
         return "".join(parts)
 
@@ -286,13 +315,13 @@ class ModelList(OpenAIBaseModel):
 
 
 # ---------------------------------------------------------------------------- tokenize
-class TokenizeCompletionRequest(OpenAIBaseModel):
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
 
 
-class TokenizeChatRequest(OpenAIBaseModel):
+class TokenizeChatRequest(RequestModel):
     model: str | None = None
     messages: list[ChatMessage]
     add_generation_prompt: bool = True
@@ -307,7 +336,7 @@ class TokenizeResponse(OpenAIBaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(OpenAIBaseModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -1,38 +1,47 @@
 """What completions and chat share: model check, admission of a request's processed prompts, token
 texts, merging per-prompt output streams, disconnect watching, SSE framing, OpenAI-style errors.
-Prompts are tokenized and checked by the engine's InputProcessor (through AsyncLLM.process_inputs)."""
+Prompts are checked at the edge first (length in characters, logit_bias ids: cheap refusals before the
+tokenizer runs), then tokenized and checked by the engine's InputProcessor (AsyncLLM.process_inputs),
+all before a response (or stream) starts."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 from typing import Any, AsyncIterator
 
 from fastapi import Request
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.entrypoints.openai.input_checks import prompt_chars_message, quote_input, safe_message
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.inputs import ProcessedRequest
+from pagellm.sampling_params import SamplingParams
 
 
 class OpenAIError(Exception):
     """An error answered with an OpenAI-style JSON body."""
 
     def __init__(self, message: str, status_code: int = 400, type: str = "BadRequestError",
-                 param: str | None = None, code: str | int | None = None) -> None:
+                 param: str | None = None, code: str | int | None = None, headers: dict | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
 
 def error_body(message: str, type: str = "BadRequestError", param: str | None = None, code=None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    """The OpenAI-style error object; message and param are cut short and made UTF-8-safe (they may
+    quote client input, which must never make the answer huge or unencodable)."""
+    return {"error": {"message": safe_message(str(message)), "type": type,
+                      "param": None if param is None else safe_message(str(param), 200), "code": code}}
 
 
 def sse(obj: Any) -> str:
@@ -40,6 +49,12 @@ def sse(obj: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+MIN_LOGPROB = -9999.0  # stands for -inf (and NaN), which JSON cannot carry; vLLM reports the same
+
+
+def finite_logprob(x: float) -> float:
+    return x if math.isfinite(x) else (0.0 if x > 0 else MIN_LOGPROB)
 
 
 async def merge_async_iterators(*iterators: AsyncIterator) -> AsyncIterator[tuple[int, Any]]:
@@ -118,8 +133,43 @@ class ServingBase:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model",
+            raise OpenAIError(f"The model {quote_input(model)} does not exist.", 404, "NotFoundError", "model",
                               "model_not_found")
+
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
+        """Refuse a prompt too long to fit before anything tokenizes it (400)."""
+        message = prompt_chars_message(num_chars, self.llm.max_model_len, param)
+        if message is not None:
+            raise OpenAIError(message, param=param, code="context_length_exceeded")
+
+    @staticmethod
+    def sampling_params(req) -> SamplingParams:
+        """The request's SamplingParams; whatever their validation refuses is a 400."""
+        try:
+            return req.to_sampling_params()
+        except (TypeError, ValueError) as e:
+            raise OpenAIError(str(e)) from e
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        vocab_size = self.llm.input_processor.vocab_size
+        bad = [t for t in (params.logit_bias or {}) if not 0 <= t < vocab_size]
+        if bad:
+            raise OpenAIError(f"logit_bias token id {bad[0]} is not in the vocabulary (ids 0..{vocab_size - 1})",
+                              param="logit_bias")
+
+    async def process_prompt(self, prompt, params: SamplingParams) -> ProcessedRequest:
+        """One prompt through the edge checks and the input processor; any refusal is a 400, raised before
+        anything is admitted. EngineDeadError (503) first if the engine cannot serve any more."""
+        await self.llm.check_health()  # else a stopped AsyncLLM's tokenizer thread would fail it as a 500
+        if isinstance(prompt, str):
+            self.check_prompt_chars(len(prompt))
+        elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+            self.check_prompt_chars(len(prompt["prompt"]), "messages")
+        self.check_logit_bias(params)
+        try:
+            return await self.llm.process_inputs(prompt, params)
+        except TypeError as e:  # the input processor's "wrong prompt form": the client's mistake
+            raise OpenAIError(str(e), param="prompt") from e
 
     def token_text(self, token_id: int, lp=None) -> str:
         if lp is not None and getattr(lp, "decoded_token", None) is not None:

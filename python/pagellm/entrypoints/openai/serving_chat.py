@@ -10,8 +10,9 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
-from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body,
-                                                     run_until_disconnect, sse)
+from pagellm.entrypoints.openai.input_checks import safe_message
+from pagellm.entrypoints.openai.serving_base import (MIN_LOGPROB, SSE_DONE, OpenAIError, ServingBase, error_body,
+                                                     finite_logprob, run_until_disconnect, sse)
 from pagellm.inputs import ProcessedRequest, TextPrompt, chat_prompt
 
 
@@ -24,6 +25,7 @@ class OpenAIServingChat(ServingBase):
                 messages.append({"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})})
             except ValueError as e:
                 raise OpenAIError(str(e), param="messages") from e
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
         if req.continue_final_message and req.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
                               param="continue_final_message")
@@ -33,11 +35,11 @@ class OpenAIServingChat(ServingBase):
                                     continue_final_message=req.continue_final_message,
                                     chat_template_kwargs=req.chat_template_kwargs))
         except Exception as e:  # template errors (e.g. a role the template rejects) are the client's
-            raise OpenAIError(f"chat template failed: {e}", param="messages") from e
+            raise OpenAIError(f"chat template failed: {safe_message(str(e), 200)}", param="messages") from e
 
     async def process_chat(self, req: ChatCompletionRequest) -> ProcessedRequest:
         """The request's rendered, tokenized and validated input: what is sent to the engine."""
-        return await self.llm.process_inputs(await self.render_prompt(req), req.to_sampling_params())
+        return await self.process_prompt(await self.render_prompt(req), self.sampling_params(req))
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
@@ -63,9 +65,9 @@ class OpenAIServingChat(ServingBase):
             tops = sorted(lps.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30,
                                                         -kv[1].logprob))[:k]
             content.append({
-                "token": text, "logprob": lp.logprob if lp is not None else float("-inf"),
+                "token": text, "logprob": finite_logprob(lp.logprob) if lp is not None else MIN_LOGPROB,
                 "bytes": list(text.encode("utf-8")),
-                "top_logprobs": [{"token": (t := self.token_text(t_id, t_lp)), "logprob": t_lp.logprob,
+                "top_logprobs": [{"token": (t := self.token_text(t_id, t_lp)), "logprob": finite_logprob(t_lp.logprob),
                                   "bytes": list(t.encode("utf-8"))} for t_id, t_lp in tops],
             })
         return content

@@ -11,7 +11,7 @@ from typing import AsyncIterator
 from fastapi import Request
 
 from pagellm.entrypoints.openai.protocol import CompletionRequest, random_id
-from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body,
+from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body, finite_logprob,
                                                      merge_async_iterators, run_until_disconnect, sse)
 from pagellm.inputs import ProcessedRequest
 
@@ -23,10 +23,10 @@ def _top_dict(serving, lps: dict | None, k: int, chosen: int | None = None) -> d
                                                 -kv[1].logprob))
     out: dict[str, float] = {}
     for tid, lp in items[:k]:
-        out[serving.token_text(tid, lp)] = lp.logprob
+        out[serving.token_text(tid, lp)] = finite_logprob(lp.logprob)
     if chosen is not None and chosen in lps:  # the actual token is always there
         lp = lps[chosen]
-        out.setdefault(serving.token_text(chosen, lp), lp.logprob)
+        out.setdefault(serving.token_text(chosen, lp), finite_logprob(lp.logprob))
     return out
 
 
@@ -51,7 +51,7 @@ class _LogprobBuilder:
                 token_lps.append(None)
                 tops.append(None)
             else:
-                token_lps.append(lp.logprob if lp is not None else None)
+                token_lps.append(finite_logprob(lp.logprob) if lp is not None else None)
                 tops.append(_top_dict(self.s, lps, self.k, tid))
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
@@ -67,7 +67,7 @@ class OpenAIServingCompletion(ServingBase):
         self.check_model(req.model)
         arrival = time.time()
         request_id = random_id("cmpl")
-        sp = req.to_sampling_params()
+        sp = self.sampling_params(req)
         processed = [await self._process(req, p, sp) for p in req.prompts()]
         gens, ids = await self.admit(request_id, processed, req.priority, arrival)
         trackers = [self.metrics.tracker(arrival) if self.metrics else None for _ in gens]
@@ -79,7 +79,7 @@ class OpenAIServingCompletion(ServingBase):
         """One prompt through the input processor; a token-id prompt echoed back gets its decoded text."""
         if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
             raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
-        processed = await self.llm.process_inputs(prompt, sp)
+        processed = await self.process_prompt(prompt, sp)
         if processed.prompt is None and req.echo:
             processed = replace(processed, prompt=self.tokenizer.decode(processed.prompt_token_ids))
         return processed
