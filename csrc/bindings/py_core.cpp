@@ -215,6 +215,8 @@ void bind_scheduler(py::module_& m) {
       .def("update", &update, py::arg("output"), py::arg("num_new_tokens"), py::arg("new_token_ids"),
            py::arg("finished") = std::vector<FinishedRequest>())
       .def("abort", &Scheduler::abort, py::arg("request_id"))
+      .def("abort_pending_step", &Scheduler::abort_pending_step)
+      .def_property_readonly("has_pending_step", &Scheduler::has_pending_step)
       .def("fork", &Scheduler::fork, py::arg("parent_id"), py::arg("child_id"))
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("get_request", [](const Scheduler& s, const std::string& id) { return s.get_request(id); }, py::arg("request_id"))

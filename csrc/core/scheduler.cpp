@@ -68,6 +68,24 @@ bool Scheduler::abort(const std::string& request_id) {
   return true;
 }
 
+std::vector<std::string> Scheduler::abort_pending_step() {
+  std::vector<std::string> aborted;
+  if (!pending_.active) return aborted;
+  for (Request* r : pending_.rows) {  // rows finished since schedule() still live in graveyard_
+    if (is_finished(r->status())) continue;
+    aborted.push_back(r->request_id());
+    finish_request(r, RequestStatus::FINISHED_ABORTED);
+  }
+  pending_.active = false;
+  pending_.rows.clear();
+  pending_.num_tokens.clear();
+  pending_.sample.clear();
+  pending_.draft_start.assign(1, 0);
+  pending_.draft_token_ids.clear();
+  pending_.num_base_rows = 0;
+  return aborted;
+}
+
 void Scheduler::fork(const std::string& parent_id, const std::string& child_id) {
   Request* p = find(parent_id);
   if (p == nullptr) throw UnknownRequestError(parent_id);

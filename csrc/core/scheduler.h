@@ -77,6 +77,10 @@ class Scheduler {
               const std::vector<FinishedRequest>& finished);
   // Aborts a live request and frees its blocks at once; false if unknown or already finished.
   bool abort(const std::string& request_id);
+  // Closes the pending step without applying it (its model run or sampling failed): every request still
+  // live among its rows (scheduled, or forked into it) is aborted and its blocks freed, so no KV written
+  // by the failed step is ever cached or reused. Returns the ids aborted; a no-op without a pending step.
+  std::vector<std::string> abort_pending_step();
   // Creates child_id as a RUNNING copy of parent_id sharing its blocks. Allowed when the parent is
   // RUNNING and either (a) it is a sampling row (decode or last prefill chunk) of the pending step:
   // the child joins that step as an extra row, or (b) it is not in a pending step and is decode-ready

@@ -240,6 +240,33 @@ TEST(Scheduler, ForkRules) {
   EXPECT_EQ(s.num_running(), 2);
 }
 
+TEST(Scheduler, AbortPendingStepFreesItsRowsOnly) {
+  Scheduler s(sched_cfg(64, 3), cache_cfg(32, 4));
+  EXPECT_TRUE(s.abort_pending_step().empty());  // nothing pending: a no-op
+  s.add_request("a", seq_tokens(0, 8), 0.0);
+  s.add_request("b", seq_tokens(100, 6), 0.0);
+  s.add_request("w", seq_tokens(200, 6), 0.0);
+  s.add_request("d", seq_tokens(300, 5), 0.0);  // max_num_seqs=3: d keeps waiting
+  auto out = s.schedule();
+  ASSERT_EQ(out->num_reqs(), 3);  // a, b, w
+  s.fork("a", "a#1");  // joins the pending step
+  EXPECT_TRUE(s.abort("b"));  // a row aborted before the failure is skipped
+  EXPECT_EQ(s.abort_pending_step(), (std::vector<std::string>{"a", "w", "a#1"}));
+  EXPECT_FALSE(s.has_pending_step());
+  EXPECT_EQ(s.block_manager().num_free_blocks(), 32);
+  EXPECT_EQ(s.num_waiting(), 1);  // d, never scheduled, survives
+  EXPECT_THROW(s.update(out->step_id, nullptr, 0, nullptr, 0, {}), std::invalid_argument);  // step is closed
+  s.add_request("a", seq_tokens(0, 8), 0.0);  // the failed step's KV was never cached
+  auto o2 = s.schedule();
+  ASSERT_EQ(o2->num_reqs(), 2);
+  EXPECT_EQ(o2->num_computed_tokens[0] + o2->num_computed_tokens[1], 0);
+  const int32_t n[2] = {1, 1};
+  const int64_t t[2] = {1, 2};
+  s.update(o2->step_id, n, 2, t, 2, {{"a", RequestStatus::FINISHED_STOPPED}, {"d", RequestStatus::FINISHED_STOPPED}});
+  EXPECT_FALSE(s.has_unfinished_requests());
+  EXPECT_EQ(s.block_manager().num_free_blocks(), 32);
+}
+
 TEST(Scheduler, SpecDecodeLookaheadAccepted) {
   SchedulerConfig c = sched_cfg(64);
   c.num_lookahead_tokens = 3;

@@ -92,7 +92,9 @@ class LLM:
 
         A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}
         (pagellm.inputs); a list of those is a batch. Every prompt is checked (TypeError /
-        ValueError) before any is queued.
+        ValueError) before any is queued. A request whose engine step failed comes back finished with
+        RequestOutput.error set (finish_reason "error"); the rest of the batch is unaffected. An
+        interrupt (Ctrl-C) aborts this call's requests and leaves the LLM usable.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:

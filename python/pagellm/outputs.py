@@ -58,7 +58,8 @@ class RequestMetrics:
 class CompletionOutput:
     """One completion of a request.
 
-    finish_reason: None while running, then "stop" | "length" | "abort".
+    finish_reason: None while running, then "stop" | "length" | "abort" | "error" (an engine step failed
+        while the request was in it; RequestOutput.error says why).
     stop_reason: the stop string or stop token id that ended it (None for EOS or length).
     """
 
@@ -83,7 +84,12 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """The state of one request: its prompt and its n completions (one per child sequence)."""
+    """The state of one request: its prompt and its n completions (one per child sequence).
+
+    error: None, or why the request failed: an exception inside the engine step that ran it (model,
+        sampler, detokenizer, proposer). The output is then final (finished=True), its unfinished
+        completions have finish_reason "error", and the engine goes on with its other requests.
+    """
 
     request_id: str
     prompt: str | None
@@ -94,10 +100,12 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     encoder_prompt: str | None = field(default=None, repr=False)
+    error: str | None = None
 
     def __repr__(self) -> str:
+        error = "" if self.error is None else f", error={self.error!r}"
         return (
             f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
             f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
-            f"outputs={self.outputs}, finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+            f"outputs={self.outputs}, finished={self.finished}, num_cached_tokens={self.num_cached_tokens}{error})"
         )

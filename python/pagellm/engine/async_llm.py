@@ -19,6 +19,12 @@ the request's KV blocks are free within one step.
 
 Per-request streams hold only the latest (cumulative) RequestOutput, so a slow client never makes
 memory grow: it skips intermediate snapshots and its next read sees everything generated so far.
+
+Faults: a bad request is refused in its caller; a failure inside an engine step fails only that step's
+requests (LLMEngine.step returns their final outputs with `error` set; their streams raise
+EngineStepError) and the loop goes on. Only when the engine cannot go on (its step raised: recovery
+failed) does the loop stop and mark this AsyncLLM dead: `errored` / `dead_error` are set, every stream
+and every later call raise EngineDeadError, and `check_health()` raises it (a server's /health: 503).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import AsyncGenerator
 from pagellm.engine.stats import EngineStats
 from pagellm.inputs import InputProcessor, ProcessedRequest, PromptType
 from pagellm.inputs import PromptTooLongError  # noqa: F401  (re-exported: raised by generate/submit)
+from pagellm.inputs.processor import DEFAULT_MAX_LOGPROBS
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -44,6 +51,15 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; the server should report unhealthy and be restarted."""
+
+
+class EngineStepError(RuntimeError):
+    """The engine step running this request failed; the request is finished, the engine goes on.
+    `output` is the request's final RequestOutput (finish_reason "error", `error` set)."""
+
+    def __init__(self, message: str, output: RequestOutput | None = None) -> None:
+        super().__init__(message)
+        self.output = output
 
 
 class QueueFullError(RuntimeError):
@@ -154,7 +170,13 @@ class AsyncLLM:
 
     @property
     def errored(self) -> bool:
+        """True once the engine loop has died (a step it could not recover from); never cleared."""
         return self._dead is not None
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine loop died, as the EngineDeadError requests get; None while it is alive."""
+        return None if self._dead is None else EngineDeadError(f"engine loop died: {self._dead!r}")
 
     async def check_health(self) -> None:
         """Raises EngineDeadError if the engine loop crashed or was shut down."""
@@ -168,7 +190,9 @@ class AsyncLLM:
         if own is not None and tokenizer is None and self.max_model_len == engine.max_model_len:
             return own
         return InputProcessor(self.tokenizer, engine.vocab_size, self.max_model_len,
-                              eos_token_ids=getattr(engine, "eos_token_ids", ()))
+                              eos_token_ids=getattr(engine, "eos_token_ids", ()),
+                              max_logprobs=getattr(engine, "max_logprobs", DEFAULT_MAX_LOGPROBS),
+                              max_num_seqs=self.max_num_seqs)
 
     # ------------------------------------------------------------------ stage 1: input processing
     async def run_in_tokenizer_thread(self, fn, *args):
@@ -298,58 +322,66 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ stage 2: engine thread
     def _engine_loop(self) -> None:
-        engine = self.engine
+        """Drain the inbox, step, hand outputs over; until shut down or the engine cannot go on (its
+        step raised: LLMEngine.step fails a faulty step's requests itself and raises only when it
+        could not recover), which marks this AsyncLLM dead and fails every stream."""
         loop = self._loop
         assert loop is not None
-        try:
-            self.stats = engine.get_stats()
-        except Exception:  # stats are best-effort
-            pass
+        self._refresh_stats()
         try:
             while not self._stopped.is_set():
-                with self._inbox_lock:
-                    adds, self._pending_adds = self._pending_adds, []
-                    aborts, self._pending_aborts = self._pending_aborts, []
-                failed: list[tuple[str, BaseException]] = []
-                for rid, req, arrival, prio in adds:
-                    if rid in aborts:
-                        continue  # cancelled before it ever reached the engine
-                    try:
-                        engine.add_request(rid, req.as_prompt(), req.params, arrival_time=arrival, priority=prio)
-                    except Exception as e:  # bad request: fail that stream only
-                        failed.append((rid, e))
-                if aborts:
-                    engine.abort_request(aborts)
-                if failed:
-                    loop.call_soon_threadsafe(self._fail_some, failed)
-                if engine.has_unfinished_requests():
-                    t0 = time.perf_counter()
-                    outputs = engine.step()
-                    self.step_time_total += time.perf_counter() - t0
-                    self.num_steps += 1
-                    try:
-                        stats = engine.get_stats()
-                        stats.num_steps = self.num_steps
-                        self.stats = stats
-                    except Exception:
-                        pass
-                    if outputs:
-                        self.num_output_batches += 1
-                        loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._drain_inbox(loop)
+                if self.engine.has_unfinished_requests():
+                    self._step_once(loop)
                 else:
-                    try:
-                        self.stats = engine.get_stats()
-                    except Exception:
-                        pass
+                    self._refresh_stats()
                     self._wake.wait(self._idle_poll_s)
                     self._wake.clear()
         except BaseException as e:  # noqa: BLE001 - report any crash to every client
-            logger.exception("engine loop crashed")
+            logger.exception("engine loop crashed; AsyncLLM is dead")
             self._dead = e
             try:
                 loop.call_soon_threadsafe(self._fail_all, EngineDeadError(f"engine loop died: {e!r}"))
             except RuntimeError:
                 pass
+
+    def _drain_inbox(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Apply the posted adds and aborts; a request the engine refuses fails its stream only."""
+        engine = self.engine
+        with self._inbox_lock:
+            adds, self._pending_adds = self._pending_adds, []
+            aborts, self._pending_aborts = self._pending_aborts, []
+        failed: list[tuple[str, BaseException]] = []
+        for rid, req, arrival, prio in adds:
+            if rid in aborts:
+                continue  # cancelled before it ever reached the engine
+            try:
+                engine.add_request(rid, req.as_prompt(), req.params, arrival_time=arrival, priority=prio)
+            except Exception as e:  # bad request: the engine is unchanged, fail that stream only
+                failed.append((rid, e))
+        if aborts:
+            engine.abort_request(aborts)
+        if failed:
+            loop.call_soon_threadsafe(self._fail_some, failed)
+
+    def _step_once(self, loop: asyncio.AbstractEventLoop) -> None:
+        t0 = time.perf_counter()
+        outputs = self.engine.step()
+        self.step_time_total += time.perf_counter() - t0
+        self.num_steps += 1
+        self._refresh_stats(after_step=True)
+        if outputs:
+            self.num_output_batches += 1
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _refresh_stats(self, after_step: bool = False) -> None:
+        try:
+            stats = self.engine.get_stats()
+            if after_step:
+                stats.num_steps = self.num_steps
+            self.stats = stats
+        except Exception:  # noqa: BLE001 - stats are best-effort
+            pass
 
     # ------------------------------------------------------------------ stage 3: event loop
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -359,6 +391,8 @@ class AsyncLLM:
             if stream is None:
                 continue  # aborted meanwhile
             stream.latest = out
+            if getattr(out, "error", None) is not None:
+                stream.error = EngineStepError(f"request {out.request_id!r} failed: {out.error}", out)
             if out.finished:
                 stream.finished = True
                 del streams[out.request_id]

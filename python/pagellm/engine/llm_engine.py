@@ -10,6 +10,9 @@ The C++ scheduler owns batching and the KV blocks; Python owns the model, sampli
 decision (passed back to the scheduler in `update`). n > 1: the request is prefilled once; when its
 prompt's last chunk samples, n tokens are drawn (sequence i with its own generator, seeded
 seed + i) and children f"{rid}#{i}" are forked sharing the prompt's blocks.
+
+Faults: bad input is refused by `add_request` before anything is registered; an exception inside
+`step()` fails only that step's requests (engine/step_recovery.py) and the engine stays usable.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine.executor import get_executor_cls
 from pagellm.engine.spec_step import SpecDecodeStep
+from pagellm.engine.step_recovery import StepRecovery
 from pagellm.engine.step_update import SampleTarget, StepUpdate, finished_status
 from pagellm.engine.stats import EngineStats
 from pagellm.engine.output_processor import OutputProcessor, RequestState, child_seq_id
@@ -50,7 +54,7 @@ def _eos_ids(files, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-class LLMEngine(SpecDecodeStep):
+class LLMEngine(SpecDecodeStep, StepRecovery):
     def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True,
                  proposer: BaseProposer | None = None) -> None:
         from pagellm import _C  # noqa: PLC0415
@@ -71,6 +75,7 @@ class LLMEngine(SpecDecodeStep):
         self.vocab_size = int(files.hf_config.vocab_size)
         self.max_model_len = sc.max_model_len
         self.max_num_seqs = sc.max_num_seqs
+        self.max_logprobs = mc.max_logprobs
 
         # the workers own the device, the model, the KV cache and the runner; the engine reaches them
         # through the executor only (execute_model once per step, collective_rpc for everything else)
@@ -108,14 +113,16 @@ class LLMEngine(SpecDecodeStep):
     def input_processor(self) -> InputProcessor:
         """The engine's InputProcessor (pagellm.inputs): every add_request goes through it, and front ends
         (LLM, AsyncLLM, the server) use it to validate and tokenize before they submit."""
-        return InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, eos_token_ids=self.eos_token_ids)
+        return InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, eos_token_ids=self.eos_token_ids,
+                              max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """Queue a request. The input processor checks everything before anything is registered, so on
         TypeError/ValueError the engine is unchanged and usable: a prompt of the wrong type, an empty
         prompt, token ids outside the vocabulary, prompt + max_tokens > max_model_len, invalid sampling
-        parameters, or a duplicate request id."""
+        parameters, or a duplicate request id. Any later failure (or an interrupt) undoes the
+        registration: a request is either fully added or not at all."""
         request_id = str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -127,11 +134,16 @@ class LLMEngine(SpecDecodeStep):
         # prompt logprobs need every prompt position computed: keep such requests off the prefix
         # cache with a private hash salt
         extra_key = self._rng.getrandbits(63) + 1 if params.prompt_logprobs is not None else 0
+        generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
         # ValueError on invalid; the scheduler knows max_tokens (it never schedules drafts past it)
         self.scheduler.add_request(request_id, ids, arrival, priority, extra_key, max_tokens=params.max_tokens)
-        self.output_processor.add_request(request_id, req.prompt, ids, params, arrival)
-        if params.seed is not None:
-            self._generators[request_id] = torch.Generator(device="cpu").manual_seed(params.seed)
+        try:
+            self.output_processor.add_request(request_id, req.prompt, ids, params, arrival)
+        except BaseException:
+            self.scheduler.abort(request_id)
+            raise
+        if generator is not None:
+            self._generators[request_id] = generator
         self.num_prompt_tokens_total += len(ids)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -162,11 +174,30 @@ class LLMEngine(SpecDecodeStep):
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
         """Schedule a batch, run the model on it, apply the sampled tokens; returns the RequestOutputs
-        that changed this step. With a proposer, decode-ready sequences carry drafts that are verified."""
+        that changed this step. With a proposer, decode-ready sequences carry drafts that are verified.
+
+        An exception inside the step (model, sampler, detokenizer, proposer, ...) fails the requests of
+        that step, not the engine: each gets a final RequestOutput among the returned ones (finished,
+        `error` set, unfinished completions with finish_reason "error"), their blocks are freed, the
+        scheduler's pending step is closed, and the other requests go on. KeyboardInterrupt / SystemExit
+        get the same cleanup, then propagate. Raises only EngineRecoveryError (the cleanup itself failed;
+        the engine is unusable) or those interrupts."""
+        in_step: list[str] = []  # the sequences this step touched so far (empty: every live request)
+        try:
+            return self._run_step(in_step)
+        except BaseException as exc:  # noqa: BLE001
+            outputs = self._fail_step(exc, in_step)
+            if not isinstance(exc, Exception):
+                raise
+            return outputs
+
+    def _run_step(self, in_step: list[str]) -> list[RequestOutput]:
         if self.proposer is not None:
-            self._propose_drafts()
+            self._propose_drafts(in_step)
+        in_step.clear()  # a failure inside schedule() leaves nothing known: it fails every request
         sched_out = self.scheduler.schedule()
         seq_ids = list(sched_out.request_ids)
+        in_step.extend(seq_ids)
         if not seq_ids:
             return []
         prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
@@ -298,9 +329,8 @@ class LLMEngine(SpecDecodeStep):
                               update.finished)
 
     def _collect_outputs(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = []
+        outputs = [st.make_output() for st in changed.values()]  # all built before any request is forgotten
         for st in changed.values():
-            outputs.append(st.make_output())
             if st.finished:
                 self._forget(st)
         return outputs

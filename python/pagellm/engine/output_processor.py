@@ -19,6 +19,7 @@ from pagellm.sampling_params import SamplingParams
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
 FINISH_ABORT = "abort"
+FINISH_ERROR = "error"
 
 
 def child_seq_id(request_id: str, index: int) -> str:
@@ -144,12 +145,12 @@ class RequestState:
             self.append_token(seq, int(token_id), None if logprob_rows is None else logprob_rows[j])
         return len(token_ids)
 
-    def abort(self) -> None:
+    def abort(self, finish_reason: str = FINISH_ABORT) -> None:
         while len(self.seqs) < self.params.n:
             self.seqs.append(self._new_seq(len(self.seqs)))
         for s in self.seqs:
             if not s.finished:
-                s.finish_reason = FINISH_ABORT
+                s.finish_reason = finish_reason
 
     # ------------------------------------------------------------------ outputs
     def make_output(self) -> RequestOutput:

@@ -26,10 +26,13 @@ class SpecDecodeStep:
         self.proposer = proposer
         self.spec_stats = SpecDecodeStats()
 
-    def _propose_drafts(self) -> None:
-        """Ask the proposer about every decode-ready sequence; hand its checked drafts to the scheduler."""
+    def _propose_drafts(self, in_step: list[str]) -> None:
+        """Ask the proposer about every decode-ready sequence; hand its checked drafts to the scheduler.
+        The decode-ready sequences are appended to `in_step`: a failure here fails their requests."""
         requests = []
-        for sid in self.scheduler.decode_ready_request_ids():
+        ready = self.scheduler.decode_ready_request_ids()
+        in_step.extend(ready)
+        for sid in ready:
             st, seq = self.output_processor.seq(sid)
             req = DraftRequest.for_sequence(sid, st.prompt_token_ids, seq.output_token_ids, st.params.max_tokens,
                                             self.max_model_len, self.proposer.num_speculative_tokens)

@@ -14,6 +14,7 @@ from typing import Sequence
 from pagellm.inputs.data import ProcessedRequest, PromptType
 from pagellm.sampling_params import SamplingParams
 
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _PROMPT_FORMS = "a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}"
 
 
@@ -45,17 +46,27 @@ class InputProcessor:
     vocab_size: prompt token ids and logit_bias keys must lie in [0, vocab_size).
     max_model_len: prompt + generated tokens must fit; max_tokens=None means "up to it".
     eos_token_ids: the model's end-of-sequence ids (generation config), applied as stop ids.
+    max_logprobs: the most logprobs / prompt_logprobs a request may ask for (vLLM's engine argument;
+        -1 = the vocabulary size).
+    max_num_seqs: the most sequences (n) one request may have; None = no limit.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, *, eos_token_ids: Sequence[int] = ()) -> None:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, max_num_seqs: int | None = None) -> None:
         if not _is_token_id(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         if not _is_token_id(max_model_len) or max_model_len < 1:
             raise ValueError(f"max_model_len must be an integer >= 1, got {max_model_len!r}")
+        if not _is_token_id(max_logprobs) or max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be an integer >= 0 or -1 (the vocabulary size), got {max_logprobs!r}")
+        if max_num_seqs is not None and (not _is_token_id(max_num_seqs) or max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs must be an integer >= 1 or None, got {max_num_seqs!r}")
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.max_model_len = int(max_model_len)
         self.eos_token_ids = [int(t) for t in eos_token_ids]
+        self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(int(max_logprobs), self.vocab_size)
+        self.max_num_seqs = max_num_seqs
 
     # ------------------------------------------------------------------ the one entry point
     def process(self, prompt: PromptType, params: SamplingParams | None = None) -> ProcessedRequest:
@@ -63,8 +74,9 @@ class InputProcessor:
 
         Raises TypeError for a prompt of the wrong type or non-integer token ids, and ValueError
         for invalid sampling parameters, an empty prompt, token ids outside the vocabulary,
-        logit_bias ids outside it, and (PromptTooLongError) a prompt that leaves no room for
-        max_tokens in max_model_len.
+        logit_bias / stop_token_ids outside it, logprobs / prompt_logprobs above max_logprobs, n above
+        max_num_seqs, and (PromptTooLongError) a prompt that leaves no room for max_tokens in
+        max_model_len.
         """
         params = self._validated_clone(params)
         text, ids = self.tokenize(prompt)
@@ -125,10 +137,24 @@ class InputProcessor:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; it must be shorter than max_model_len={self.max_model_len}")
 
-    def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
-        """Check logit_bias against the vocabulary, fill in max_tokens, apply the EOS ids."""
+    def _check_engine_limits(self, params: SamplingParams) -> None:
+        """The limits SamplingParams cannot know: the vocabulary, max_logprobs, max_num_seqs."""
         if params.logit_bias and any(t >= self.vocab_size for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must be < vocab size {self.vocab_size}")
+        bad_stop = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be < vocab size {self.vocab_size}, got {bad_stop[0]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} must be <= max_logprobs={self.max_logprobs} (an engine argument), got {k}")
+        if self.max_num_seqs is not None and params.n > self.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs={self.max_num_seqs} (the sequences a step can hold), "
+                             f"got {params.n}")
+
+    def _complete_params(self, params: SamplingParams, num_prompt_tokens: int) -> None:
+        """Check the engine limits, fill in max_tokens, apply the EOS ids."""
+        self._check_engine_limits(params)
         room = self.max_model_len - num_prompt_tokens
         if params.max_tokens is None:
             params.max_tokens = room
