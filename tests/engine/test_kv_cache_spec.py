@@ -83,13 +83,15 @@ def test_spec_dtypes_and_page_sizes_by_hand():
     assert full.page_size_bytes == 2 * (2 * 16 * 64) * 2  # key + value, bf16
     int8 = FullAttentionSpec(16, 4, 32, "int8")
     assert (int8.is_quantized, int8.storage_dtype) == (True, torch.int8)
-    assert int8.page_size_bytes == 2 * (4 * 16 * 32 * 1 + 4 * 4)  # key + value, int8 values + fp32 scale per head
+    # key + value: int8 values + one fp32 scale per row (token, kv head)
+    assert int8.page_size_bytes == 2 * (4 * 16 * 32 * 1 + 4 * 16 * 4)
+    assert int8.scale_shape(7) == (7, 4, 16)
     fp8 = FullAttentionSpec(8, 1, 128, "fp8_e4m3")
     assert fp8.storage_dtype == torch.float8_e4m3fn
-    assert fp8.page_size_bytes == 2 * (8 * 128 + 4)
+    assert fp8.page_size_bytes == 2 * (8 * 128 + 8 * 4)
     assert SlidingWindowSpec(16, 2, 64, BF16, 8).page_size_bytes == full.page_size_bytes
     assert MLAAttentionSpec(16, 576, F32).page_size_bytes == 16 * 576 * 4  # one latent, no separate value
-    assert MLAAttentionSpec(16, 576, "int8").page_size_bytes == 16 * 576 + 4
+    assert MLAAttentionSpec(16, 576, "int8").page_size_bytes == 16 * 576 + 16 * 4  # one scale per token
     assert SharedKVSpec(0).page_size_bytes == 0
 
 
@@ -165,8 +167,9 @@ def test_config_validation():
 # ---------------------------------------------------------------------------------------- sizing
 def _hand_bytes_per_block() -> int:
     """_mixed_specs() per block, from the shapes: layers 0 and 1 bf16 K+V, layer 2 nothing,
-    layer 3 int8 K+V with one fp32 scale per kv head each, layer 4 an fp8 latent with one fp32 scale."""
-    return 2 * (2 * (2 * 16 * 64) * 2) + 0 + 2 * (4 * 16 * 32 * 1 + 4 * 4) + (16 * 96 * 1 + 4)
+    layer 3 int8 K+V with one fp32 scale per row (token, kv head) each, layer 4 an fp8 latent with one
+    fp32 scale per token."""
+    return 2 * (2 * (2 * 16 * 64) * 2) + 0 + 2 * (4 * 16 * 32 * 1 + 4 * 16 * 4) + (16 * 96 * 1 + 16 * 4)
 
 
 def test_sizing_counts_every_group_and_the_scales():
@@ -223,11 +226,11 @@ def test_allocation_shapes_dtypes_and_scales():
     assert kv[1].spec.window_size == 32
     q = kv[3]
     assert q.key_cache.shape == q.value_cache.shape == (5, 4, 16, 32) and q.key_cache.dtype == torch.int8
-    assert q.k_scale.shape == q.v_scale.shape == (5, 4) and q.k_scale.dtype == torch.float32
+    assert q.k_scale.shape == q.v_scale.shape == (5, 4, 16) and q.k_scale.dtype == torch.float32
     lat = kv[4]
     assert isinstance(lat, LatentKVCache)
     assert lat.cache.shape == (5, 16, 96) and lat.cache.dtype == torch.float8_e4m3fn
-    assert lat.scale.shape == (5, 1) and lat.scale.dtype == torch.float32
+    assert lat.scale.shape == (5, 16) and lat.scale.dtype == torch.float32
     assert all(not t.view(torch.uint8).any() for t in kv.tensors())  # zeros
     assert len(list(kv.tensors())) == 2 + 2 + 4 + 2  # the shared layer adds nothing
 
@@ -247,10 +250,13 @@ def test_cache_objects_validate():
         PagedKVCache(spec, kc, kc.clone())
     with pytest.raises(TypeError, match="key_cache must have dtype torch.int8"):
         PagedKVCache(spec, kc.float(), kc.float())
-    with pytest.raises(ValueError, match=r"k_scale must be a contiguous tensor of shape \[num_blocks, 2\]"):
-        PagedKVCache(spec, kc, kc.clone(), torch.zeros(3, 4), torch.zeros(3, 4))
+    with pytest.raises(ValueError, match=r"k_scale must be a contiguous tensor of shape \[num_blocks, 2, 16\]"):
+        PagedKVCache(spec, kc, kc.clone(), torch.zeros(3, 2), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match="v_scale must have num_blocks = 3 rows"):
+        PagedKVCache(spec, kc, kc.clone(), torch.zeros(3, 2, 16), torch.zeros(4, 2, 16))
     with pytest.raises(ValueError, match="must be None for the float cache dtype"):
-        PagedKVCache(FullAttentionSpec(16, 2, 64, F32), kc.float(), kc.float(), torch.zeros(3, 2), torch.zeros(3, 2))
+        PagedKVCache(FullAttentionSpec(16, 2, 64, F32), kc.float(), kc.float(), torch.zeros(3, 2, 16),
+                     torch.zeros(3, 2, 16))
     f = PagedKVCache(FullAttentionSpec(16, 2, 64, F32), kc.float(), kc.float())
     g = PagedKVCache(FullAttentionSpec(16, 2, 64, F32), torch.zeros(4, 2, 16, 64), torch.zeros(4, 2, 16, 64))
     with pytest.raises(ValueError, match="same num_blocks"):
@@ -294,8 +300,9 @@ def test_copy_blocks_copies_keys_values_latents_and_scales(compiled, monkeypatch
         expected[mapping[:, 1]] = old[mapping[:, 0]]
         assert torch.equal(_raw(new), _raw(expected))
         assert not torch.equal(_raw(new), _raw(old))  # something was copied in every tensor
-    # the compiled op moved the float paged caches (layers 0, 1, 5: one shape, one call)
-    assert calls == ([3] if compiled else [])
+    # the compiled op moved the paged caches, one call per (shape, dtype): the bf16 layers 0, 1, 5, the int8
+    # layer 3, its scales (as [num_blocks, heads, block_size, 1] pages); the fp8 latent went through the reference
+    assert calls == ([3, 1, 1] if compiled else [])
 
 
 # ------------------------------------------------------------------------------ models, backends
@@ -329,20 +336,28 @@ def _one_token_step(backend):
 
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 @pytest.mark.parametrize("dtype", ["int8", "fp8_e4m3"])
-def test_backends_refuse_quantized_caches_by_name(backend_name, dtype):
+def test_backends_run_on_quantized_caches(backend_name, dtype):
     cls = get_attention_backend_cls(backend_name)
     ok, why = cls.is_available(torch.device("cpu"))
     if not ok:
         pytest.skip(why)
     backend = cls(torch.device("cpu"))
     layer, q, k = _one_token_step(backend)
-    kv = allocate_kv_caches(_config({0: FullAttentionSpec(16, 2, 64, dtype)}, 2), "cpu")
-    with pytest.raises(NotImplementedError, match=f"runs on float KV caches.*not the quantized cache dtype '{dtype}'"):
-        backend.forward(layer, q, k, k, kv[0])
     latent = allocate_kv_caches(_config({0: MLAAttentionSpec(16, 64, F32)}, 2), "cpu")
     with pytest.raises(TypeError, match="takes a PagedKVCache, got LatentKVCache"):
         backend.forward(layer, q, k, k, latent[0])
-    # the same step on a float cache runs and writes the token's key into slot 0
+    # the step on a quantized cache writes the token's key into slot 0 as stored values + a per-row scale
+    kv = allocate_kv_caches(_config({0: FullAttentionSpec(16, 2, 64, dtype)}, 2), "cpu")
+    out = backend.forward(layer, q, k, k, kv[0])
+    c = kv[0]
+    stored, scale = c.key_cache[0, :, 0].float(), c.k_scale[0, :, 0]
+    torch.testing.assert_close(scale, k[0].abs().amax(-1) / (127 if dtype == "int8" else 448))
+    back = stored * scale[:, None]
+    rel = 1 / 254 if dtype == "int8" else 1 / 16
+    assert ((back - k[0]).abs() <= k[0].abs().amax(-1, keepdim=True) * rel * 1.001).all()
+    assert torch.equal(c.v_scale[0, :, 0], scale) and not c.k_scale[1:].any() and not c.k_scale[0, :, 1:].any()
+    torch.testing.assert_close(out, back.expand_as(q))  # one key: attention returns its (dequantized) value
+    # the same step on a float cache writes the key itself
     kv = allocate_kv_caches(_config({0: FullAttentionSpec(16, 2, 64, F32)}, 2), "cpu")
     out = backend.forward(layer, q, k, k, kv[0])
     assert torch.equal(kv[0].key_cache[0, :, 0], k[0])

@@ -38,6 +38,41 @@ cudaError_t launch_reshape_and_cache(const ReshapeAndCacheArgs& a, cudaStream_t 
   return rc_typed<uint32_t>(a, stream);
 }
 
+namespace {
+template <typename T, typename C>
+cudaError_t rcq_typed(const ReshapeAndCacheArgs& a, cudaStream_t s) {
+  const int rows = 2 * a.num_kv_heads;  // one warp per row, up to 8 warps
+  const int threads = rows >= 8 ? 256 : 32 * rows;
+  reshape_and_cache_quantized_kernel<T, C><<<static_cast<unsigned>(a.num_tokens), threads, 0, s>>>(
+      static_cast<C*>(a.key_cache), static_cast<C*>(a.value_cache), a.k_scale, a.v_scale, static_cast<const T*>(a.key),
+      static_cast<const T*>(a.value), a.slot_mapping, a.key_tok_stride, a.key_head_stride, a.value_tok_stride,
+      a.value_head_stride, a.num_kv_heads, a.head_dim, a.block_size, a.num_blocks * a.block_size);
+  return cudaGetLastError();
+}
+
+template <typename T>
+cudaError_t rcq_cache(const ReshapeAndCacheArgs& a, KvCacheDType cache_dtype, cudaStream_t s) {
+  switch (cache_dtype) {
+    case KvCacheDType::kInt8: return rcq_typed<T, int8_t>(a, s);
+    case KvCacheDType::kFp8E4M3: return rcq_typed<T, __nv_fp8_e4m3>(a, s);
+  }
+  return cudaErrorInvalidValue;
+}
+}  // namespace
+
+cudaError_t launch_reshape_and_cache_quantized(const ReshapeAndCacheArgs& a, DType dtype, KvCacheDType cache_dtype,
+                                               cudaStream_t stream) {
+  if (a.num_tokens == 0 || a.num_kv_heads == 0 || a.head_dim == 0) return cudaSuccess;
+  if (a.num_tokens > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  if (a.k_scale == nullptr || a.v_scale == nullptr) return cudaErrorInvalidValue;
+  switch (dtype) {
+    case DType::kFloat32: return rcq_cache<float>(a, cache_dtype, stream);
+    case DType::kFloat16: return rcq_cache<__half>(a, cache_dtype, stream);
+    case DType::kBFloat16: return rcq_cache<__nv_bfloat16>(a, cache_dtype, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
 cudaError_t launch_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* value_cache_ptrs,
                                const int64_t* block_mapping, int num_layers, int64_t num_pairs, int64_t num_blocks,
                                int64_t block_bytes, int align_bytes, cudaStream_t stream) {
@@ -50,9 +85,12 @@ cudaError_t launch_copy_blocks(const int64_t* key_cache_ptrs, const int64_t* val
   } else if (align_bytes % 4 == 0 && block_bytes % 4 == 0) {
     copy_blocks_kernel<uint32_t><<<grid, 256, 0, stream>>>(key_cache_ptrs, value_cache_ptrs, block_mapping,
                                                            num_blocks, block_bytes / 4);
-  } else {
+  } else if (align_bytes % 2 == 0 && block_bytes % 2 == 0) {
     copy_blocks_kernel<uint16_t><<<grid, 256, 0, stream>>>(key_cache_ptrs, value_cache_ptrs, block_mapping,
                                                            num_blocks, block_bytes / 2);
+  } else {
+    copy_blocks_kernel<uint8_t><<<grid, 256, 0, stream>>>(key_cache_ptrs, value_cache_ptrs, block_mapping, num_blocks,
+                                                          block_bytes);
   }
   return cudaGetLastError();
 }

@@ -1,10 +1,11 @@
-// CPU glue for reshape_and_cache / copy_blocks: validation (including every slot and block id, since a
+// CPU glue for reshape_and_cache (float and quantized caches) / copy_blocks: validation (including every slot and block id, since a
 // bad one would be an out-of-bounds write) then the byte-moving kernels in cache_ops_cpu_kernels.h.
 #include <torch/library.h>
 
 #include <vector>
 
 #include "ops/cache_ops/cache_ops_cpu_kernels.h"
+#include "ops/cache_ops/kv_quant_checks.h"
 #include "ops/common/checks.h"
 
 namespace pagellm::cpu {
@@ -19,8 +20,10 @@ void check_cache(const at::Tensor& c, const char* name) {
               ": block_size (dim 2) must be a power of two in [1, 256], got ", bs);
 }
 
-void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key,
-                       const at::Tensor& value, const at::Tensor& slot_mapping) {
+// Checks key/value [T, H, D] against the cache and every slot (a bad one would be an out-of-bounds write);
+// returns the contiguous slot_mapping.
+at::Tensor check_cache_write(const at::Tensor& key_cache, const at::Tensor& value_cache, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& slot_mapping) {
   check_cache(key_cache, "key_cache");
   check_cache(value_cache, "value_cache");
   TORCH_CHECK(value_cache.sizes() == key_cache.sizes(), "value_cache shape ", value_cache.sizes(),
@@ -30,8 +33,8 @@ void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at:
     check_cpu(*p, name);
     check_dim(*p, 3, name);
     check_last_contiguous(*p, name);
-    check_same_dtype(*p, key_cache, name, "key_cache");
   }
+  check_same_dtype(value, key, "value", "key");
   check_same_dtype(value_cache, key_cache, "value_cache", "key_cache");
   check_cpu(slot_mapping, "slot_mapping");
   check_dtype(slot_mapping, at::kLong, "slot_mapping");
@@ -48,11 +51,38 @@ void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at:
     TORCH_CHECK(slots[t] >= -1 && slots[t] < num_slots, "slot_mapping[", t, "] = ", slots[t],
                 " is out of range [-1, ", num_slots, ")");
   }
+  return slots_c;
+}
+
+void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key,
+                       const at::Tensor& value, const at::Tensor& slot_mapping) {
+  check_same_dtype(key, key_cache, "key", "key_cache");
+  const at::Tensor slots = check_cache_write(key_cache, value_cache, key, value, slot_mapping);
   CacheWriteArgs a{static_cast<char*>(key_cache.data_ptr()), static_cast<char*>(value_cache.data_ptr()),
-                   static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()), slots,
-                   T, H, D, key_cache.size(2), static_cast<int64_t>(key_cache.element_size()),
-                   key.stride(0), key.stride(1), value.stride(0), value.stride(1)};
+                   static_cast<const char*>(key.data_ptr()), static_cast<const char*>(value.data_ptr()),
+                   slots.data_ptr<int64_t>(), slots.size(0), key_cache.size(1), key_cache.size(3), key_cache.size(2),
+                   static_cast<int64_t>(key_cache.element_size()), key.stride(0), key.stride(1), value.stride(0),
+                   value.stride(1)};
   reshape_and_cache_kernel(a);
+}
+
+void reshape_and_cache_quantized(at::Tensor& key_cache, at::Tensor& value_cache, at::Tensor& k_scale,
+                                 at::Tensor& v_scale, const at::Tensor& key, const at::Tensor& value,
+                                 const at::Tensor& slot_mapping) {
+  check_quantized_kv_cache(key_cache, value_cache, k_scale, v_scale);
+  check_float(key, "key");
+  const at::Tensor slots = check_cache_write(key_cache, value_cache, key, value, slot_mapping);
+  PAGELLM_DISPATCH_FLOAT_TYPES(key.scalar_type(), "reshape_and_cache_quantized", [&] {
+    using T = scalar_t;
+    PAGELLM_DISPATCH_KV_QUANT_TYPES(key_cache.scalar_type(), "reshape_and_cache_quantized", [&] {
+      using C = scalar_t;
+      QuantCacheWriteArgs<T, C> a{key_cache.data_ptr<C>(), value_cache.data_ptr<C>(), k_scale.data_ptr<float>(),
+                                  v_scale.data_ptr<float>(), key.data_ptr<T>(), value.data_ptr<T>(),
+                                  slots.data_ptr<int64_t>(), slots.size(0), key_cache.size(1), key_cache.size(3),
+                                  key_cache.size(2), key.stride(0), key.stride(1), value.stride(0), value.stride(1)};
+      reshape_and_cache_quantized_kernel(a);
+    });
+  });
 }
 
 void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const at::Tensor& block_mapping) {
@@ -91,5 +121,6 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("reshape_and_cache", &pagellm::cpu::reshape_and_cache);
+  m.impl("reshape_and_cache_quantized", &pagellm::cpu::reshape_and_cache_quantized);
   m.impl("copy_blocks", &pagellm::cpu::copy_blocks);
 }

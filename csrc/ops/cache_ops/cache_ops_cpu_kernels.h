@@ -1,11 +1,15 @@
-// Paged KV-cache writes and block copies over raw bytes (dtype-agnostic: pure data movement).
-// Cache layout: [num_blocks, num_kv_heads, block_size, head_dim], contiguous.
+// Paged KV-cache writes and block copies. Float caches: raw bytes (dtype-agnostic, pure data movement);
+// quantized caches: every (token, kv head) row quantized by its absmax (kv_quant_cpu.h).
+// Cache layout: [num_blocks, num_kv_heads, block_size, head_dim], contiguous; scales [num_blocks, num_kv_heads,
+// block_size] (one per row, so a row's scale index is its row index in the cache).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <cstdint>
 #include <cstring>
+
+#include "ops/cache_ops/kv_quant_cpu.h"
 
 namespace pagellm::cpu {
 
@@ -35,6 +39,38 @@ inline void reshape_and_cache_kernel(const CacheWriteArgs& a) {
                     a.key + (t * a.key_stride_t + h * a.key_stride_h) * a.elem_size, row_bytes);
         std::memcpy(a.value_cache + dst + h * head_bytes,
                     a.value + (t * a.value_stride_t + h * a.value_stride_h) * a.elem_size, row_bytes);
+      }
+    }
+  });
+}
+
+template <typename T, typename C>
+struct QuantCacheWriteArgs {
+  C* key_cache;
+  C* value_cache;
+  float* k_scale;
+  float* v_scale;
+  const T* key;
+  const T* value;
+  const int64_t* slots;
+  int64_t num_tokens, num_heads, head_dim, block_size;
+  int64_t key_stride_t, key_stride_h, value_stride_t, value_stride_h;  // in elements
+};
+
+// Row (slot / bs, h, slot % bs) of the caches = quantize(src[t, h, :]), its scale into k_scale / v_scale at the
+// same row index; slot -1 is skipped.
+template <typename T, typename C>
+void reshape_and_cache_quantized_kernel(const QuantCacheWriteArgs<T, C>& a) {
+  const int64_t D = a.head_dim, bs = a.block_size;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, a.num_heads * D));
+  at::parallel_for(0, a.num_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = a.slots[t];
+      if (slot < 0) continue;
+      for (int64_t h = 0; h < a.num_heads; ++h) {
+        const int64_t row = ((slot / bs) * a.num_heads + h) * bs + slot % bs;
+        a.k_scale[row] = quantize_row(a.key + t * a.key_stride_t + h * a.key_stride_h, a.key_cache + row * D, D);
+        a.v_scale[row] = quantize_row(a.value + t * a.value_stride_t + h * a.value_stride_h, a.value_cache + row * D, D);
       }
     }
   });

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include "ops/cache_ops/kv_quant_checks.h"
 #include "ops/common/arg_checks.h"
 
 namespace pagellm {
@@ -12,12 +13,19 @@ struct PagedAttentionShape {
   int64_t num_blocks, num_kv_heads, block_size, head_dim, num_heads;
 };
 
+// k_scale / v_scale: null for a float cache (of the query's dtype); given for a quantized one (int8 / fp8 values).
 inline PagedAttentionShape check_paged_attention_shapes(const at::Tensor& out, const at::Tensor& query,
                                                         const at::Tensor& key_cache, const at::Tensor& value_cache,
-                                                        const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                                                        const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                                        const at::Tensor* k_scale = nullptr,
+                                                        const at::Tensor* v_scale = nullptr) {
   check_same_dtype(out, query, "out", "query");
-  check_same_dtype(key_cache, query, "key_cache", "query");
-  check_same_dtype(value_cache, query, "value_cache", "query");
+  if (k_scale != nullptr) {
+    check_quantized_kv_cache(key_cache, value_cache, *k_scale, *v_scale);
+  } else {
+    check_same_dtype(key_cache, query, "key_cache", "query");
+    check_same_dtype(value_cache, query, "value_cache", "query");
+  }
   check_dim(query, 3, "query");
   check_dim(key_cache, 4, "key_cache");
   check_contiguous(key_cache, "key_cache");

@@ -8,18 +8,22 @@
 #include <cstdint>
 #include <limits>
 
+#include "ops/cache_ops/kv_quant_cpu.h"
 #include "ops/common/cpu_vec.h"
 
 namespace pagellm::cpu {
 
-// Cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous. Query/out: [tokens, heads, head_dim]
-// with arbitrary token/head strides (last dim contiguous).
-template <typename T>
+// Cache: [num_blocks, num_kv_heads, block_size, head_dim] contiguous, of C (= T for a float cache; int8_t or
+// c10::Float8_e4m3fn for a quantized one, read with k_scale / v_scale [num_blocks, num_kv_heads, block_size]:
+// one fp32 scale per row, at the row's index). Query/out: [tokens, heads, head_dim] of T with arbitrary
+// token/head strides (last dim contiguous).
+template <typename T, typename C = T>
 struct PagedAttnArgs {
+  static constexpr bool kQuantized = kIsQuantizedCache<C>;
   T* out;
   const T* query;
-  const T* key_cache;
-  const T* value_cache;
+  const C* key_cache;
+  const C* value_cache;
   const int32_t* block_tables;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;  // prefill only
@@ -30,13 +34,26 @@ struct PagedAttnArgs {
   float scale;
   int64_t window;  // -1 = full context
   float softcap;   // 0 = off
+  const float* k_scale = nullptr;  // quantized caches only
+  const float* v_scale = nullptr;
 
   int64_t group() const { return num_heads / num_kv_heads; }
 
+  // Index of the row of token `pos` of sequence `s` for kv head `h` (the row is cache + index * head_dim;
+  // a quantized row's scale is scales[index]). Rows of one block and head are consecutive indices.
+  int64_t row_index(int64_t s, int64_t pos, int64_t h) const {
+    const int64_t block = block_tables[s * bt_stride + (pos >> log2_block_size)];
+    return (block * num_kv_heads + h) * block_size + (pos & (block_size - 1));
+  }
   // Row of token `pos` of sequence `s` for kv head `h` in `cache`.
-  const T* row(const T* cache, int64_t s, int64_t pos, int64_t h) const {
+  const C* row(const C* cache, int64_t s, int64_t pos, int64_t h) const {
     const int64_t block = block_tables[s * bt_stride + (pos >> log2_block_size)];
     return cache + block * cache_block_stride + h * cache_head_stride + (pos & (block_size - 1)) * head_dim;
+  }
+  // Dequantization factor of a row (1 for a float cache).
+  float row_scale(const float* scales, int64_t index) const {
+    if constexpr (kQuantized) return scales[index];
+    return 1.0f;
   }
   const T* q_row(int64_t t, int64_t head) const { return query + t * q_stride_t + head * q_stride_h; }
   T* out_row(int64_t t, int64_t head) const { return out + t * out_stride_t + head * out_stride_h; }

@@ -1,11 +1,14 @@
 // Host-side, torch-free entry points of the paged-attention CUDA kernels (decode_kernels.cu, prefill_kernels.cu).
 // KV cache (every device): key_cache, value_cache [num_blocks, num_kv_heads, block_size, head_dim], contiguous.
 // GQA: query head h reads kv head h / (num_heads / num_kv_heads).
+// Quantized caches (int8 / fp8-e4m3 values, *_quantized launchers): k_scale / v_scale [num_blocks, num_kv_heads,
+// block_size] fp32, one per row (value = stored * scale); queries and outputs stay of `dtype`.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "ops/cache_ops/kv_cache_dtype.h"
 #include "ops/cuda_common/dtype.h"
 
 namespace pagellm::cuda {
@@ -34,6 +37,8 @@ struct DecodeArgs {
   int window;      // keys a query sees, itself included; <= 0: all
   float scale;
   float softcap;   // > 0: s = softcap * tanh(s / softcap)
+  const float* k_scale = nullptr;  // quantized caches only
+  const float* v_scale = nullptr;
 };
 
 // How many context splits the decode launch uses (1 = no split, no scratch). max_context is an upper bound of
@@ -41,6 +46,9 @@ struct DecodeArgs {
 int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window);
 
 cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
+// The same over a quantized cache of `cache_dtype` (decode_quant_kernels.cu); needs k_scale / v_scale.
+cudaError_t launch_paged_attention_decode_quantized(const DecodeArgs& args, DType dtype, KvCacheDType cache_dtype,
+                                                    cudaStream_t stream);
 
 // Prefill / chunked prefill / prefix hits: sequence s has query tokens [qsl[s], qsl[s+1]) which are its LAST
 // q_len positions of seq_lens[s] keys; causal (and windowed) masking by absolute position.
@@ -58,10 +66,16 @@ struct PrefillArgs {
   int window;
   float scale;
   float softcap;
+  const float* k_scale = nullptr;  // quantized caches only
+  const float* v_scale = nullptr;
 };
 
 // Half/bfloat16 use tensor cores (mma.sync m16n8k16, sm_80+) and need 16-byte aligned query/out rows
 // (strides multiples of 8 elements, base 16-byte aligned); fp32 uses a scalar path without that requirement.
 cudaError_t launch_paged_attention_prefill(const PrefillArgs& args, DType dtype, cudaStream_t stream);
+// The same over a quantized cache (prefill_quant_kernels.cu): K/V tiles are dequantized (stored * row scale) into
+// the tensor-core kernel's shared-memory tiles of `dtype`, or read as fp32 by the scalar fp32 kernel.
+cudaError_t launch_paged_attention_prefill_quantized(const PrefillArgs& args, DType dtype, KvCacheDType cache_dtype,
+                                                     cudaStream_t stream);
 
 }  // namespace pagellm::cuda

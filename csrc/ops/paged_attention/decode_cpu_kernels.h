@@ -5,6 +5,9 @@
 // all G heads, an online-softmax update (fp32), and a V accumulation held in registers per 16-lane
 // column block. With one partition per sequence the item writes the output directly; otherwise it
 // writes (acc, max, sum) partials that decode_reduce merges. Memory-bound: every cache byte read once.
+// Quantized caches (int8 / fp8): rows are converted to fp32 in registers as they are used; a key row's scale
+// multiplies its score (q . k_j = scale_j * (q . stored_j)) and a value row's scale multiplies its probability
+// after the softmax sums, so the fp32 accumulation and the online softmax are those of a float cache.
 #pragma once
 
 #include <cstring>
@@ -196,30 +199,31 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
 }
 
 struct DecodeScratch {
-  std::vector<float> qf, sc, raw;
+  std::vector<float> qf, sc, raw, ks, vs;  // ks, vs: the tile's key / value row scales (quantized caches)
   std::vector<c10::BFloat16> qb;
   std::vector<const void*> kp, vp;
   // Rows of the NEXT tile, interleaved (k0, v0, k1, v1, ...; 2 spare entries for an odd pair), prefetched
   // a key pair at a time from inside the score loop so the prefetches overlap compute.
   std::vector<const void*> pf;
   DecodeScratch(int64_t G, int64_t D)
-      : qf(G * D), sc(G * kDecodeTile), raw(G * kDecodeTile * kLanes), qb(G * D), kp(kDecodeTile), vp(kDecodeTile),
+      : qf(G * D), sc(G * kDecodeTile), raw(G * kDecodeTile * kLanes), ks(kDecodeTile), vs(kDecodeTile), qb(G * D),
+        kp(kDecodeTile), vp(kDecodeTile),
         pf(2 * kDecodeTile + 2) {}
 };
 
-template <typename T>
+template <typename T, typename C>
 constexpr bool use_bf16_dot() {
 #ifdef PAGELLM_DECODE_BF16_DOT
-  return std::is_same_v<T, c10::BFloat16>;
+  return std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>;
 #else
   return false;
 #endif
 }
 
-template <typename T>
-inline void decode_tile_scores(const PagedAttnArgs<T>& a, DecodeScratch& w, const T* const* kp, int64_t n) {
+template <typename T, typename C>
+inline void decode_tile_scores(const PagedAttnArgs<T, C>& a, DecodeScratch& w, const C* const* kp, int64_t n) {
 #ifdef PAGELLM_DECODE_BF16_DOT
-  if constexpr (use_bf16_dot<T>()) {
+  if constexpr (use_bf16_dot<T, C>()) {
     for_head_chunks<ScoresBf16K>(a.group(), static_cast<const c10::BFloat16*>(w.qb.data()), kp, n, a.head_dim,
                                  w.raw.data(), static_cast<const void* const*>(w.pf.data()));
     decode_reduce_scores(w.raw.data(), a.group(), n, a.scale, w.sc.data());
@@ -228,15 +232,35 @@ inline void decode_tile_scores(const PagedAttnArgs<T>& a, DecodeScratch& w, cons
 #endif
   for_head_chunks<ScoresK>(a.group(), static_cast<const float*>(w.qf.data()), kp, n, a.head_dim, w.sc.data(),
                            static_cast<const void* const*>(w.pf.data()));
+  if constexpr (PagedAttnArgs<T, C>::kQuantized) {
+    for (int64_t g = 0; g < a.group(); ++g) mul_elementwise(w.sc.data() + g * kDecodeTile, w.ks.data(), n);
+  }
+}
+
+// Rows (and, quantized, scales) of keys [start, start + n) into kp / vp / ks / vs.
+template <typename T, typename C>
+inline void decode_tile_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t start, int64_t n,
+                             DecodeScratch& w, const C** kp, const C** vp) {
+  int64_t idx = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
+    idx = block_start ? a.row_index(s, start + j, h) : idx + 1;  // rows are consecutive within a block
+    kp[j] = a.key_cache + idx * a.head_dim;
+    vp[j] = a.value_cache + idx * a.head_dim;
+    if constexpr (PagedAttnArgs<T, C>::kQuantized) {
+      w.ks[j] = a.k_scale[idx];
+      w.vs[j] = a.v_scale[idx];
+    }
+  }
 }
 
 // Attends keys [kbeg, kend) of sequence s for kv head h; leaves unnormalized acc [G, D], m [G], l [G].
-template <typename T>
-void decode_item(const PagedAttnArgs<T>& a, int64_t s, int64_t h, int64_t kbeg, int64_t kend, DecodeScratch& w,
+template <typename T, typename C>
+void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbeg, int64_t kend, DecodeScratch& w,
                  float* acc, float* m, float* l) {
   const int64_t G = a.group(), D = a.head_dim;
   for (int64_t g = 0; g < G; ++g) {
-    if constexpr (use_bf16_dot<T>()) {
+    if constexpr (use_bf16_dot<T, C>()) {
       std::memcpy(w.qb.data() + g * D, a.q_row(s, h * G + g), D * sizeof(T));
     } else {
       load_row_f32(a.q_row(s, h * G + g), w.qf.data() + g * D, D, a.scale);
@@ -245,31 +269,28 @@ void decode_item(const PagedAttnArgs<T>& a, int64_t s, int64_t h, int64_t kbeg, 
     l[g] = 0.f;
   }
   std::fill(acc, acc + G * D, 0.f);
-  auto** kp = reinterpret_cast<const T**>(w.kp.data());
-  auto** vp = reinterpret_cast<const T**>(w.vp.data());
+  auto** kp = reinterpret_cast<const C**>(w.kp.data());
+  auto** vp = reinterpret_cast<const C**>(w.vp.data());
   for (int64_t start = kbeg; start < kend; start += kDecodeTile) {
     const int64_t n = std::min(kDecodeTile, kend - start);
-    for (int64_t j = 0; j < n; ++j) {
-      const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
-      kp[j] = block_start ? a.row(a.key_cache, s, start + j, h) : kp[j - 1] + D;  // rows contiguous in a block
-      vp[j] = block_start ? a.row(a.value_cache, s, start + j, h) : vp[j - 1] + D;
-    }
+    decode_tile_rows(a, s, h, start, n, w, kp, vp);
     // Next tile's rows (its blocks are random), prefetched by the score loop; past the end: this tile's rows.
     const int64_t nn = std::min(kDecodeTile, kend - start - n);
     for (int64_t j = 0; j < nn; ++j) {
       const bool block_start = j == 0 || ((start + n + j) & (a.block_size - 1)) == 0;
-      w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + n + j, h) : static_cast<const T*>(w.pf[2 * j - 2]) + D;
-      w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + n + j, h) : static_cast<const T*>(w.pf[2 * j - 1]) + D;
+      w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + n + j, h) : static_cast<const C*>(w.pf[2 * j - 2]) + D;
+      w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + n + j, h) : static_cast<const C*>(w.pf[2 * j - 1]) + D;
     }
     for (int64_t j = nn; j < kDecodeTile + 1; ++j) w.pf[2 * j] = w.pf[2 * j + 1] = kp[0];
-    decode_tile_scores(a, w, static_cast<const T* const*>(kp), n);
+    decode_tile_scores(a, w, static_cast<const C* const*>(kp), n);
     for (int64_t g = 0; g < G; ++g) {
       float* sg = w.sc.data() + g * kDecodeTile;
       if (a.softcap > 0.f) apply_softcap(sg, n, a.softcap);
       const float corr = softmax_update(sg, n, m[g], l[g]);
       if (corr != 1.0f) store_row(acc + g * D, acc + g * D, D, corr);
+      if constexpr (PagedAttnArgs<T, C>::kQuantized) mul_elementwise(sg, w.vs.data(), n);  // after l took p
     }
-    for_head_chunks<AccumK>(G, acc, static_cast<const float*>(w.sc.data()), static_cast<const T* const*>(vp), n, D);
+    for_head_chunks<AccumK>(G, acc, static_cast<const float*>(w.sc.data()), static_cast<const C* const*>(vp), n, D);
   }
 }
 
@@ -285,8 +306,8 @@ struct DecodePart {
 
 // Splits each sequence's visible context into partitions so that there are enough work items
 // (num_seqs * num_kv_heads * partitions) to keep every thread busy; part_off[s] indexes seq s's parts.
-template <typename T>
-std::vector<DecodePart> plan_decode(const PagedAttnArgs<T>& a, std::vector<int64_t>& part_off) {
+template <typename T, typename C>
+std::vector<DecodePart> plan_decode(const PagedAttnArgs<T, C>& a, std::vector<int64_t>& part_off) {
   const int64_t threads = at::get_num_threads();
   int64_t max_len = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
@@ -313,8 +334,8 @@ std::vector<DecodePart> plan_decode(const PagedAttnArgs<T>& a, std::vector<int64
 }
 
 // Merges the partials of (seq, kv head) into the output.
-template <typename T>
-void decode_reduce(const PagedAttnArgs<T>& a, const std::vector<int64_t>& part_off, const float* partials) {
+template <typename T, typename C>
+void decode_reduce(const PagedAttnArgs<T, C>& a, const std::vector<int64_t>& part_off, const float* partials) {
   const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
   const int64_t item_floats = G * (D + 2);
   at::parallel_for(0, a.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
@@ -340,8 +361,8 @@ void decode_reduce(const PagedAttnArgs<T>& a, const std::vector<int64_t>& part_o
   });
 }
 
-template <typename T>
-void paged_attention_decode_kernel(const PagedAttnArgs<T>& a) {
+template <typename T, typename C>
+void paged_attention_decode_kernel(const PagedAttnArgs<T, C>& a) {
   std::vector<int64_t> part_off;
   const std::vector<DecodePart> parts = plan_decode(a, part_off);
   const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;

@@ -14,11 +14,15 @@
 // At the end the R token lanes are summed into shared memory (deterministic order). num_splits == 1: the CTA
 // writes out = acc / l. Otherwise it writes the unnormalized acc, its max and its sum to the fp32 scratch, and
 // paged_decode_reduce_kernel merges the splits (grid = (num_seqs, num_heads), 128 threads).
+// Quantized caches (C = int8 / fp8): the same tiling, a lane's kVec stored elements are one kVec-byte load
+// converted to fp32 in registers; a key row's scale multiplies its logit, a value row's its probability.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "ops/cache_ops/kv_quant.cuh"
 #include "ops/paged_attention/attention_launch.h"
 #include "ops/cuda_common/vec.cuh"
 
@@ -41,9 +45,22 @@ __device__ __forceinline__ float apply_softcap(float s, float softcap) {
   return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
 }
 
-template <typename T, int D>
+// kVec elements of a cache row at p as fp32: one 16-byte load of T, or a kVec-byte load of stored values.
+template <typename T, typename C, int kVec>
+__device__ __forceinline__ void load_row_vec(const C* p, float (&out)[kVec]) {
+  if constexpr (std::is_same_v<C, T>) {
+    const Vec16<T> v = load16<T>(p);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) out[e] = to_float(v.elem[e]);
+  } else {
+    load_stored<C, kVec>(p, out);
+  }
+}
+
+template <typename T, int D, typename C = T>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeArgs p) {
-  constexpr int kVec = VecTraits<T>::kElems;  // elements per 16-byte vector
+  constexpr bool kQuantized = kIsQuantizedCache<C>;
+  constexpr int kVec = VecTraits<T>::kElems;  // elements per 16-byte vector of T (and per load of the cache)
   static_assert(D % kVec == 0, "head_dim must be a multiple of the vector width");
   constexpr int NV = D / kVec;                // vectors per row
   constexpr int TG = pow2_divisor(NV, 8);     // lanes per key row in the QK phase (divides 32)
@@ -59,8 +76,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   __shared__ float m_s[GC], l_s[GC], alpha_s[GC];
 
   const T* __restrict__ query = static_cast<const T*>(p.query);
-  const T* __restrict__ key_cache = static_cast<const T*>(p.key_cache);
-  const T* __restrict__ value_cache = static_cast<const T*>(p.value_cache);
+  const C* __restrict__ key_cache = static_cast<const C*>(p.key_cache);
+  const C* __restrict__ value_cache = static_cast<const C*>(p.value_cache);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int seq = blockIdx.x;
@@ -120,13 +137,11 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       float k[VPL][kVec];
       int64_t off = -1;
       if (i < n) off = row_offset(c0 + i);
+      float ks = 1.f;  // the key row's scale (quantized caches)
       if (off >= 0) {
 #pragma unroll
-        for (int v = 0; v < VPL; ++v) {
-          const Vec16<T> kv = load16<T>(key_cache + off + (qk_lane + v * TG) * kVec);
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) k[v][e] = to_float(kv.elem[e]);
-        }
+        for (int v = 0; v < VPL; ++v) load_row_vec<T, C, kVec>(key_cache + off + (qk_lane + v * TG) * kVec, k[v]);
+        if constexpr (kQuantized) ks = row_scale<D>(p.k_scale, off);
       } else {
 #pragma unroll
         for (int v = 0; v < VPL; ++v)
@@ -143,7 +158,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
             for (int e = 0; e < kVec; ++e) dot = fmaf(q_s[g][(qk_lane + v * TG) * kVec + e], k[v][e], dot);
 #pragma unroll
           for (int o = TG / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          if (i < n && qk_lane == 0) logit_s[g][i] = off >= 0 ? apply_softcap(dot * p.scale, p.softcap) : -INFINITY;
+          if (i < n && qk_lane == 0) logit_s[g][i] = off >= 0 ? apply_softcap(dot * ks * p.scale, p.softcap) : -INFINITY;
         }
       }
     }
@@ -184,14 +199,14 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
       for (int i = pv_row; i < n; i += R) {
         const int64_t off = row_offset(c0 + i);
         if (off < 0) continue;
-        const Vec16<T> vv = load16<T>(value_cache + off + pv_col * kVec);
         float v[kVec];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) v[e] = to_float(vv.elem[e]);
+        load_row_vec<T, C, kVec>(value_cache + off + pv_col * kVec, v);
+        float vs = 1.f;  // the value row's scale, folded into the probabilities (l_s keeps the unscaled sums)
+        if constexpr (kQuantized) vs = row_scale<D>(p.v_scale, off);
 #pragma unroll
         for (int g = 0; g < GC; ++g) {
           if (g < gc) {
-            const float pr = logit_s[g][i];
+            const float pr = logit_s[g][i] * vs;
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc[g][e] = fmaf(pr, v[e], acc[g][e]);
           }
@@ -271,6 +286,47 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeAr
     }
     out[seq * p.o_stride_tok + h * p.o_stride_head + d] = from_float<T>(a * inv);
   }
+}
+
+// Launch of one (T, D, C) instantiation: the split kernel, then the reduction when the context is split.
+template <typename T, int D, typename C = T>
+cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
+  const int G = a.num_heads / a.num_kv_heads;
+  const int groups = (G + kDecodeMaxHeads - 1) / kDecodeMaxHeads;
+  const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads * groups),
+                  static_cast<unsigned>(a.num_splits));
+  paged_decode_kernel<T, D, C><<<grid, kDecodeThreads, 0, s>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.num_splits == 1) return err;
+  const dim3 rgrid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_heads));
+  paged_decode_reduce_kernel<T><<<rgrid, 128, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, typename C = T>
+cudaError_t decode_dispatch(const DecodeArgs& a, cudaStream_t s) {
+  switch (a.head_dim) {
+    case 64: return decode_typed<T, 64, C>(a, s);
+    case 80: return decode_typed<T, 80, C>(a, s);
+    case 96: return decode_typed<T, 96, C>(a, s);
+    case 112: return decode_typed<T, 112, C>(a, s);
+    case 128: return decode_typed<T, 128, C>(a, s);
+    case 256: return decode_typed<T, 256, C>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// The launch checks shared by the float and the quantized entry points; cudaSuccess when the launch may go on.
+inline cudaError_t check_decode_launch(const DecodeArgs& a) {
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return cudaErrorInvalidValue;
+  if (a.num_splits < 1 || a.num_splits > kDecodeMaxSplits) return cudaErrorInvalidValue;
+  if (a.num_splits > 1 && (a.tmp_out == nullptr || a.tmp_max == nullptr || a.tmp_sum == nullptr))
+    return cudaErrorInvalidValue;
+  const int G = a.num_heads / a.num_kv_heads;
+  if (static_cast<int64_t>(a.num_kv_heads) * ((G + kDecodeMaxHeads - 1) / kDecodeMaxHeads) > 65535 ||
+      a.num_heads > 65535)
+    return cudaErrorInvalidConfiguration;
+  return cudaSuccess;
 }
 
 }  // namespace pagellm::cuda

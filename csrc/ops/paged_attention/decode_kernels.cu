@@ -22,32 +22,6 @@ int sm_count() {
   return n;
 }
 
-template <typename T, int D>
-cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
-  const int G = a.num_heads / a.num_kv_heads;
-  const int groups = (G + kDecodeMaxHeads - 1) / kDecodeMaxHeads;
-  const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads * groups),
-                  static_cast<unsigned>(a.num_splits));
-  paged_decode_kernel<T, D><<<grid, kDecodeThreads, 0, s>>>(a);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || a.num_splits == 1) return err;
-  const dim3 rgrid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_heads));
-  paged_decode_reduce_kernel<T><<<rgrid, 128, 0, s>>>(a);
-  return cudaGetLastError();
-}
-
-template <typename T>
-cudaError_t decode_dispatch(const DecodeArgs& a, cudaStream_t s) {
-  switch (a.head_dim) {
-    case 64: return decode_typed<T, 64>(a, s);
-    case 80: return decode_typed<T, 80>(a, s);
-    case 96: return decode_typed<T, 96>(a, s);
-    case 112: return decode_typed<T, 112>(a, s);
-    case 128: return decode_typed<T, 128>(a, s);
-    case 256: return decode_typed<T, 256>(a, s);
-    default: return cudaErrorInvalidValue;
-  }
-}
 }  // namespace
 
 int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window) {
@@ -67,14 +41,7 @@ int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max
 
 cudaError_t launch_paged_attention_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) {
   if (a.num_seqs == 0 || a.num_heads == 0) return cudaSuccess;
-  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0) return cudaErrorInvalidValue;
-  if (a.num_splits < 1 || a.num_splits > kDecodeMaxSplits) return cudaErrorInvalidValue;
-  if (a.num_splits > 1 && (a.tmp_out == nullptr || a.tmp_max == nullptr || a.tmp_sum == nullptr))
-    return cudaErrorInvalidValue;
-  const int G = a.num_heads / a.num_kv_heads;
-  if (static_cast<int64_t>(a.num_kv_heads) * ((G + kDecodeMaxHeads - 1) / kDecodeMaxHeads) > 65535 ||
-      a.num_heads > 65535)
-    return cudaErrorInvalidConfiguration;
+  if (const cudaError_t err = check_decode_launch(a); err != cudaSuccess) return err;
   switch (dtype) {
     case DType::kFloat32: return decode_dispatch<float>(a, stream);
     case DType::kFloat16: return decode_dispatch<__half>(a, stream);

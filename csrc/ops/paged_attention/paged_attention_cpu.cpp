@@ -1,5 +1,6 @@
-// CPU glue for paged_attention_decode / paged_attention_prefill: validation of shapes, dtypes and
-// (cheaply) every block-table entry a sequence will read, then the kernels in *_cpu_kernels.h.
+// CPU glue for paged_attention_decode / paged_attention_prefill and their *_quantized forms (int8 / fp8 caches
+// with per-row scales): validation of shapes, dtypes and (cheaply) every block-table entry a sequence will
+// read, then the kernels in *_cpu_kernels.h.
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
@@ -13,16 +14,28 @@ namespace {
 
 using Common = PagedAttentionShape;
 
+// A quantized cache's k_scale / v_scale; both null for a float cache.
+struct Scales {
+  const at::Tensor* k = nullptr;
+  const at::Tensor* v = nullptr;
+};
+
 Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    Scales scales = {}) {
   check_cpu(out, "out");
   check_cpu(query, "query");
   check_cpu(key_cache, "key_cache");
   check_cpu(value_cache, "value_cache");
   check_cpu(block_tables, "block_tables");
   check_cpu(seq_lens, "seq_lens");
+  if (scales.k != nullptr) {
+    check_cpu(*scales.k, "k_scale");
+    check_cpu(*scales.v, "v_scale");
+  }
   check_float(query, "query");
-  const Common c = check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens);
+  const Common c =
+      check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens, scales.k, scales.v);
   TORCH_CHECK(c.head_dim % 16 == 0 && c.head_dim >= 16 && c.head_dim <= 512,
               "key_cache: head_dim (dim 3) must be a multiple of 16 in [16, 512], got ", c.head_dim);
   return c;
@@ -44,17 +57,41 @@ void check_tables(const at::Tensor& block_tables, const int32_t* lens, const Com
   }
 }
 
-template <typename T>
-PagedAttnArgs<T> make_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                           const at::Tensor& value_cache, const at::Tensor& block_tables, const int32_t* lens,
-                           const int32_t* qsl, const Common& c, double scale, int64_t window, double softcap) {
+template <typename T, typename C = T>
+PagedAttnArgs<T, C> make_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                              const at::Tensor& value_cache, const at::Tensor& block_tables, const int32_t* lens,
+                              const int32_t* qsl, const Common& c, double scale, int64_t window, double softcap,
+                              Scales scales = {}) {
   int64_t log2_bs = 0;
   while ((int64_t{1} << log2_bs) < c.block_size) ++log2_bs;
-  return PagedAttnArgs<T>{out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<T>(), value_cache.data_ptr<T>(),
-                          block_tables.data_ptr<int32_t>(), lens, qsl, block_tables.stride(0), block_tables.size(0),
-                          c.num_heads, c.num_kv_heads, c.head_dim, c.block_size, log2_bs, query.stride(0),
-                          query.stride(1), out.stride(0), out.stride(1), key_cache.stride(0), key_cache.stride(1),
-                          static_cast<float>(scale), window, static_cast<float>(softcap)};
+  return PagedAttnArgs<T, C>{out.data_ptr<T>(), query.data_ptr<T>(), key_cache.data_ptr<C>(),
+                             value_cache.data_ptr<C>(), block_tables.data_ptr<int32_t>(), lens, qsl,
+                             block_tables.stride(0), block_tables.size(0), c.num_heads, c.num_kv_heads, c.head_dim,
+                             c.block_size, log2_bs, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+                             key_cache.stride(0), key_cache.stride(1), static_cast<float>(scale), window,
+                             static_cast<float>(softcap),
+                             scales.k != nullptr ? scales.k->data_ptr<float>() : nullptr,
+                             scales.v != nullptr ? scales.v->data_ptr<float>() : nullptr};
+}
+
+// Calls fn(args) with the PagedAttnArgs of the query's float type and the cache's type (float = the query's;
+// int8 / fp8 when scales are given).
+template <typename Fn>
+void dispatch_args(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                   const at::Tensor& value_cache, const at::Tensor& block_tables, const int32_t* lens,
+                   const int32_t* qsl, const Common& c, double scale, int64_t window, double softcap, Scales scales,
+                   const Fn& fn) {
+  PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention", [&] {
+    using T = scalar_t;
+    if (scales.k == nullptr) {
+      fn(make_args<T>(out, query, key_cache, value_cache, block_tables, lens, qsl, c, scale, window, softcap));
+      return;
+    }
+    PAGELLM_DISPATCH_KV_QUANT_TYPES(key_cache.scalar_type(), "paged_attention", [&] {
+      fn(make_args<T, scalar_t>(out, query, key_cache, value_cache, block_tables, lens, qsl, c, scale, window,
+                                softcap, scales));
+    });
+  });
 }
 
 void check_scalars(int64_t window_size, double softcap) {
@@ -62,28 +99,38 @@ void check_scalars(int64_t window_size, double softcap) {
   TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0 = off), got ", softcap);
 }
 
-void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, int64_t window_size, double softcap) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                double scale, int64_t window_size, double softcap, Scales scales) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
   check_scalars(window_size, softcap);
   TORCH_CHECK(query.size(0) == seq_lens.size(0), "query must have one token per sequence (", seq_lens.size(0),
               " from seq_lens), got shape ", query.sizes());
   if (query.size(0) == 0) return;
   auto lens = seq_lens.contiguous();
   check_tables(block_tables, lens.data_ptr<int32_t>(), c);
-  PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_decode", [&] {
-    paged_attention_decode_kernel(make_args<scalar_t>(out, query, key_cache, value_cache, block_tables,
-                                                      lens.data_ptr<int32_t>(), nullptr, c, scale, window_size,
-                                                      softcap));
-  });
+  dispatch_args(out, query, key_cache, value_cache, block_tables, lens.data_ptr<int32_t>(), nullptr, c, scale,
+                window_size, softcap, scales, [](const auto& args) { paged_attention_decode_kernel(args); });
 }
 
-void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                             int64_t window_size, double softcap) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, int64_t window_size, double softcap) {
+  run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window_size, softcap, {});
+}
+
+void paged_attention_decode_quantized(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& k_scale,
+                                      const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, double scale, int64_t window_size, double softcap) {
+  run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window_size, softcap,
+             {&k_scale, &v_scale});
+}
+
+void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                 const at::Tensor& seq_lens, double scale, int64_t window_size, double softcap, Scales scales) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
   check_scalars(window_size, softcap);
   check_cpu(query_start_loc, "query_start_loc");
   check_dtype(query_start_loc, at::kInt, "query_start_loc");
@@ -104,10 +151,25 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
   }
   if (S == 0 || query.size(0) == 0) return;
   check_tables(block_tables, l, c);
-  PAGELLM_DISPATCH_FLOAT_TYPES(query.scalar_type(), "paged_attention_prefill", [&] {
-    run_paged_attention_prefill(
-        make_args<scalar_t>(out, query, key_cache, value_cache, block_tables, l, q, c, scale, window_size, softcap));
-  });
+  dispatch_args(out, query, key_cache, value_cache, block_tables, l, q, c, scale, window_size, softcap, scales,
+                [](const auto& args) { run_paged_attention_prefill(args); });
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                             int64_t window_size, double softcap) {
+  run_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window_size,
+              softcap, {});
+}
+
+void paged_attention_prefill_quantized(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                                       int64_t window_size, double softcap) {
+  run_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window_size,
+              softcap, {&k_scale, &v_scale});
 }
 
 }  // namespace
@@ -116,4 +178,6 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("paged_attention_decode", &pagellm::cpu::paged_attention_decode);
   m.impl("paged_attention_prefill", &pagellm::cpu::paged_attention_prefill);
+  m.impl("paged_attention_decode_quantized", &pagellm::cpu::paged_attention_decode_quantized);
+  m.impl("paged_attention_prefill_quantized", &pagellm::cpu::paged_attention_prefill_quantized);
 }

@@ -1,4 +1,5 @@
-// CUDA glue for paged_attention_decode / paged_attention_prefill (kernels in decode_kernels.cu, prefill_kernels.cu).
+// CUDA glue for paged_attention_decode / paged_attention_prefill and their *_quantized forms over int8 / fp8 caches
+// (kernels in decode_kernels.cu, prefill_kernels.cu and the *_quant_kernels.cu).
 // Checks mirror the CPU glue except those that would read device data (seq_lens, block tables, query_start_loc
 // values): the kernels bound every block-table read and zero-fill / skip what is out of range instead.
 #include <torch/library.h>
@@ -16,8 +17,15 @@ struct Common : PagedAttentionShape {
   DType dtype;
 };
 
+// A quantized cache's k_scale / v_scale; both null for a float cache.
+struct Scales {
+  const at::Tensor* k = nullptr;
+  const at::Tensor* v = nullptr;
+};
+
 Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens) {
+                    const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                    Scales scales = {}) {
   check_cuda(out, "out");
   check_cuda(query, "query");
   check_cuda(key_cache, "key_cache");
@@ -30,7 +38,9 @@ Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Te
   check_same_device(block_tables, query, "block_tables", "query");
   check_same_device(seq_lens, query, "seq_lens", "query");
   const DType dt = to_dtype(query, "query");
-  const Common c{check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens), dt};
+  const Common c{
+      check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens, scales.k, scales.v),
+      dt};  // (the scales' device is checked against key_cache there)
   TORCH_CHECK(attention_head_dim_supported(static_cast<int>(c.head_dim)),
               "key_cache: head_dim (dim 3) must be one of 64, 80, 96, 112, 128, 256 on CUDA, got ", c.head_dim);
   TORCH_CHECK(c.num_heads <= 65535, "query num_heads must be <= 65535, got ", c.num_heads);
@@ -47,10 +57,14 @@ int clamp_window(int64_t window_size) {
   return window_size <= 0 ? -1 : static_cast<int>(window_size > INT32_MAX ? INT32_MAX : window_size);
 }
 
-void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                            double scale, int64_t window_size, double softcap) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+KvCacheDType kv_cache_dtype(const at::Tensor& key_cache) {
+  return key_cache.scalar_type() == at::kChar ? KvCacheDType::kInt8 : KvCacheDType::kFp8E4M3;
+}
+
+void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window_size,
+                double softcap, Scales scales) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
   check_scalars(window_size, softcap);
   TORCH_CHECK(query.size(0) == seq_lens.size(0), "query must have one token per sequence (", seq_lens.size(0),
               " from seq_lens), got shape ", query.sizes());
@@ -93,14 +107,34 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
     a.tmp_max = tmp_ms.data_ptr<float>();
     a.tmp_sum = a.tmp_max + S * c.num_heads * a.num_splits;
   }
-  check_launch(launch_paged_attention_decode(a, c.dtype, current_stream()), "paged_attention_decode");
+  if (scales.k == nullptr) {
+    check_launch(launch_paged_attention_decode(a, c.dtype, current_stream()), "paged_attention_decode");
+    return;
+  }
+  a.k_scale = scales.k->data_ptr<float>();
+  a.v_scale = scales.v->data_ptr<float>();
+  check_launch(launch_paged_attention_decode_quantized(a, c.dtype, kv_cache_dtype(key_cache), current_stream()),
+               "paged_attention_decode_quantized");
 }
 
-void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
-                             const at::Tensor& value_cache, const at::Tensor& block_tables,
-                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
-                             int64_t window_size, double softcap) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens);
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            double scale, int64_t window_size, double softcap) {
+  run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window_size, softcap, {});
+}
+
+void paged_attention_decode_quantized(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                      const at::Tensor& value_cache, const at::Tensor& k_scale,
+                                      const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                      const at::Tensor& seq_lens, double scale, int64_t window_size, double softcap) {
+  run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window_size, softcap,
+             {&k_scale, &v_scale});
+}
+
+void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                 const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                 const at::Tensor& seq_lens, double scale, int64_t window_size, double softcap, Scales scales) {
+  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
   check_scalars(window_size, softcap);
   check_cuda(query_start_loc, "query_start_loc");
   check_same_device(query_start_loc, query, "query_start_loc", "query");
@@ -145,8 +179,32 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
   a.window = clamp_window(window_size);
   a.scale = static_cast<float>(scale);
   a.softcap = static_cast<float>(softcap);
-  check_launch(launch_paged_attention_prefill(a, c.dtype, current_stream()), "paged_attention_prefill");
+  if (scales.k == nullptr) {
+    check_launch(launch_paged_attention_prefill(a, c.dtype, current_stream()), "paged_attention_prefill");
+  } else {
+    a.k_scale = scales.k->data_ptr<float>();
+    a.v_scale = scales.v->data_ptr<float>();
+    check_launch(launch_paged_attention_prefill_quantized(a, c.dtype, kv_cache_dtype(key_cache), current_stream()),
+                 "paged_attention_prefill_quantized");
+  }
   if (!o.is_same(out)) out.copy_(o);
+}
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                             const at::Tensor& value_cache, const at::Tensor& block_tables,
+                             const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                             int64_t window_size, double softcap) {
+  run_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window_size,
+              softcap, {});
+}
+
+void paged_attention_prefill_quantized(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                                       const at::Tensor& value_cache, const at::Tensor& k_scale,
+                                       const at::Tensor& v_scale, const at::Tensor& block_tables,
+                                       const at::Tensor& query_start_loc, const at::Tensor& seq_lens, double scale,
+                                       int64_t window_size, double softcap) {
+  run_prefill(out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale, window_size,
+              softcap, {&k_scale, &v_scale});
 }
 
 }  // namespace
@@ -155,4 +213,6 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
 TORCH_LIBRARY_IMPL(pagellm, CUDA, m) {
   m.impl("paged_attention_decode", &pagellm::cuda::paged_attention_decode);
   m.impl("paged_attention_prefill", &pagellm::cuda::paged_attention_prefill);
+  m.impl("paged_attention_decode_quantized", &pagellm::cuda::paged_attention_decode_quantized);
+  m.impl("paged_attention_prefill_quantized", &pagellm::cuda::paged_attention_prefill_quantized);
 }

@@ -9,6 +9,8 @@
 //     mask (causal + window, only on boundary tiles), soft-cap, online softmax over n, column-wise
 //     OT += Vf^T . ST             (8 dims x 32 rows register block, broadcast Vf)
 // The full [q, k] score matrix never exists; scratch is ~100 KiB per thread (L2 resident).
+// Quantized caches (int8 / fp8): Kf / Vf are the dequantized rows (stored * the row's scale), so everything
+// after the load is the float-cache kernel.
 #pragma once
 
 #include <algorithm>
@@ -71,8 +73,8 @@ struct PrefillScratch {
 };
 
 // Masks ST for keys [start, start + n): key after the row's position or before the row's window.
-template <typename T>
-inline void mask_tile(const PagedAttnArgs<T>& a, PrefillScratch& w, int64_t start, int64_t n) {
+template <typename T, typename C>
+inline void mask_tile(const PagedAttnArgs<T, C>& a, PrefillScratch& w, int64_t start, int64_t n) {
   const VecF ninf = vset1(kNegInf), win = vset1(static_cast<float>(a.window > 0 ? a.window - 1 : 0));
   for (int64_t j = 0; j < n; ++j) {
     const VecF kp = vset1(static_cast<float>(start + j));
@@ -122,8 +124,8 @@ inline void softmax_tile(PrefillScratch& w, int64_t n) {
   }
 }
 
-template <typename T>
-void prefill_load_queries(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScratch& w, int64_t q_base,
+template <typename T, typename C>
+void prefill_load_queries(const PagedAttnArgs<T, C>& a, const PrefillItem& it, PrefillScratch& w, int64_t q_base,
                           int64_t pos_base) {
   const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
   const int64_t rows = (it.t1 - it.t0) * G;
@@ -147,15 +149,15 @@ struct PrefillSpan {
   int64_t p_first, p_last;  // absolute positions of the item's first and last token
 };
 
-template <typename T>
-inline PrefillSpan prefill_span(const PagedAttnArgs<T>& a, const PrefillItem& it) {
+template <typename T, typename C>
+inline PrefillSpan prefill_span(const PagedAttnArgs<T, C>& a, const PrefillItem& it) {
   const int64_t q_base = a.query_start_loc[it.seq];
   const int64_t pos_base = a.seq_lens[it.seq] - (a.query_start_loc[it.seq + 1] - q_base);
   return {q_base, pos_base, pos_base + it.t0, pos_base + it.t1 - 1};
 }
 
-template <typename T>
-void prefill_item(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScratch& w) {
+template <typename T, typename C>
+void prefill_item(const PagedAttnArgs<T, C>& a, const PrefillItem& it, PrefillScratch& w) {
   const int64_t s = it.seq, G = a.group(), D = a.head_dim, Rp = w.Rp;
   const auto [q_base, pos_base, p_first, p_last] = prefill_span(a, it);
   prefill_load_queries(a, it, w, q_base, pos_base);
@@ -163,8 +165,9 @@ void prefill_item(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScrat
   for (int64_t start = kmin; start <= p_last; start += kKeyTile) {
     const int64_t n = std::min(kKeyTile, p_last + 1 - start);
     for (int64_t j = 0; j < n; ++j) {
-      load_row_f32(a.row(a.key_cache, s, start + j, it.head), w.Kf.data() + j * D, D);
-      load_row_f32(a.row(a.value_cache, s, start + j, it.head), w.Vf.data() + j * D, D);
+      const int64_t idx = a.row_index(s, start + j, it.head);
+      load_row_f32(a.key_cache + idx * D, w.Kf.data() + j * D, D, a.row_scale(a.k_scale, idx));
+      load_row_f32(a.value_cache + idx * D, w.Vf.data() + j * D, D, a.row_scale(a.v_scale, idx));
     }
     const int64_t n8 = (n + 7) / 8 * 8;
     for (int64_t j0 = 0; j0 < n8; j0 += 8) {
@@ -191,8 +194,8 @@ void prefill_item(const PagedAttnArgs<T>& a, const PrefillItem& it, PrefillScrat
 
 // The work items of a prefill call (query tiles of about `rows` rows), most expensive first (dynamic
 // scheduling then balances the threads, LPT); returns Rp, the padded row count of a query tile.
-template <typename T>
-int64_t prefill_items(const PagedAttnArgs<T>& a, std::vector<PrefillItem>& items, int64_t rows = 32) {
+template <typename T, typename C>
+int64_t prefill_items(const PagedAttnArgs<T, C>& a, std::vector<PrefillItem>& items, int64_t rows = 32) {
   const int64_t G = a.group();
   const int64_t Mq = std::max<int64_t>(1, rows / G);
   const int64_t Rp = (Mq * G + kLanes - 1) / kLanes * kLanes;
@@ -210,8 +213,8 @@ int64_t prefill_items(const PagedAttnArgs<T>& a, std::vector<PrefillItem>& items
   return Rp;
 }
 
-template <typename T>
-void paged_attention_prefill_kernel(const PagedAttnArgs<T>& a) {
+template <typename T, typename C>
+void paged_attention_prefill_kernel(const PagedAttnArgs<T, C>& a) {
   std::vector<PrefillItem> items;
   const int64_t Rp = prefill_items(a, items);
   const int64_t n_items = static_cast<int64_t>(items.size());

@@ -14,13 +14,18 @@
 //   the A operand of O += P V. At the end O / l is staged in the warp's own Q rows and stored with 16-byte stores.
 // fp32 path: one warp per (query token, head), scalar online softmax over the keys; grid = (num_tokens,
 //   ceil(num_heads / 4)), block = 128.
+// Quantized caches (C = int8 / fp8): the tensor-core path dequantizes each K/V row (8 stored values per 8-byte
+// load, times the row's scale) into its shared-memory tiles of T; the fp32 path scales each key's dot product
+// and each value element by their rows' scales.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "ops/cache_ops/kv_quant.cuh"
 #include "ops/paged_attention/attention_launch.h"
 #include "ops/cuda_common/vec.cuh"
 
@@ -102,7 +107,25 @@ __device__ __forceinline__ bool find_query_tile(const int32_t* __restrict__ qsl,
   return false;
 }
 
-template <typename T, int D>
+// 8 elements of the cache row at `off` (element offset) as a T vector: a 16-byte load, or for a quantized cache
+// 8 stored values times the row's scale, rounded to T.
+template <typename T, typename C, int D>
+__device__ __forceinline__ Vec16<T> load_cache_vec8(const C* __restrict__ cache, const float* __restrict__ scales,
+                                                    int64_t off) {
+  if constexpr (std::is_same_v<C, T>) {
+    return load16<T>(cache + off);
+  } else {
+    float f[8];
+    load_stored<C, 8>(cache + off, f);
+    const float sc = row_scale<D>(scales, off);
+    Vec16<T> v;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v.elem[e] = from_float<T>(f[e] * sc);
+    return v;
+  }
+}
+
+template <typename T, int D, typename C = T>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_mma_kernel(const PrefillArgs p) {
   using Tile = PrefillTile<D>;
   constexpr int BM = Tile::BM, BN = Tile::BN, LD = Tile::LD;
@@ -131,8 +154,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_mma_kernel(cons
   const int64_t ctx0 = L - q_len;  // absolute position of the sequence's first query
 
   const T* __restrict__ query = static_cast<const T*>(p.query);
-  const T* __restrict__ key_cache = static_cast<const T*>(p.key_cache);
-  const T* __restrict__ value_cache = static_cast<const T*>(p.value_cache);
+  const C* __restrict__ key_cache = static_cast<const C*>(p.key_cache);
+  const C* __restrict__ value_cache = static_cast<const C*>(p.value_cache);
 
   // Q tile (rows past q_len zero-filled).
   for (int i = tid; i < BM * NV; i += kPrefillThreads) {
@@ -176,8 +199,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_mma_kernel(cons
           const int64_t blk = bt[bi];
           if (blk >= 0 && blk < p.num_blocks) {
             const int64_t off = blk * block_elems + head_off + (j - bi * p.block_size) * D + c * kVec;
-            kv = load16<T>(key_cache + off);
-            vv = load16<T>(value_cache + off);
+            kv = load_cache_vec8<T, C, D>(key_cache, p.k_scale, off);
+            vv = load_cache_vec8<T, C, D>(value_cache, p.v_scale, off);
           }
         }
       }
@@ -298,8 +321,9 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_mma_kernel(cons
 }
 
 // Scalar path (fp32, or any T): one warp per (query token, head); lane owns elements lane, lane+32, ...
-template <typename T, int D>
+template <typename T, int D, typename C = T>
 __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simple_kernel(const PrefillArgs p) {
+  constexpr bool kQuantized = kIsQuantizedCache<C>;
   constexpr int E = (D + 31) / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = blockIdx.x;
@@ -319,8 +343,8 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simple_kernel(c
   const int64_t pos = L - q_len + (t - q_begin);
   const int kvh = h / (p.num_heads / p.num_kv_heads);
   const T* __restrict__ query = static_cast<const T*>(p.query);
-  const T* __restrict__ key_cache = static_cast<const T*>(p.key_cache);
-  const T* __restrict__ value_cache = static_cast<const T*>(p.value_cache);
+  const C* __restrict__ key_cache = static_cast<const C*>(p.key_cache);
+  const C* __restrict__ value_cache = static_cast<const C*>(p.value_cache);
   float q[E], acc[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) {
@@ -346,7 +370,12 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simple_kernel(c
       const int d = lane + 32 * e;
       if (d < D) dot = fmaf(q[e], to_float(key_cache[off + d]), dot);
     }
-    dot = warp_reduce_sum(dot) * p.scale;
+    float ks = 1.f, vs = 1.f;  // the rows' scales (quantized caches)
+    if constexpr (kQuantized) {
+      ks = row_scale<D>(p.k_scale, off);
+      vs = row_scale<D>(p.v_scale, off);
+    }
+    dot = warp_reduce_sum(dot) * ks * p.scale;
     if (p.softcap > 0.f) dot = p.softcap * tanhf(dot / p.softcap);
     const float m_new = fmaxf(m, dot);
     const float alpha = __expf(m - m_new);
@@ -355,7 +384,7 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simple_kernel(c
 #pragma unroll
     for (int e = 0; e < E; ++e) {
       const int d = lane + 32 * e;
-      const float v = d < D ? to_float(value_cache[off + d]) : 0.f;
+      const float v = d < D ? to_float(value_cache[off + d]) * vs : 0.f;
       acc[e] = acc[e] * alpha + pe * v;
     }
     m = m_new;
@@ -366,6 +395,66 @@ __global__ void __launch_bounds__(kPrefillThreads) paged_prefill_simple_kernel(c
   for (int e = 0; e < E; ++e) {
     const int d = lane + 32 * e;
     if (d < D) out[static_cast<int64_t>(t) * p.o_stride_tok + h * p.o_stride_head + d] = from_float<T>(acc[e] * inv);
+  }
+}
+
+// Launches of one (T, D, C) instantiation (prefill_kernels.cu: float caches; prefill_quant_kernels.cu: quantized).
+template <typename T, int D, typename C = T>
+cudaError_t prefill_mma(const PrefillArgs& a, cudaStream_t s) {
+  constexpr size_t smem = PrefillTile<D>::template smem_bytes<T>();
+  auto kernel = paged_prefill_mma_kernel<T, D, C>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err != cudaSuccess) return err;
+  const int64_t tiles = ceil_div(a.num_tokens, kPrefillBM) + a.num_seqs;  // >= sum over seqs of ceil(q_len / BM)
+  if (tiles > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(a.num_heads));
+  kernel<<<grid, kPrefillThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+template <typename T, int D, typename C = T>
+cudaError_t prefill_simple(const PrefillArgs& a, cudaStream_t s) {
+  const int warps = kPrefillThreads / 32;
+  const dim3 grid(static_cast<unsigned>(a.num_tokens), static_cast<unsigned>((a.num_heads + warps - 1) / warps));
+  paged_prefill_simple_kernel<T, D, C><<<grid, kPrefillThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+// C: the cache's element type for a quantized cache; void = the query's dtype (a float cache).
+template <int D, typename C = void>
+cudaError_t prefill_dim(const PrefillArgs& a, DType dtype, cudaStream_t s) {
+  constexpr bool kFloatCache = std::is_void_v<C>;
+  switch (dtype) {
+    case DType::kFloat32: return prefill_simple<float, D, std::conditional_t<kFloatCache, float, C>>(a, s);
+    case DType::kFloat16: return prefill_mma<__half, D, std::conditional_t<kFloatCache, __half, C>>(a, s);
+    case DType::kBFloat16: return prefill_mma<__nv_bfloat16, D, std::conditional_t<kFloatCache, __nv_bfloat16, C>>(a, s);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Shared launch checks; cudaSuccess when the launch may go on (alignment: the tensor-core path's 16-byte rows).
+inline cudaError_t check_prefill_launch(const PrefillArgs& a, DType dtype) {
+  if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.num_heads > 65535) return cudaErrorInvalidValue;
+  if (dtype != DType::kFloat32) {
+    const auto aligned16 = [](const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; };
+    const bool ok = aligned16(a.query) && aligned16(a.out) && aligned16(a.key_cache) && aligned16(a.value_cache) &&
+                    a.q_stride_tok % 8 == 0 && a.q_stride_head % 8 == 0 && a.o_stride_tok % 8 == 0 &&
+                    a.o_stride_head % 8 == 0;
+    if (!ok) return cudaErrorMisalignedAddress;
+  }
+  return cudaSuccess;
+}
+
+template <typename C = void>
+cudaError_t prefill_head_dim(const PrefillArgs& a, DType dtype, cudaStream_t stream) {
+  switch (a.head_dim) {
+    case 64: return prefill_dim<64, C>(a, dtype, stream);
+    case 80: return prefill_dim<80, C>(a, dtype, stream);
+    case 96: return prefill_dim<96, C>(a, dtype, stream);
+    case 112: return prefill_dim<112, C>(a, dtype, stream);
+    case 128: return prefill_dim<128, C>(a, dtype, stream);
+    case 256: return prefill_dim<256, C>(a, dtype, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 

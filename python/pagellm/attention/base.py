@@ -5,7 +5,8 @@ hands it that layer's `PagedKVCache` (pagellm.kv_cache); the layout is fixed for
 device (see docs/kv_cache_layout.md):
 
     kv_cache.key_cache, kv_cache.value_cache: [num_blocks, num_kv_heads, block_size, head_dim]
-    kv_cache.k_scale, kv_cache.v_scale:       [num_blocks, num_kv_heads] float32, quantized cache dtypes only
+    kv_cache.k_scale, kv_cache.v_scale:       [num_blocks, num_kv_heads, block_size] float32 (one per row),
+                                              quantized cache dtypes (int8, fp8_e4m3) only
 
 The model runner builds one `AttentionMetadata` per step from the scheduler output, calls
 `backend.plan(metadata)` once, then every attention layer calls `backend.forward(...)`.
@@ -105,5 +106,5 @@ class BaseAttentionBackend(ABC):
         Returns [num_tokens, num_heads, head_dim]: causal attention of each token over its request's
         cached context plus the chunk's earlier tokens (and itself).
         A backend that cannot run on `kv_cache.spec.dtype` (e.g. a quantized cache) raises
-        NotImplementedError naming it.
+        NotImplementedError naming it; the built-in ones run on every cache dtype.
         """

@@ -16,7 +16,7 @@ from pagellm.attention.torch_backend import PagedBackendBase
 
 @register_attention_backend("cpu")
 class CpuAttentionBackend(PagedBackendBase):
-    """C++ paged attention on CPU (AVX-512 when built for it); float KV caches (PagedBackendBase.forward)."""
+    """C++ paged attention on CPU (AVX-512 when built for it); float, int8 and fp8 KV caches (PagedBackendBase.forward)."""
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -30,14 +30,21 @@ class CpuAttentionBackend(PagedBackendBase):
         _write = staticmethod(torch.ops.pagellm.reshape_and_cache.default)
         _decode = staticmethod(torch.ops.pagellm.paged_attention_decode.default)
         _prefill = staticmethod(torch.ops.pagellm.paged_attention_prefill.default)
+        _write_quantized = staticmethod(torch.ops.pagellm.reshape_and_cache_quantized.default)
+        _decode_quantized = staticmethod(torch.ops.pagellm.paged_attention_decode_quantized.default)
+        _prefill_quantized = staticmethod(torch.ops.pagellm.paged_attention_prefill_quantized.default)
 
     @property
     def step_graph_safe(self) -> bool:
         """The registered C++ ops only read the metadata tensors; a subclass that overrides plan() or
         forward() or binds other kernels (a Python reference, say) may read data, so it must say so itself."""
         cls = type(self)
-        return bool(ops.ops_available()[0] and cls.forward is PagedBackendBase.forward
+        op = torch.ops.pagellm if ops.ops_available()[0] else None
+        return bool(op is not None and cls.forward is PagedBackendBase.forward
                     and cls.plan is PagedBackendBase.plan
-                    and cls._write is torch.ops.pagellm.reshape_and_cache.default
-                    and cls._decode is torch.ops.pagellm.paged_attention_decode.default
-                    and cls._prefill is torch.ops.pagellm.paged_attention_prefill.default)
+                    and cls._write is op.reshape_and_cache.default
+                    and cls._decode is op.paged_attention_decode.default
+                    and cls._prefill is op.paged_attention_prefill.default
+                    and cls._write_quantized is op.reshape_and_cache_quantized.default
+                    and cls._decode_quantized is op.paged_attention_decode_quantized.default
+                    and cls._prefill_quantized is op.paged_attention_prefill_quantized.default)

@@ -25,7 +25,7 @@ def _has_cuda_kernel(op_name: str) -> bool:
 
 @register_attention_backend("cuda")
 class CudaAttentionBackend(PagedBackendBase):
-    """CUDA paged attention (sm_80+; head dims 64, 80, 96, 112, 128, 256; float KV caches)."""
+    """CUDA paged attention (sm_80+; head dims 64, 80, 96, 112, 128, 256; float, int8 and fp8 KV caches)."""
 
     @classmethod
     def is_available(cls, device: torch.device) -> tuple[bool, str]:
@@ -44,3 +44,6 @@ class CudaAttentionBackend(PagedBackendBase):
     _write = staticmethod(ops.reshape_and_cache)
     _decode = staticmethod(ops.paged_attention_decode)
     _prefill = staticmethod(ops.paged_attention_prefill)
+    _write_quantized = staticmethod(ops.reshape_and_cache_quantized)
+    _decode_quantized = staticmethod(ops.paged_attention_decode_quantized)
+    _prefill_quantized = staticmethod(ops.paged_attention_prefill_quantized)

@@ -9,7 +9,7 @@ import torch
 
 from pagellm.attention.base import AttentionLayerSpec, AttentionMetadata, BaseAttentionBackend
 from pagellm.attention.registry import register_attention_backend
-from pagellm.kv_cache import FLOAT_CACHE_DTYPES, PagedKVCache
+from pagellm.kv_cache import PagedKVCache
 from pagellm.ops import reference
 
 
@@ -29,17 +29,13 @@ class _SplitBatch:
         self.prefill_query_start_loc = (md.query_start_loc[nd : md.num_reqs + 1] - nd).to(torch.int32)
 
 
-def _unsupported_cache(backend: str, kv_cache: object) -> Exception:
-    if not isinstance(kv_cache, PagedKVCache):
-        return TypeError(f"the {backend!r} attention backend takes a PagedKVCache, got {type(kv_cache).__name__}")
-    return NotImplementedError(
-        f"the {backend!r} attention backend runs on float KV caches ({', '.join(map(str, FLOAT_CACHE_DTYPES))}), "
-        f"not the quantized cache dtype {kv_cache.spec.dtype!r}"
-    )
-
-
 class PagedBackendBase(BaseAttentionBackend):
-    """Shared forward(): write K/V, decodes through `_decode`, prefill chunks through `_prefill`."""
+    """Shared forward(): write K/V, decodes through `_decode`, prefill chunks through `_prefill`.
+
+    A quantized cache (int8 / fp8 values with per-row scales) goes through the `*_quantized` bindings,
+    whose arguments are the float ones with (key_cache, value_cache) widened to (key_cache, value_cache,
+    k_scale, v_scale): one code path, the cache's tensors splatted where the caches go.
+    """
 
     def plan(self, metadata: AttentionMetadata) -> None:
         super().plan(metadata)
@@ -55,9 +51,14 @@ class PagedBackendBase(BaseAttentionBackend):
     ) -> torch.Tensor:
         if self.metadata is None:
             raise RuntimeError(f"{type(self).__name__}.forward called before plan()")
-        if not isinstance(kv_cache, PagedKVCache) or kv_cache.k_scale is not None:
-            raise _unsupported_cache(self.name, kv_cache)
-        key_cache, value_cache = kv_cache.key_cache, kv_cache.value_cache
+        if not isinstance(kv_cache, PagedKVCache):
+            raise TypeError(f"the {self.name!r} attention backend takes a PagedKVCache, got {type(kv_cache).__name__}")
+        if kv_cache.k_scale is None:
+            caches = (kv_cache.key_cache, kv_cache.value_cache)
+            write, decode, prefill = self._write, self._decode, self._prefill
+        else:
+            caches = (kv_cache.key_cache, kv_cache.value_cache, kv_cache.k_scale, kv_cache.v_scale)
+            write, decode, prefill = self._write_quantized, self._decode_quantized, self._prefill_quantized
         md, sp = self.metadata, self._split
         n = sp.num_tokens
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -65,17 +66,17 @@ class PagedBackendBase(BaseAttentionBackend):
         if query.shape[0] > n:
             key, value, query, o = key[:n], value[:n], query[:n], out[:n]
             out[n:].zero_()  # padded tokens
-        self._write(key_cache, value_cache, key, value, md.slot_mapping)
+        write(*caches, key, value, md.slot_mapping)
         args = (layer.scale, layer.window_size, layer.softcap)
         nd = sp.num_decode
         if nd == n:  # decodes only, the common step: no slicing
-            self._decode(o, query, key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
+            decode(o, query, *caches, sp.decode_block_tables, sp.decode_seq_lens, *args)
             return out
         if nd:
-            self._decode(o[:nd], query[:nd], key_cache, value_cache, sp.decode_block_tables, sp.decode_seq_lens, *args)
+            decode(o[:nd], query[:nd], *caches, sp.decode_block_tables, sp.decode_seq_lens, *args)
         if sp.has_prefill:
-            self._prefill(
-                o[nd:], query[nd:], key_cache, value_cache, sp.prefill_block_tables,
+            prefill(
+                o[nd:], query[nd:], *caches, sp.prefill_block_tables,
                 sp.prefill_query_start_loc, sp.prefill_seq_lens, *args,
             )  # fmt: skip
         return out
@@ -84,6 +85,9 @@ class PagedBackendBase(BaseAttentionBackend):
     _write = staticmethod(reference.reshape_and_cache)
     _decode = staticmethod(reference.paged_attention_decode)
     _prefill = staticmethod(reference.paged_attention_prefill)
+    _write_quantized = staticmethod(reference.reshape_and_cache_quantized)
+    _decode_quantized = staticmethod(reference.paged_attention_decode_quantized)
+    _prefill_quantized = staticmethod(reference.paged_attention_prefill_quantized)
 
 
 @register_attention_backend("torch")

@@ -34,8 +34,9 @@ class Worker:
         self.model.eval()
         # per-layer specs -> groups -> blocks that fit; ValueError when the block manager's one block
         # table per request cannot serve the groups, or one max-length request does not fit
+        self.kv_cache_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
-            self.model.kv_cache_specs(cc.block_size, self.dtype), self.device, sc.max_model_len, sc.max_num_seqs,
+            self.model.kv_cache_specs(cc.block_size, self.kv_cache_dtype), self.device, sc.max_model_len, sc.max_num_seqs,
             cc.kv_cache_memory_gb, cc.kv_cache_fraction, cc.num_kv_blocks,
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
@@ -59,4 +60,5 @@ class Worker:
         """What this worker holds (for logs, tests and `collective_rpc` smoke checks)."""
         return {"rank": self.rank, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.attn_backend.name,
+                "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "step_graphs": self.runner.step_graphs is not None}

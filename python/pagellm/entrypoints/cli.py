@@ -15,13 +15,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | int8 | fp8_e4m3")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--seed", type=int, default=0)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
-                block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb,
+                block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
                 attention_backend=a.attention_backend, seed=a.seed)
 
 

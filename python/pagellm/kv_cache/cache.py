@@ -1,8 +1,9 @@
 """Per-layer cache objects (what attention backends receive), their container, and allocation.
 
     PagedKVCache   full / sliding-window layers: key_cache, value_cache [num_blocks, num_kv_heads, block_size, head_dim]
-                   (+ k_scale, v_scale [num_blocks, num_kv_heads] float32 for quantized cache dtypes)
-    LatentKVCache  MLA layers: cache [num_blocks, block_size, latent_dim] (+ scale [num_blocks, 1] float32)
+                   (+ k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32, one per row, for quantized
+                   cache dtypes)
+    LatentKVCache  MLA layers: cache [num_blocks, block_size, latent_dim] (+ scale [num_blocks, block_size] float32)
     KVCaches       layer id -> cache object; a shared layer's id returns its target's object
 """
 
@@ -16,7 +17,6 @@ import torch
 from pagellm import ops
 from pagellm.kv_cache.groups import KVCacheConfig
 from pagellm.kv_cache.spec import (
-    FLOAT_CACHE_DTYPES,
     SCALE_DTYPE,
     FullAttentionSpec,
     MLAAttentionSpec,
@@ -44,6 +44,8 @@ def _check_scales(spec, num_blocks: int, scales: dict[str, torch.Tensor | None])
             raise ValueError(f"{name} must be None for the float cache dtype {spec.dtype}")
         if scale is not None:
             _check_tensor(scale, spec.scale_shape(num_blocks), SCALE_DTYPE, name)
+            if scale.shape[0] != num_blocks:
+                raise ValueError(f"{name} must have num_blocks = {num_blocks} rows (the cache's), got {scale.shape[0]}")
 
 
 @dataclass(eq=False)
@@ -51,7 +53,8 @@ class PagedKVCache:
     """One full or sliding-window attention layer's cache (docs/kv_cache_layout.md).
 
     key_cache, value_cache: [num_blocks, num_kv_heads, block_size, head_dim] of spec.storage_dtype
-    k_scale, v_scale:       [num_blocks, num_kv_heads] float32 when spec.is_quantized, else None
+    k_scale, v_scale:       [num_blocks, num_kv_heads, block_size] float32 when spec.is_quantized (the scale of
+                            each cached row: value = stored * scale), else None
     """
 
     spec: FullAttentionSpec
@@ -93,7 +96,7 @@ class LatentKVCache:
     """One MLA layer's cache: one latent vector per token, no separate value.
 
     cache: [num_blocks, block_size, latent_dim] of spec.storage_dtype
-    scale: [num_blocks, 1] float32 when spec.is_quantized, else None
+    scale: [num_blocks, block_size] float32 when spec.is_quantized (one per token), else None
     """
 
     spec: MLAAttentionSpec
@@ -190,17 +193,23 @@ class KVCaches:
 def _plan_copies(caches) -> tuple[list[tuple[list[torch.Tensor], list[torch.Tensor]]], list[torch.Tensor]]:
     """Split the tensors between the compiled copy_blocks op and the reference.
 
-    The op copies paged float caches (CUDA: one shape and dtype per launch, hence one bucket per
-    (shape, dtype)); quantized storage, scales and latent caches go through the reference (index copies).
+    The op copies whole blocks of paged caches, float or quantized, and of their scales (viewed as
+    [num_blocks, num_kv_heads, block_size, 1] pages), one bucket per (shape, dtype) (CUDA: one launch
+    each); latent caches go through the reference (index copies).
     """
     buckets: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     rest: list[torch.Tensor] = []
+
+    def add(key: torch.Tensor, value: torch.Tensor) -> None:
+        keys, values = buckets.setdefault((tuple(key.shape), key.dtype), ([], []))
+        keys.append(key)
+        values.append(value)
+
     for cache in caches:
-        if isinstance(cache, PagedKVCache) and cache.key_cache.dtype in FLOAT_CACHE_DTYPES:
-            keys, values = buckets.setdefault((tuple(cache.key_cache.shape), cache.key_cache.dtype), ([], []))
-            keys.append(cache.key_cache)
-            values.append(cache.value_cache)
-            rest.extend(t for t in (cache.k_scale, cache.v_scale) if t is not None)
+        if isinstance(cache, PagedKVCache):
+            add(cache.key_cache, cache.value_cache)
+            if cache.k_scale is not None:
+                add(cache.k_scale.unsqueeze(-1), cache.v_scale.unsqueeze(-1))
         else:
             rest.extend(cache.tensors())
     return list(buckets.values()), rest

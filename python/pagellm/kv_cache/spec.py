@@ -9,9 +9,12 @@ groups layers whose pages look alike, sizes the cache, and cache.py allocates it
     SharedKVSpec                            nothing: reads `target_layer`'s cache
 
 Cache dtype: a float torch dtype (float32, bfloat16, float16), stored as is, or a quantized cache
-dtype name ("int8", "fp8_e4m3"), stored as `storage_dtype` plus float32 scales, one per block per
-kv head (latent: one per block): k_scale, v_scale `[num_blocks, num_kv_heads]`, latent scale
-`[num_blocks, 1]`. A stored value `q` in block `b`, kv head `h` means `q * scale[b, h]`.
+dtype name ("int8", "fp8_e4m3"), stored as `storage_dtype` plus one float32 scale per cached row,
+i.e. per (token, kv head): k_scale, v_scale `[num_blocks, num_kv_heads, block_size]` (latent: per
+token, `[num_blocks, block_size]`). A stored value `q` of slot offset `o` in block `b`, kv head `h`
+means `q * scale[b, h, o]`. Per row rather than per block because tokens are written one step at a
+time: a block scale fixed by the first token could not hold a later, larger one. Cost: 4 bytes per
+row of `head_dim` values (~3 % at head_dim 128 in int8).
 """
 
 from __future__ import annotations
@@ -87,15 +90,15 @@ class FullAttentionSpec(_CacheDtypeMixin):
         """Shape of key_cache and of value_cache."""
         return (num_blocks, self.num_kv_heads, self.block_size, self.head_dim)
 
-    def scale_shape(self, num_blocks: int) -> tuple[int, int]:
-        """Shape of k_scale and of v_scale (quantized dtypes only): one float32 per block per kv head."""
-        return (num_blocks, self.num_kv_heads)
+    def scale_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """Shape of k_scale and of v_scale (quantized dtypes only): one float32 per cached row (token, kv head)."""
+        return (num_blocks, self.num_kv_heads, self.block_size)
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block of this layer takes: key + value pages, and their scales when quantized."""
         values = self.num_kv_heads * self.block_size * self.head_dim * self.storage_element_size
-        scales = self.num_kv_heads * SCALE_DTYPE.itemsize if self.is_quantized else 0
+        scales = self.num_kv_heads * self.block_size * SCALE_DTYPE.itemsize if self.is_quantized else 0
         return 2 * (values + scales)
 
     @property
@@ -125,7 +128,7 @@ class SlidingWindowSpec(FullAttentionSpec):
 class MLAAttentionSpec(_CacheDtypeMixin):
     """Multi-head latent attention: one compressed vector per token (kv_lora_rank + rope dims), no separate V.
 
-    Page: `[block_size, latent_dim]`; scale (quantized dtypes): one float32 per block, `[num_blocks, 1]`.
+    Page: `[block_size, latent_dim]`; scale (quantized dtypes): one float32 per token, `[num_blocks, block_size]`.
     """
 
     block_size: int
@@ -141,12 +144,12 @@ class MLAAttentionSpec(_CacheDtypeMixin):
         return (num_blocks, self.block_size, self.latent_dim)
 
     def scale_shape(self, num_blocks: int) -> tuple[int, int]:
-        return (num_blocks, 1)
+        return (num_blocks, self.block_size)
 
     @property
     def page_size_bytes(self) -> int:
         values = self.block_size * self.latent_dim * self.storage_element_size
-        return values + (SCALE_DTYPE.itemsize if self.is_quantized else 0)
+        return values + (self.block_size * SCALE_DTYPE.itemsize if self.is_quantized else 0)
 
     @property
     def page_spec(self) -> "MLAAttentionSpec":
