@@ -8,9 +8,12 @@ import torch
 from torch import nn
 
 from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file
+from pagellm.model_loader.gguf_native import NativeGGUFPlan, plan_native_gguf
 from pagellm.models.base import WeightLoadError
 from pagellm.models.registry import get_model_cls
-from pagellm.quantization import QuantizationConfig, get_quantization_config_cls, list_quantization_methods
+from pagellm.quantization import (
+    GGUF_METHOD, QuantizationConfig, get_quantization_config_cls, list_quantization_methods,
+)
 
 _ALLOWED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -55,6 +58,16 @@ def resolve_quant_config(quantization: str | None, hf_config,
     return get_quantization_config_cls(name).from_config(dict(hf_quant or {}))
 
 
+def _plan_native_gguf(files: ModelFiles, model_cls) -> NativeGGUFPlan:
+    """quantization="gguf": the GGUF file the model came from, its tensor types checked (ValueError) before
+    anything is allocated."""
+    source = Path(files.source) if files.source is not None else None
+    if source is None or source.suffix.lower() != ".gguf":
+        raise ValueError(f"quantization={GGUF_METHOD!r} loads a .gguf file's quantized blocks natively, but "
+                         f"{source or files.path} is not a .gguf file (name a .gguf, or the default model)")
+    return plan_native_gguf(source, model_cls, files.hf_config)
+
+
 def process_weights_after_loading(model: nn.Module) -> None:
     """Give every linear layer's method its one chance to repack what it loaded (see LinearMethodBase)."""
     with torch.no_grad():
@@ -67,7 +80,9 @@ def process_weights_after_loading(model: nn.Module) -> None:
 def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: torch.device | str = "cpu",
                 quantization: str | None = None) -> nn.Module:
     """Registry lookup by config.architectures[0], construct on `device` in `dtype` with the weight format
-    `resolve_quant_config` picks, load weights, let each linear method post-process them, eval()."""
+    `resolve_quant_config` picks, load weights, let each linear method post-process them, eval().
+    quantization="gguf" (a model opened from a .gguf): weights read straight from that file, Q8_0/Q4_0/Q4_1
+    linears kept in their blocks (gguf_native.py)."""
     config = files.hf_config
     cfg_file = Path(files.path) / CONFIG_NAME
     archs = getattr(config, "architectures", None) or []
@@ -77,7 +92,8 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
         cls = get_model_cls(archs[0])
     except ValueError as e:
         raise ValueError(f"{cfg_file}: {e}") from None
-    quant_config = resolve_quant_config(quantization, config, cfg_file)
+    native = _plan_native_gguf(files, cls) if quantization == GGUF_METHOD else None
+    quant_config = native.quant_config if native is not None else resolve_quant_config(quantization, config, cfg_file)
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device(device):
         # unquantized: built exactly as before, so model classes that take no quant_config still load
@@ -87,6 +103,10 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
     where: dict[str, Path] = {}
 
     def weights():
+        if native is not None:  # straight from the .gguf: quantized blocks + dequantized float tensors
+            where["file"] = native.path
+            yield from native.weights()
+            return
         for f, name, tensor in iter_weights_with_file(files):
             where["file"] = f
             yield name, tensor

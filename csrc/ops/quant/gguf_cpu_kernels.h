@@ -1,0 +1,273 @@
+// gguf_linear on the CPU: out[M, N] = x[M, K] @ dequant(qweight)[N, K]^T (+ bias[N]), qweight in GGUF's
+// block layout (gguf_blocks.h). Math over raw pointers; the glue (gguf_linear_cpu.cpp) picks the path.
+//
+// Small M (decode): the weight is streamed once. The parallel loop walks N in tiles of kTileRows weight
+// rows; each tile dequantizes its blocks in registers and multiplies them into fp32 accumulators for up to
+// MR activation rows at a time (gguf_cpu_simd.h), so for M <= MR every weight byte is read exactly once.
+// fp32 x is used as it is and the blocks are dequantized exactly (the result differs from dequantize-then-
+// matmul only in summation order); half-precision x is quantized per block to int8 once per call and meets
+// the blocks in AVX-512 VNNI dot products where the CPU has them (gguf_cpu_vnni.h), else it is converted to
+// fp32. The result is rounded once into T (bias added in fp32 first). The SIMD path is chosen at run time
+// (Isa): AVX-512 VNNI, AVX-512, AVX2 or portable scalar code.
+//
+// Larger M (prefill): `dequantize_rows` expands a tile of weight rows into T, to feed a GEMM (the glue).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "ops/common/cpu_vec.h"
+#include "ops/quant/gguf_blocks.h"
+#include "ops/quant/gguf_cpu_simd.h"
+#include "ops/quant/gguf_cpu_vnni.h"
+
+namespace pagellm::cpu::gguf {
+using namespace pagellm::gguf;
+
+constexpr int kTileRows = 4;         // weight rows per small-M tile (NR)
+constexpr int64_t kChunkM = 16;      // x rows per pass over a tile (the weight tile is re-read from L1)
+
+enum class Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Vnni = 3 };
+
+inline const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx2: return "avx2";
+    default: return "scalar";
+  }
+}
+
+// The widest SIMD path this CPU (and OS) can run.
+inline Isa best_isa() {
+#ifdef PAGELLM_GGUF_X86
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512dq"))
+    return __builtin_cpu_supports("avx512vnni") ? Isa::kAvx512Vnni : Isa::kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return Isa::kAvx2;  // every one has F16C
+#endif
+  return Isa::kScalar;
+}
+
+inline float fp16_bits_to_float(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return c10::detail::fp16_ieee_to_fp32_value(bits);
+}
+
+// One block -> 32 floats, bit-identical to gguf.quants.dequantize (d*q, d*(q-8), d*q+m).
+template <int QT>
+inline void dequant_block(const uint8_t* blk, float* out) {
+  const float d = fp16_bits_to_float(blk);
+  if constexpr (QT == kQ8_0) {
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
+  } else if constexpr (QT == kQ4_0) {
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>((blk[2 + i] & 0xF) - 8);
+      out[i + 16] = d * static_cast<float>((blk[2 + i] >> 4) - 8);
+    }
+  } else {
+    const float m = fp16_bits_to_float(blk + 2);
+    for (int i = 0; i < 16; ++i) {
+      out[i] = std::fma(d, static_cast<float>(blk[4 + i] & 0xF), m);  // d*q is exact: one rounding, as numpy
+      out[i + 16] = std::fma(d, static_cast<float>(blk[4 + i] >> 4), m);
+    }
+  }
+}
+
+// The portable tile (same contract as the SIMD ones in gguf_cpu_simd.h).
+template <int QT, int MR, int NR>
+struct ScalarTile {
+  using XType = float;
+  static constexpr int kMaxMR = 4;
+  static void run(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
+    constexpr int kBytes = block_bytes(QT);
+    float acc[MR][NR] = {};
+    float wb[NR][32];
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int j = 0; j < NR; ++j) dequant_block<QT>(w + j * ldw + b * kBytes, wb[j]);
+      for (int i = 0; i < MR; ++i) {
+        const float* xb = x + i * ldx + b * 32;
+        for (int j = 0; j < NR; ++j) {
+          float s = 0.f;
+          for (int e = 0; e < 32; ++e) s += wb[j][e] * xb[e];
+          acc[i][j] += s;
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < NR; ++j) sums[i * lds + j] = acc[i][j];
+  }
+};
+
+// sums[i * lds + j] = x row i . weight row j for i < M, j < NR, in tiles of the Tile's MR rows (x rows are ldx
+// Tile::XType apart: fp32 values, or quantized rows for VnniTile).
+template <template <int, int, int> class Tile, int QT, int NR>
+void rows_dot_nr(const uint8_t* w, int64_t ldw, const void* xv, int64_t ldx, int64_t M, int64_t nb, float* sums,
+                 int64_t lds) {
+  using Fn = Tile<QT, 1, NR>;
+  constexpr int MR = Fn::kMaxMR;
+  const auto* x = static_cast<const typename Fn::XType*>(xv);
+  int64_t i = 0;
+  for (; i + MR <= M; i += MR) Tile<QT, MR, NR>::run(w, ldw, x + i * ldx, ldx, nb, sums + i * lds, lds);
+  const int64_t rest = M - i;
+  x += i * ldx;
+  sums += i * lds;
+  if constexpr (MR > 3) {
+    if (rest == 3) return Tile<QT, 3, NR>::run(w, ldw, x, ldx, nb, sums, lds);
+  }
+  if constexpr (MR > 2) {
+    if (rest == 2) return Tile<QT, 2, NR>::run(w, ldw, x, ldx, nb, sums, lds);
+  }
+  if (rest == 1) Tile<QT, 1, NR>::run(w, ldw, x, ldx, nb, sums, lds);
+}
+
+// sums[i * kTileRows + j] = x row i . weight row j for i < M, j < nr <= kTileRows.
+template <template <int, int, int> class Tile, int QT>
+void rows_dot(const uint8_t* w, int64_t ldw, int nr, const void* x, int64_t ldx, int64_t M, int64_t nb, float* sums) {
+  if (nr == kTileRows) return rows_dot_nr<Tile, QT, kTileRows>(w, ldw, x, ldx, M, nb, sums, kTileRows);
+  for (int j = 0; j < nr; ++j) rows_dot_nr<Tile, QT, 1>(w + j * ldw, ldw, x, ldx, M, nb, sums + j, kTileRows);
+}
+
+using RowsDotFn = void (*)(const uint8_t*, int64_t, int, const void*, int64_t, int64_t, int64_t, float*);
+
+template <template <int, int, int> class Tile>
+RowsDotFn rows_dot_for_type(int qtype) {
+  switch (qtype) {
+    case kQ8_0: return &rows_dot<Tile, kQ8_0>;
+    case kQ4_0: return &rows_dot<Tile, kQ4_0>;
+    case kQ4_1: return &rows_dot<Tile, kQ4_1>;
+    default: return nullptr;
+  }
+}
+
+// The fp32-activation tiles of `isa` (VNNI machines use the AVX-512 ones: fp32 x stays exact).
+inline RowsDotFn rows_dot_fn(Isa isa, int qtype) {
+#ifdef PAGELLM_GGUF_X86
+  if (isa >= Isa::kAvx512) return rows_dot_for_type<Avx512Tile>(qtype);
+  if (isa == Isa::kAvx2) return rows_dot_for_type<Avx2Tile>(qtype);
+#endif
+  return rows_dot_for_type<ScalarTile>(qtype);
+}
+
+struct GgufLinearArgs {
+  int64_t M, N, K;
+  int64_t ldx, ldo;  // row strides of x and out (elements); rows contiguous
+  int64_t ldw;       // bytes per weight row (K / 32 * block_bytes(qtype))
+  int qtype;
+};
+
+// x rows as the tiles read them: fp32 (converted unless T is float), or int8-quantized for the VNNI tiles.
+struct PreparedX {
+  std::vector<float> f32;
+  std::vector<uint8_t> quantized;
+  const void* data = nullptr;
+  int64_t ld = 0;  // row stride in the tile's XType
+};
+
+template <typename T>
+PreparedX prepare_x(const T* x, const GgufLinearArgs& a, bool vnni) {
+  PreparedX p;
+  if constexpr (std::is_same_v<T, float>) {
+    p.data = x;
+    p.ld = a.ldx;
+  } else {
+    p.f32.resize(static_cast<size_t>(a.M * a.K));
+    for (int64_t m = 0; m < a.M; ++m) load_row_f32(x + m * a.ldx, p.f32.data() + m * a.K, a.K);
+    p.data = p.f32.data();
+    p.ld = a.K;
+  }
+#ifdef PAGELLM_GGUF_X86
+  if (vnni) {
+    const int64_t nb = a.K / kBlockElems, row_bytes = (nb + 1) / 2 * vnni::kPairBytes;
+    p.quantized.resize(static_cast<size_t>(a.M * row_bytes));
+    const float* xf = static_cast<const float*>(p.data);
+    for (int64_t m = 0; m < a.M; ++m) {
+      uint8_t* dst = p.quantized.data() + m * row_bytes;
+      switch (a.qtype) {
+        case kQ8_0: vnni::quantize_row<kQ8_0>(xf + m * p.ld, nb, dst); break;
+        case kQ4_0: vnni::quantize_row<kQ4_0>(xf + m * p.ld, nb, dst); break;
+        default: vnni::quantize_row<kQ4_1>(xf + m * p.ld, nb, dst); break;
+      }
+    }
+    p.data = p.quantized.data();
+    p.ld = row_bytes;
+  }
+#endif
+  return p;
+}
+
+// The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows).
+template <typename T>
+void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa) {
+  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni;
+  const PreparedX px = prepare_x(x, a, vnni);
+  RowsDotFn dot = rows_dot_fn(isa, a.qtype);
+#ifdef PAGELLM_GGUF_X86
+  if (vnni) dot = rows_dot_for_type<VnniTile>(a.qtype);
+#endif
+  const int64_t elem = vnni ? 1 : static_cast<int64_t>(sizeof(float));
+  const int64_t nb = a.K / kBlockElems;
+  const int64_t tiles = (a.N + kTileRows - 1) / kTileRows;
+  // >= ~64 KiB of weight per task, so small matrices run inline and big ones split across threads.
+  const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(kTileRows * a.ldw, 1));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    float sums[kChunkM * kTileRows];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileRows;
+      const int nr = static_cast<int>(std::min<int64_t>(kTileRows, a.N - n0));
+      for (int64_t m0 = 0; m0 < a.M; m0 += kChunkM) {
+        const int64_t mc = std::min(kChunkM, a.M - m0);
+        const auto* xm = static_cast<const uint8_t*>(px.data) + m0 * px.ld * elem;
+        dot(w + n0 * a.ldw, a.ldw, nr, xm, px.ld, mc, nb, sums);
+        for (int64_t i = 0; i < mc; ++i) {
+          T* o = out + (m0 + i) * a.ldo + n0;
+          for (int j = 0; j < nr; ++j) {
+            const float s = sums[i * kTileRows + j] + (bias ? static_cast<float>(bias[n0 + j]) : 0.f);
+            o[j] = static_cast<T>(s);
+          }
+        }
+      }
+    }
+  });
+}
+
+// dst[r, :K] (row stride ldd) = dequantized weight row r, rounded to T, for r < rows.
+template <typename T>
+void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, T* dst, int64_t ldd, Isa isa) {
+  const int64_t nb = K / kBlockElems;
+  auto run = [&](auto qt) {
+    constexpr int QT = decltype(qt)::value;
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> buf(static_cast<size_t>(K));
+      for (int64_t r = begin; r < end; ++r) {
+        const uint8_t* row = w + r * ldw;
+#ifdef PAGELLM_GGUF_X86
+        if (isa >= Isa::kAvx512) {
+          avx512::dequant_row<QT>(row, nb, buf.data());
+        } else
+#endif
+        {
+          for (int64_t b = 0; b < nb; ++b) dequant_block<QT>(row + b * block_bytes(QT), buf.data() + b * kBlockElems);
+        }
+        store_row(buf.data(), dst + r * ldd, K);
+      }
+    });
+  };
+  switch (qtype) {
+    case kQ8_0: run(std::integral_constant<int, kQ8_0>{}); break;
+    case kQ4_0: run(std::integral_constant<int, kQ4_0>{}); break;
+    case kQ4_1: run(std::integral_constant<int, kQ4_1>{}); break;
+    default: break;
+  }
+}
+
+}  // namespace pagellm::cpu::gguf

@@ -1,0 +1,162 @@
+// x86 SIMD tiles of gguf_linear's small-M path, compiled per ISA with function `target` attributes so one
+// build carries an AVX-512 and an AVX2 version whatever -march says (picked at run time, gguf_cpu_kernels.h).
+//
+// A tile is MR activation rows (fp32, L1-resident) against NR consecutive weight rows: every 32-element
+// block of the NR rows is dequantized once in registers (exactly as gguf.quants does: d*q, d*(q-8) or
+// d*q+m, each one rounding at most) and multiplied into MR x NR fp32 accumulators, so the weight bytes
+// stream through once per MR rows. Only the tiles carry `target` (lambdas and generic callers would not
+// inherit it); the drivers in gguf_cpu_kernels.h call them as functions, one call per tile.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/quant/gguf_blocks.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PAGELLM_GGUF_X86 1
+#include <immintrin.h>
+
+#define PAGELLM_GGUF_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+#define PAGELLM_GGUF_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define PAGELLM_GGUF_INLINE inline __attribute__((always_inline))
+
+namespace pagellm::cpu::gguf {
+using namespace pagellm::gguf;
+
+// x rows per tile, for NR = 4 weight rows: MR x NR accumulators must stay in registers.
+constexpr int kAvx512MaxMR = 4;   // 16 zmm accumulators + 8 dequantized halves + 2 x
+constexpr int kAvx2MaxMR = 2;     // 8 ymm accumulators + 4 dequantized quarters + 1 x
+
+// ---------------------------------------------------------------- AVX-512: a block = 2 x 16 lanes
+namespace avx512 {
+
+// Block `blk` of type QT -> lo (elements 0..15), hi (16..31).
+template <int QT>
+PAGELLM_GGUF_AVX512 PAGELLM_GGUF_INLINE void dequant(const uint8_t* blk, __m512& lo, __m512& hi) {
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
+  if constexpr (QT == kQ8_0) {
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 2)))), d);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(blk + 18)))), d);
+  } else {
+    constexpr int qs_offset = QT == kQ4_1 ? 4 : 2;
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(blk + qs_offset)));
+    const __m512 nlo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0xF)));
+    const __m512 nhi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
+    if constexpr (QT == kQ4_1) {
+      const __m512 m = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)));
+      lo = _mm512_fmadd_ps(nlo, d, m);
+      hi = _mm512_fmadd_ps(nhi, d, m);
+    } else {  // d*q - 8d: both products exact, so one rounding like d*(q-8)
+      const __m512 d8 = _mm512_mul_ps(d, _mm512_set1_ps(8.f));
+      lo = _mm512_fmsub_ps(nlo, d, d8);
+      hi = _mm512_fmsub_ps(nhi, d, d8);
+    }
+  }
+}
+
+// sums[i * lds + j] = x row i . weight row j, for i < MR, j < NR.
+template <int QT, int MR, int NR>
+PAGELLM_GGUF_AVX512 void tile(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t num_blocks,
+                              float* sums, int64_t lds) {
+  constexpr int kBytes = block_bytes(QT);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512 lo[NR], hi[NR];
+    for (int j = 0; j < NR; ++j) dequant<QT>(w + j * ldw + b * kBytes, lo[j], hi[j]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512 x0 = _mm512_loadu_ps(x + i * ldx + b * 32), x1 = _mm512_loadu_ps(x + i * ldx + b * 32 + 16);
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(hi[j], x1, _mm512_fmadd_ps(lo[j], x0, acc[i][j]));
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
+// dst[0 : 32 * nb] = the row's nb blocks dequantized (the GEMM path's tiles).
+template <int QT>
+PAGELLM_GGUF_AVX512 void dequant_row(const uint8_t* row, int64_t nb, float* dst) {
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512 lo, hi;
+    dequant<QT>(row + b * block_bytes(QT), lo, hi);
+    _mm512_storeu_ps(dst + 32 * b, lo);
+    _mm512_storeu_ps(dst + 32 * b + 16, hi);
+  }
+}
+
+}  // namespace avx512
+
+// ---------------------------------------------------------------- AVX2: a block = 4 x 8 lanes
+namespace avx2 {
+
+// Quarter q (elements 8q .. 8q+7) of block `blk`, d (and m) already broadcast.
+template <int QT>
+PAGELLM_GGUF_AVX2 PAGELLM_GGUF_INLINE __m256 dequant_quarter(const uint8_t* blk, int q, __m256 d, __m256 m) {
+  if constexpr (QT == kQ8_0) {
+    const __m128i b8 = _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * q));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), d);
+  } else {
+    constexpr int qs_offset = QT == kQ4_1 ? 4 : 2;
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + qs_offset + 8 * (q & 1))));
+    const __m256i nib = q < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib), d, m);  // m = -8d for Q4_0 (exact, as above)
+  }
+}
+
+template <int QT, int MR, int NR>
+PAGELLM_GGUF_AVX2 void tile(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t num_blocks,
+                            float* sums, int64_t lds) {
+  constexpr int kBytes = block_bytes(QT);
+  __m256 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m256 d[NR], m[NR];
+    for (int j = 0; j < NR; ++j) {
+      const uint8_t* blk = w + j * ldw + b * kBytes;
+      d[j] = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
+      m[j] = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)))
+                         : _mm256_mul_ps(d[j], _mm256_set1_ps(-8.f));
+    }
+    for (int q = 0; q < 4; ++q) {
+      __m256 wq[NR];
+      for (int j = 0; j < NR; ++j) wq[j] = dequant_quarter<QT>(w + j * ldw + b * kBytes, q, d[j], m[j]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256 xq = _mm256_loadu_ps(x + i * ldx + b * 32 + 8 * q);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wq[j], xq, acc[i][j]);
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) {
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      sums[i * lds + j] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    }
+}
+
+}  // namespace avx2
+
+// ---------------------------------------------------------------- tile functors
+// The generic drivers (gguf_cpu_kernels.h) call tiles through these; a tile is a real (not inlined) call,
+// so the callers need no target attribute.
+template <int QT, int MR, int NR>
+struct Avx512Tile {
+  using XType = float;
+  static constexpr int kMaxMR = kAvx512MaxMR;
+  static void run(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
+    avx512::tile<QT, MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+  }
+};
+template <int QT, int MR, int NR>
+struct Avx2Tile {
+  using XType = float;
+  static constexpr int kMaxMR = kAvx2MaxMR;
+  static void run(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
+    avx2::tile<QT, MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+  }
+};
+
+}  // namespace pagellm::cpu::gguf
+#endif  // x86

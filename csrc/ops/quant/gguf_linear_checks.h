@@ -1,0 +1,49 @@
+// Device-independent argument checks of gguf_linear, shared by the CPU and CUDA glue. Every failure names
+// the offending argument (and, for qtype, the supported types).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+#include "ops/common/arg_checks.h"
+#include "ops/quant/gguf_blocks.h"
+
+namespace pagellm::gguf {
+
+struct GgufLinearInputs {
+  at::Tensor x, bias;  // x with a contiguous last dim; bias contiguous or undefined
+  int64_t M, N, K, row_bytes;
+  int qtype;
+};
+
+// out [M, N] (x's dtype, last dim contiguous) = x [M, K] @ dequant(qweight [N, K / 32 * block_bytes])^T + bias [N].
+inline GgufLinearInputs check_gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
+                                          int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& bias) {
+  const int bytes = block_bytes(static_cast<int>(qtype));
+  TORCH_CHECK(qtype == static_cast<int>(qtype) && bytes > 0, "qtype must be ", kSupportedTypes, ", got ", qtype);
+  TORCH_CHECK(in_features > 0 && in_features % kBlockElems == 0,
+              "in_features must be a positive multiple of 32 (the GGUF block size), got ", in_features);
+  check_float(x, "x");
+  check_same_dtype(out, x, "out", "x");
+  check_dtype(qweight, at::kByte, "qweight");
+  check_dim(x, 2, "x");
+  check_dim(qweight, 2, "qweight");
+  check_dim(out, 2, "out");
+  const int64_t M = x.size(0), K = in_features, N = qweight.size(0), row_bytes = K / kBlockElems * bytes;
+  TORCH_CHECK(x.size(1) == K, "x must have shape [M, in_features = ", K, "], got ", x.sizes());
+  TORCH_CHECK(qweight.size(1) == row_bytes, "qweight must have shape [N, in_features / 32 * ", bytes, " = ",
+              row_bytes, "] (uint8 blocks of qtype ", qtype, "), got ", qweight.sizes());
+  check_contiguous(qweight, "qweight");
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
+  check_last_contiguous(out, "out");
+  GgufLinearInputs in{x.stride(1) == 1 ? x : x.contiguous(), at::Tensor(), M, N, K, row_bytes, static_cast<int>(qtype)};
+  if (bias.has_value() && bias->defined()) {
+    check_same_dtype(*bias, x, "bias", "x");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
+    in.bias = bias->contiguous();
+  }
+  return in;
+}
+
+}  // namespace pagellm::gguf

@@ -1,0 +1,102 @@
+"""GGUF quantized blocks used natively: Q8_0, Q4_0 and Q4_1 weights stay in the .gguf file's block layout
+and are multiplied by `torch.ops.pagellm.gguf_linear` (which dequantizes in registers), so a decode step
+reads the quantized bytes instead of a dequantized copy (Q4_1: 0.625 bytes per weight instead of 2 in bf16).
+
+    LLM("model.gguf", quantization="gguf")      # or LLM(quantization="gguf") for the default model
+
+The layer types come from the file (pagellm.model_loader.gguf_native builds the config from its tensor
+types); a layer whose tensor is F32/F16/BF16 in the file stays an ordinary float layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_QTYPES
+from pagellm.ops.reference import gguf_linear as _reference_gguf_linear
+from pagellm.quantization.base import LinearMethodBase, QuantizationConfig, new_linear_param
+from pagellm.quantization.registry import register_quantization_config
+from pagellm.quantization.unquantized import UnquantizedLinearMethod
+
+GGUF_METHOD = "gguf"
+
+try:
+    import pagellm.ops as _compiled
+
+    _gguf_linear = (torch.ops.pagellm.gguf_linear.default
+                    if _compiled.ops_available()[0] and hasattr(torch.ops.pagellm, "gguf_linear") else None)
+except Exception:  # pragma: no cover - depends on the build
+    _gguf_linear = None
+if _gguf_linear is None:  # pragma: no cover - depends on the build
+    _gguf_linear = _reference_gguf_linear  # same signature and semantics, pure torch
+
+
+def supported_gguf_types() -> list[str]:
+    """The GGUF block types multiplied natively (others are refused by the loader)."""
+    return list(GGUF_QTYPES)
+
+
+class GGUFLinearMethod(LinearMethodBase):
+    """qweight uint8 [out, in / 32 * block_bytes]: the GGUF tensor's rows as stored (one row of blocks per output
+    feature), so a merged layer's shards (q/k/v, gate/up) load into their row ranges like a float weight
+    (`output_dim` 0, fixed bytes per row). Optional bias [out] in the model dtype."""
+
+    def __init__(self, type_name: str) -> None:
+        if type_name not in GGUF_QTYPES:
+            raise ValueError(f"GGUF type {type_name!r} is not supported natively; supported: {supported_gguf_types()}")
+        self.type_name = type_name
+        self.qtype = GGUF_QTYPES[type_name]
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
+                       params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
+        if input_size % 32:
+            raise ValueError(f"{getattr(layer, 'prefix', '') or 'linear layer'}: in_features={input_size} is not a "
+                             f"multiple of 32, the GGUF block size")
+        row_bytes = input_size // 32 * GGUF_BLOCK_BYTES[self.qtype]
+        layer.register_parameter("qweight", new_linear_param((output_size, row_bytes), torch.uint8, extra))
+        if bias:
+            layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        k, n = layer.in_features, layer.out_features
+        if x.dim() == 2:  # the decode case: as few torch calls as possible
+            out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+            _gguf_linear(out, x, layer.qweight, self.qtype, k, bias)
+            return out
+        m = x.numel() // k
+        out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
+        _gguf_linear(out.view(m, n), x.reshape(m, k), layer.qweight, self.qtype, k, bias)
+        return out
+
+
+@register_quantization_config(GGUF_METHOD)
+class GGUFConfig(QuantizationConfig):
+    """`layer_types`: linear layer name (its prefix, e.g. "model.layers.0.self_attn.qkv_proj") -> GGUF block
+    type ("Q8_0", "Q4_0", "Q4_1"); layers not listed are unquantized (float in the file)."""
+
+    def __init__(self, layer_types: dict[str, str]) -> None:
+        bad = {name: t for name, t in layer_types.items() if t not in GGUF_QTYPES}
+        if bad:
+            name, t = next(iter(bad.items()))
+            raise ValueError(f"{name}: GGUF type {t!r} is not supported natively; supported: {supported_gguf_types()}")
+        self.layer_types = dict(layer_types)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return GGUF_METHOD
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "GGUFConfig":
+        layer_types = config.get("layer_types")
+        if not isinstance(layer_types, dict) or not layer_types:
+            raise ValueError("quantization='gguf' multiplies a .gguf file's quantized blocks natively: load a .gguf "
+                             "model (LLM('model.gguf', quantization='gguf'), or LLM(quantization='gguf') for the "
+                             "default model); this checkpoint lists no GGUF layer types")
+        return cls(layer_types)
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        type_name = self.layer_types.get(prefix)
+        return UnquantizedLinearMethod() if type_name is None else GGUFLinearMethod(type_name)

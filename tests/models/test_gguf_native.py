@@ -1,0 +1,259 @@
+"""GGUF blocks used natively (quantization="gguf"): a tiny random Llama written as a GGUF with Q8_0 / Q4_0 / Q4_1
+(and one F16) linears, loaded natively vs through today's dequantized path; the default model the same way; bad
+files refused before the model is built.
+
+Tolerance: in float32 the native kernels dequantize exactly as the dequantized path's weights were, and differ
+only in summation order, so greedy tokens are equal and prompt logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from paged_model_utils import (
+    available_backends, make_backend, make_tiny_hf, paged_greedy, paged_prompt_logprobs, random_prompts,
+)
+from pagellm import LLM, SamplingParams
+from pagellm.model_loader import build_model, open_model
+from pagellm.models.llama import LlamaForCausalLM
+from pagellm.ops.reference import gguf_dequantize
+from pagellm.quantization import GGUFConfig, GGUFLinearMethod, UnquantizedLinearMethod
+from test_gguf import llamacpp_permute
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# per layer: the GGUF type of each linear kind (shards of one merged layer share a type); F16 stays a float layer
+LAYER_TYPES = [
+    {"attn_q": Q.Q8_0, "attn_k": Q.Q8_0, "attn_v": Q.Q8_0, "attn_output": Q.Q4_0, "ffn_gate": Q.Q4_1,
+     "ffn_up": Q.Q4_1, "ffn_down": Q.Q8_0},
+    {"attn_q": Q.Q4_0, "attn_k": Q.Q4_0, "attn_v": Q.Q4_0, "attn_output": Q.Q4_1, "ffn_gate": Q.Q8_0,
+     "ffn_up": Q.Q8_0, "ffn_down": Q.F16},
+    {"attn_q": Q.Q4_1, "attn_k": Q.Q4_1, "attn_v": Q.Q4_1, "attn_output": Q.Q8_0, "ffn_gate": Q.Q4_0,
+     "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1},
+]
+GLOBAL_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1, "output_norm.weight": Q.F32}
+_TO_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+
+
+def write_gguf(path, hf, tokenizer, layer_types=LAYER_TYPES) -> None:
+    """hf's weights as a llama GGUF (llama.cpp's q/k row permutation), each tensor in the type the tables say."""
+    cfg = hf.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_vocab_size(cfg.vocab_size)
+    tj = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
+    special = {t.content for t in tokenizer.added_tokens_decoder.values()}
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    for name, t in hf.state_dict().items():
+        a = t.float().numpy()
+        if name in _GLOBAL:
+            g = _GLOBAL[name]
+            qtype = GLOBAL_TYPES[g]
+        else:
+            parts = name.split(".")
+            kind = _TO_GGUF[".".join(parts[3:-1])]
+            g = f"blk.{parts[2]}.{kind}.{parts[-1]}"
+            qtype = layer_types[int(parts[2])].get(kind, Q.F32)
+        if kind_is(name, "q_proj"):
+            a = llamacpp_permute(a, cfg.num_attention_heads)
+        elif kind_is(name, "k_proj"):
+            a = llamacpp_permute(a, cfg.num_key_value_heads)
+        if qtype == Q.F32:
+            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
+        elif qtype == Q.F16:
+            w.add_tensor(g, a.astype(np.float16))
+        else:
+            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def kind_is(hf_name: str, proj: str) -> bool:
+    return f".{proj}." in hf_name
+
+
+def tiny_hf(tokenizer):
+    return make_tiny_hf(tf.LlamaConfig, tf.LlamaForCausalLM, seed=5, vocab_size=len(tokenizer), hidden_size=64,
+                        intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path, cache, tiny_tokenizer):
+    path = tmp_path / "tiny-native.gguf"
+    write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer)
+    return path
+
+
+def test_native_layers_hold_the_files_blocks(tiny_gguf):
+    files = open_model(tiny_gguf)
+    native = build_model(files, "float32", quantization="gguf")
+    deq = build_model(files, "float32")
+    reader = gguf.GGUFReader(str(tiny_gguf))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    for i in range(3):
+        for merged, kind in (("self_attn.qkv_proj", "attn_q"), ("self_attn.o_proj", "attn_output"),
+                             ("mlp.gate_up_proj", "ffn_gate"), ("mlp.down_proj", "ffn_down")):
+            layer = native.get_submodule(f"model.layers.{i}.{merged}")
+            ref = deq.get_submodule(f"model.layers.{i}.{merged}")
+            if types[f"blk.{i}.{kind}.weight"] == Q.F16:
+                assert isinstance(layer.linear_method, UnquantizedLinearMethod)
+                assert torch.equal(layer.weight, ref.weight)
+                continue
+            assert isinstance(layer.linear_method, GGUFLinearMethod)
+            assert layer.linear_method.type_name == types[f"blk.{i}.{kind}.weight"].name
+            assert layer.qweight.dtype == torch.uint8
+            # the same values as the dequantized path (q/k rows un-permuted as whole rows of blocks)
+            w = gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features)
+            assert torch.equal(w, ref.weight), merged
+    assert torch.equal(native.model.embed_tokens.weight, deq.model.embed_tokens.weight)  # Q8_0 in the file: float
+    assert torch.equal(native.lm_head.weight, deq.lm_head.weight)  # Q4_1 in the file: float
+
+
+def test_native_matches_dequantized_path(tiny_gguf):
+    files = open_model(tiny_gguf)
+    native = build_model(files, "float32", quantization="gguf")
+    deq = build_model(files, "float32")
+    be = make_backend("cpu" if "cpu" in available_backends() else available_backends()[0])
+    prompts = random_prompts([5, 33, 70], files.hf_config.vocab_size, seed=4)  # prefill: M < 16 and M >= 16 paths
+    for a, b in zip(paged_prompt_logprobs(native, be, prompts, 16), paged_prompt_logprobs(deq, be, prompts, 16)):
+        assert (a - b).abs().max().item() < 1e-4
+    assert paged_greedy(native, be, prompts, 24, 16) == paged_greedy(deq, be, prompts, 24, 16)
+
+
+def _generate(path, dtype, **kwargs):
+    llm = LLM(str(path), dtype=dtype, num_kv_blocks=64, block_size=16, max_model_len=256, max_num_seqs=4, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2, detokenize=False)
+    prompts = random_prompts([4, 19, 40], 300, seed=9)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    logprobs = [[{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs] for o in outs]
+    return tokens, logprobs, llm.llm_engine.runner.step_graphs
+
+
+def test_llm_native_equals_dequantized_fp32(tiny_gguf):
+    """Through LLM (decode steps replayed from step graphs): greedy tokens equal, logprobs within 1e-4."""
+    tokens, lps, graphs = _generate(tiny_gguf, "float32", quantization="gguf")
+    ref_tokens, ref_lps, _ = _generate(tiny_gguf, "float32")
+    assert graphs.num_replays > 0
+    assert tokens == ref_tokens
+    for steps, ref_steps in zip(lps, ref_lps):
+        for step, ref_step in zip(steps, ref_steps):
+            assert step.keys() == ref_step.keys()
+            assert max(abs(step[t] - ref_step[t]) for t in step) < 1e-4
+
+
+def test_llm_native_bf16_replay_is_bit_identical_to_eager(tiny_gguf):
+    """bfloat16 (int8 activations on VNNI CPUs): the replayed decode makes exactly the eager calls."""
+    eager = _generate(tiny_gguf, "bfloat16", quantization="gguf", enforce_eager=True)
+    replayed = _generate(tiny_gguf, "bfloat16", quantization="gguf")
+    assert replayed[2].num_replays > 0
+    assert replayed[:2] == eager[:2]
+
+
+def test_linear_method_shards_bias_and_reference_fallback(monkeypatch):
+    """A merged GGUF layer loads each shard's block rows into its row range; apply on [batch, seq, in] with a
+    bias equals the pure-torch reference, which is also what apply runs when pagellm._C is missing."""
+    from pagellm.layers import MergedLinear
+    from pagellm.quantization import gguf as gguf_method
+
+    config = GGUFConfig({"mlp.gate_up_proj": "Q4_1"})
+    layer = MergedLinear(96, [40, 24], bias=True, quant_config=config, prefix="mlp.gate_up_proj")
+    assert isinstance(layer.linear_method, GGUFLinearMethod) and tuple(layer.qweight.shape) == (64, 3 * 20)
+    rng = np.random.default_rng(1)
+    shards = [rng.standard_normal((40, 96)).astype(np.float32), rng.standard_normal((24, 96)).astype(np.float32)]
+    for shard_id, w in enumerate(shards):
+        layer.weight_loader(layer.qweight, torch.from_numpy(gguf.quants.quantize(w, Q.Q4_1)), shard_id)
+        layer.weight_loader(layer.bias, torch.arange(len(w), dtype=torch.float32) / 10 * (shard_id + 1), shard_id)
+    dense = np.concatenate([gguf.quants.dequantize(gguf.quants.quantize(w, Q.Q4_1), Q.Q4_1) for w in shards])
+    assert torch.equal(gguf_dequantize(layer.qweight, 3, 96), torch.from_numpy(dense).reshape(64, 96))
+    x = torch.randn(2, 5, 96)
+    expected = x @ torch.from_numpy(dense).reshape(64, 96).T + layer.bias
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    monkeypatch.setattr(gguf_method, "_gguf_linear", gguf_method._reference_gguf_linear)
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def _refuse_construction(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the model was constructed before the file was checked")
+
+    monkeypatch.setattr(LlamaForCausalLM, "__init__", fail)
+
+
+def test_unsupported_type_is_refused_before_building(tmp_path, cache, tiny_tokenizer, monkeypatch):
+    types = [dict(t) for t in LAYER_TYPES]
+    types[2]["ffn_up"] = types[2]["ffn_gate"] = Q.Q5_0
+    path = tmp_path / "q5.gguf"
+    write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer, types)
+    files = open_model(path)  # the dequantized path reads it fine
+    _refuse_construction(monkeypatch)
+    with pytest.raises(ValueError, match=r"'blk\.2\.ffn_(gate|up)\.weight' is stored as Q5_0.*\['Q4_0', 'Q4_1', 'Q8_0'\]"):
+        build_model(files, "float32", quantization="gguf")
+
+
+def test_mixed_types_in_a_merged_layer_are_refused(tmp_path, cache, tiny_tokenizer, monkeypatch):
+    types = [dict(t) for t in LAYER_TYPES]
+    types[1]["attn_k"] = Q.Q8_0  # q and v are Q4_0
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer, types)
+    files = open_model(path)
+    _refuse_construction(monkeypatch)
+    with pytest.raises(ValueError, match=r"'blk\.1\.attn_[qkv]\.weight' is stored as Q[48]_0 but .*into model\.layers\.1\.self_attn\.qkv_proj"):
+        build_model(files, "float32", quantization="gguf")
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"not a \.gguf file"):
+        build_model(open_model(tiny_llama_dir), "float32", quantization="gguf")
+    with pytest.raises(ValueError, match="lists no GGUF layer types"):
+        GGUFConfig.from_config({"quant_method": "gguf"})
+    with pytest.raises(ValueError, match=r"'Q6_K' is not supported natively; supported: \['Q4_0', 'Q4_1', 'Q8_0'\]"):
+        GGUFConfig({"model.layers.0.mlp.down_proj": "Q6_K"})
+
+
+# ---- the default model (SmolLM2-135M-Instruct, Q4_1 linears, Q8_0 tied embedding) -------------------
+@pytest.mark.slow
+def test_default_model_native_matches_dequantized():
+    """Greedy 24 tokens x 3 chat prompts, float32: native Q4_1 == the dequantized path."""
+    files = open_model(None)
+    tok = files.tokenizer
+    prompts = [list(tok.apply_chat_template([{"role": "user", "content": m}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=True)["input_ids"])
+               for m in ("What is the capital of France?", "Write a haiku about the sea.", "List three colors.")]
+    be = make_backend("cpu" if "cpu" in available_backends() else available_backends()[0])
+    native = build_model(files, "float32", quantization="gguf")
+    assert isinstance(native.model.layers[0].self_attn.qkv_proj.linear_method, GGUFLinearMethod)
+    ours = paged_greedy(native, be, prompts, 24, 16)
+    del native
+    assert ours == paged_greedy(build_model(files, "float32"), be, prompts, 24, 16)
