@@ -1,0 +1,264 @@
+#!/usr/bin/env python
+"""Weight formats compared on one run: word-level perplexity of a held-out text and batch-1 decode TPOT.
+
+    python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
+    python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
+    python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
+    python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
+
+Text: the Book of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter
+headings stripped), or, without it, a python3.11-doc reST page. Perplexity is word-level,
+exp(sum of token NLLs / number of words), so it does not depend on the tokenizer: the tokens are scored in
+windows of --window tokens, each window after the first re-reading the previous --context tokens unscored,
+so every token is scored exactly once (the first one after BOS, when the tokenizer has one).
+A random model (--model-size 1b) has no meaningful perplexity: only TPOT is measured there.
+
+TPOT: one request at a time through LLMEngine (add_request / step), prompt --prompt-len tokens, --tpot-tokens
+new tokens, (t_last - t_first) / (n - 1); a warm-up run first (step graphs captured), then --repeats runs per
+method interleaved (method A, B, A, B, ...) and the median reported. Every method runs in bfloat16
+activations ("bf16" = the unquantized checkpoint in bfloat16; any other name = LLM(quantization=name)).
+Targets (the quantization issue): int8 perplexity <= bf16 + 0.5 %; int8 TPOT <= 0.6x bf16 on the ~1B model.
+Writes benchmarks/results/quant_ppl_<tag>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import common as C
+import torch
+
+BIBLE_PASSAGE = "Ecclesiastes 1:1-12:14"
+RANDOM_1B_DIR = Path("/tmp/pagellm-bench/random-llama-1b")
+# TinyLlama-1.1B's shape: 22 layers, GQA 32/4, untied 32000-token head (1.1B parameters, 2.2 GB in bf16)
+RANDOM_1B_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                       rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu")
+
+
+# ---------------------------------------------------------------------------------- text
+def bible_text(passage: str = BIBLE_PASSAGE) -> str | None:
+    """The passage as plain prose (one verse per line), or None without the `bible` command."""
+    if shutil.which("bible") is None:
+        return None
+    raw = subprocess.run(["bible", passage], capture_output=True, text=True, timeout=60).stdout
+    verses, current = [], []
+    for line in raw.splitlines():
+        if not line.strip() or re.fullmatch(r"\s*\S+( \S+)? \d+\s*", line):  # blank or a chapter heading
+            continue
+        m = re.match(r"\s+\d+ (.*)", line)
+        if m:  # a new verse
+            if current:
+                verses.append(" ".join(current))
+            current = [m.group(1).strip()]
+        else:
+            current.append(line.strip())
+    if current:
+        verses.append(" ".join(current))
+    return "\n".join(verses) or None
+
+
+def held_out_text(max_words: int) -> tuple[str, str]:
+    """(text of at most max_words words, where it comes from)."""
+    text, source = bible_text(), f"bible-kjv: {BIBLE_PASSAGE}"
+    if text is None:
+        pages = C.find_doc_files()
+        page = next((f for f in pages if f.endswith("tutorial/controlflow.rst.txt")), pages[0])
+        text, source = Path(page).read_text(errors="replace"), f"python3.11-doc: {page}"
+    ends = [m.end() for m in re.finditer(r"\S+", text)]
+    return (text[:ends[max_words - 1]] if len(ends) > max_words else text), source
+
+
+# ---------------------------------------------------------------------------------- models
+def random_1b_model(path: Path = RANDOM_1B_DIR, seed: int = 0) -> Path:
+    """A random-weight TinyLlama-1.1B-shaped Llama in bf16 safetensors (reused when present): tensors drawn
+    straight into bf16 (N(0, 0.02); norms 1), no fp32 copy of the whole model."""
+    if (path / "config.json").is_file() and (path / "model.safetensors").is_file():
+        return path
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**RANDOM_1B_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                      architectures=["LlamaForCausalLM"])
+    cfg.dtype = "bfloat16"
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in LlamaForCausalLM(cfg).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    t = time.perf_counter()
+    tensors = {n: (torch.ones(s, dtype=torch.bfloat16) if len(s) == 1 else
+                   (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)) for n, s in shapes.items()}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(str(path))
+    n = sum(v.numel() for v in tensors.values())
+    print(f"[model] random Llama ({n / 1e9:.2f}B params) written to {path} in {time.perf_counter() - t:.0f}s",
+          flush=True)
+    return path
+
+
+def with_int8_threshold(model: str | None, threshold: float, root: Path) -> str:
+    """A directory that reads like `model` (its files linked) but whose config.json asks for int8 with this
+    outlier threshold (the int8 format takes its threshold from the checkpoint's quantization_config)."""
+    from pagellm.model_loader import open_model
+
+    src = Path(open_model(model).path)
+    dst = root / f"{src.name}-int8-{threshold:g}"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.name != "config.json" and not (dst / f.name).exists():
+            (dst / f.name).symlink_to(f.resolve())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "int8", "threshold": threshold}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return str(dst)
+
+
+def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path):
+    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; else quantization=method."""
+    from pagellm import LLM
+
+    quantization = None if method == "bf16" else method
+    if method.startswith("int8:"):
+        model, quantization = with_int8_threshold(model, float(method.split(":", 1)[1]), tmp_root), None
+    return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
+               kv_cache_memory_gb=0.5, block_size=16, seed=0)
+
+
+def weight_bytes(llm) -> int:
+    seen, total = set(), 0
+    for t in [*llm.llm_engine.model.parameters(), *llm.llm_engine.model.buffers()]:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+# ---------------------------------------------------------------------------------- measurements
+def word_perplexity(llm, token_ids: list[int], num_words: int, window: int, context: int) -> dict:
+    """exp(NLL / words) with every token of `token_ids` after the first scored once (see the module doc)."""
+    from pagellm import SamplingParams
+
+    prompts, scored_from = [], []
+    stride = window - context
+    for start in range(1, len(token_ids), stride):  # score tokens [start, start + stride)
+        lo = max(0, start - context)
+        prompts.append(token_ids[lo:start + stride])
+        scored_from.append(start - lo)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    nll, n = 0.0, 0
+    for out, first in zip(outs, scored_from):
+        for pos in range(first, len(out.prompt_token_ids)):
+            nll -= out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob
+            n += 1
+    assert n == len(token_ids) - 1, (n, len(token_ids))
+    return {"tokens_scored": n, "words": num_words, "nll_per_token": nll / n, "word_ppl": math.exp(nll / num_words)}
+
+
+def decode_tpot_ms(llm, prompt: list[int], n_out: int, rid: str) -> float:
+    from pagellm import SamplingParams
+
+    eng = llm.llm_engine
+    eng.add_request(rid, {"prompt_token_ids": prompt},
+                    SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=False))
+    times, seen = [], 0
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            n = len(o.outputs[0].token_ids)
+            times.extend([time.perf_counter()] * (n - seen))
+            seen = n
+    return (times[-1] - times[0]) / (n_out - 1) * 1e3
+
+
+# ---------------------------------------------------------------------------------- report
+def render(data: dict) -> str:
+    base = data["methods"][0]
+    rows = []
+    for m in data["methods"]:
+        ppl = m.get("ppl")
+        ppl_cell = f"{ppl['word_ppl']:.3f}" if ppl else "-"
+        rel = (f"{(ppl['word_ppl'] / base['ppl']['word_ppl'] - 1) * 100:+.2f} %" if ppl and base.get("ppl") else "-")
+        secs = f"{ppl['seconds']:.1f}" if ppl else "-"
+        rows.append([m["method"], f"{m['weight_bytes'] / 2**20:,.0f}", ppl_cell, rel, secs, f"{m['tpot_ms']:.1f}",
+                     f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
+    text = f"{data['text_source']}, {data['words']} words" if data["words"] else "random weights: no perplexity"
+    head = (f"## Weight formats: {data['model']} ({text}); "
+            f"batch-1 decode of {data['args']['tpot_tokens']} tokens after {data['args']['prompt_len']}; "
+            f"{data['env']['torch_threads']} threads\n\n")
+    table = C.md_table(["method", "weights MiB", "word ppl", "ppl vs first", "ppl pass s (prefill)", "TPOT ms",
+                        "TPOT vs first"], rows)
+    return head + table + "\n\nTargets: int8 ppl <= first + 0.5 %; int8 TPOT <= 0.6x first on the ~1B model."
+
+
+def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], args) -> list[dict]:
+    """Per method: weight bytes, perplexity (when `words`), TPOT runs (interleaved across methods) and median."""
+    results = {m: {"method": m, "weight_bytes": weight_bytes(llm), "tpot_runs_ms": []} for m, llm in llms.items()}
+    for m, llm in llms.items():
+        if words:
+            t = time.perf_counter()
+            results[m]["ppl"] = word_perplexity(llm, ids, words, args.window, args.context)
+            results[m]["ppl"]["seconds"] = time.perf_counter() - t
+            print(f"[ppl] {m}: {results[m]['ppl']['word_ppl']:.3f}", flush=True)
+        decode_tpot_ms(llm, prompt, args.tpot_tokens, f"warmup-{m}")
+    for r in range(args.repeats):
+        for m, llm in llms.items():
+            results[m]["tpot_runs_ms"].append(decode_tpot_ms(llm, prompt, args.tpot_tokens, f"tpot-{m}-{r}"))
+    for res in results.values():
+        res["tpot_ms"] = statistics.median(res["tpot_runs_ms"])
+    return list(results.values())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="bf16,int8",
+                    help="comma-separated: bf16, int8:<threshold>, or a registered quantization name")
+    ap.add_argument("--model-size", choices=["default", "1b"], default="default")
+    ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
+    ap.add_argument("--max-words", type=int, default=4000)
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--tpot-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--quick", action="store_true", help="800 words, 16 decode tokens, 1 repeat")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    if args.quick:
+        args.max_words, args.tpot_tokens, args.repeats = 800, 16, 1
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    C.setup_threads(args.threads)
+    model = args.model or (str(random_1b_model()) if args.model_size == "1b" else None)
+    text, source = held_out_text(args.max_words)
+    tmp_root = Path(tempfile.mkdtemp(prefix="pagellm-quant-ppl-"))
+    llms = {m: make_llm(model, m, max(args.window, args.prompt_len + args.tpot_tokens) + 16, tmp_root)
+            for m in methods}
+    random_weights = args.model is None and args.model_size == "1b"
+    tok = None if random_weights else llms[methods[0]].get_tokenizer()
+    ids = [] if tok is None else ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok(
+        text, add_special_tokens=False)["input_ids"]
+    words = len(text.split()) if tok is not None else None
+    prompt = (ids or list(range(10, 10 + args.prompt_len)))[:args.prompt_len]
+    data = {"tag": args.tag, "env": C.env_info(), "args": vars(args), "model": model or "default (SmolLM2-135M)",
+            "text_source": source, "words": words, "methods": measure(llms, ids, words, prompt, args)}
+    del llms
+    gc.collect()
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    md = render(data)
+    print("\n" + md, flush=True)
+    tag = args.tag or (args.model_size if args.model is None else Path(args.model).name)
+    C.save_results(f"quant_ppl_{tag}", md, data)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+// LLM.int8() linear on the CPU (Dettmers et al. 2022), math over raw pointers:
+//   1. outlier columns: every j with |x[m, j]| > threshold in some row m of the batch (threshold 0: none);
+//   2. every row of x, its outlier columns zeroed, quantized to int8 by its absmax:
+//        s_m = absmax_m / 127,  q[m, k] = clamp(round_half_even(x[m, k] * (127 / absmax_m)), -127, 127)
+//      (a row with absmax 0 gets s_m = 0 and q = 0);
+//   3. int8 x int8 -> int32 dot products against the int8 weight [N, K] (int8_dot_tiles.h, ISA chosen by the caller);
+//   4. out[m, n] = T( float(acc[m, n]) * (s_m * w_scale[n])
+//                     + sum_{j outlier} x[m, j] * (float(w[n, j]) * w_scale[n])     (fp32 FMA, outliers only)
+//                     + bias[n] ).
+// pagellm.ops.reference.int8_linear is the same computation in torch; only the fp32 sums of the outlier
+// term (and where the compiler fuses a multiply-add) round differently.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "ops/common/cpu_vec.h"
+#include "ops/quant/int8_dot_tiles.h"
+
+namespace pagellm::cpu::int8 {
+
+enum class Isa { kScalar, kAvx2, kAvx512Vnni };
+
+// Activations prepared for the int8 dot products (step 1 and 2), owned by one call.
+struct QuantizedActivations {
+  int64_t ldq = 0;                    // row stride of q: K rounded up to 64
+  std::vector<int8_t> q;              // [M, ldq], zero beyond K and in outlier columns
+  std::vector<float> scale;           // [M] absmax / 127
+  std::vector<int32_t> sum;           // [M] row sums of q
+  std::vector<int64_t> outlier_cols;  // [P] ascending
+  std::vector<float> outlier_x;       // [M, P] x at the outlier columns, in fp32
+};
+
+template <typename T>
+struct Int8LinearArgs {
+  int64_t M, N, K;
+  const T* x;
+  int64_t ldx;
+  const int8_t* w;
+  int64_t ldw;
+  const float* w_scale;  // [N]
+  const T* bias;         // [N] or nullptr
+  T* out;
+  int64_t ldo;
+  float threshold;  // > 0: outlier threshold; 0: no outlier columns
+};
+
+// Rows of x (M * K elements) below this are prepared on the calling thread.
+constexpr int64_t kInt8SerialElems = 1 << 15;
+
+// Step 1: the ascending outlier columns of x [M, K].
+template <typename T>
+std::vector<int64_t> find_outlier_columns(const Int8LinearArgs<T>& a) {
+  std::vector<int64_t> cols;
+  if (!(a.threshold > 0.f)) return cols;
+  std::vector<uint8_t> is_outlier(a.K, 0);
+  const int64_t grain = std::max<int64_t>(64, kInt8SerialElems / std::max<int64_t>(a.M, 1));
+  at::parallel_for(0, a.K, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = 0; m < a.M; ++m) {
+      const T* xr = a.x + m * a.ldx;
+      for (int64_t k = begin; k < end; ++k) is_outlier[k] |= std::fabs(static_cast<float>(xr[k])) > a.threshold;
+    }
+  });
+  for (int64_t k = 0; k < a.K; ++k)
+    if (is_outlier[k]) cols.push_back(k);
+  return cols;
+}
+
+// Step 2 for one row: q (pre-zeroed, outlier columns left 0), its scale and sum, and its outlier values.
+template <typename T>
+void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_col, int64_t m,
+                  QuantizedActivations& qa) {
+  const T* xr = a.x + m * a.ldx;
+  const bool has_outliers = !qa.outlier_cols.empty();
+  float absmax = 0.f;
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float v = (has_outliers && zero_col[k]) ? 0.f : std::fabs(static_cast<float>(xr[k]));
+    absmax = std::max(absmax, v);
+  }
+  const float inv = absmax > 0.f ? 127.f / absmax : 0.f;
+  int8_t* qr = qa.q.data() + m * qa.ldq;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < a.K; ++k) {
+    if (has_outliers && zero_col[k]) continue;
+    const float r = std::nearbyint(static_cast<float>(xr[k]) * inv);  // the default rounding mode: half to even
+    const int32_t v = static_cast<int32_t>(std::min(127.f, std::max(-127.f, r)));
+    qr[k] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  qa.scale[m] = absmax / 127.f;
+  qa.sum[m] = sum;
+  const int64_t P = static_cast<int64_t>(qa.outlier_cols.size());
+  for (int64_t p = 0; p < P; ++p) qa.outlier_x[m * P + p] = static_cast<float>(xr[qa.outlier_cols[p]]);
+}
+
+// Steps 1 and 2.
+template <typename T>
+QuantizedActivations quantize_activations(const Int8LinearArgs<T>& a) {
+  QuantizedActivations qa;
+  qa.ldq = (a.K + 63) / 64 * 64;
+  qa.q.assign(a.M * qa.ldq, 0);
+  qa.scale.resize(a.M);
+  qa.sum.resize(a.M);
+  qa.outlier_cols = find_outlier_columns(a);
+  qa.outlier_x.resize(a.M * qa.outlier_cols.size());
+  std::vector<uint8_t> zero_col;
+  if (!qa.outlier_cols.empty()) {
+    zero_col.assign(a.K, 0);
+    for (int64_t c : qa.outlier_cols) zero_col[c] = 1;
+  }
+  const int64_t grain = std::max<int64_t>(1, kInt8SerialElems / std::max<int64_t>(a.K, 1));
+  at::parallel_for(0, a.M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) quantize_row(a, zero_col, m, qa);
+  });
+  return qa;
+}
+
+// s[j] = x . w[j] for j < NR (w rows of length P, stride P), fp32: the outlier term of one activation row
+// against a weight tile. One register accumulator per weight row (NR is a constant so that they stay in
+// registers), x loaded once for all of them.
+template <int NR>
+inline void outlier_dots(const float* x, const float* w, int64_t P, float* s) {
+  VecF acc[NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) acc[j] = vzero();
+  int64_t p = 0;
+  for (; p + kLanes <= P; p += kLanes) {
+    const VecF xv = vload(x + p);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[j] = vfma(xv, vload(w + j * P + p), acc[j]);
+  }
+  if (p < P) {
+    const int n = static_cast<int>(P - p);
+    const VecF xv = vload(x + p, n);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[j] = vfma(xv, vload(w + j * P + p, n), acc[j]);
+  }
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) s[j] = vsum(acc[j]);
+}
+
+inline void outlier_dots(const float* x, const float* w, int64_t P, int nr, float* s) {
+  if (nr == kInt8NR) return outlier_dots<kInt8NR>(x, w, P, s);
+  for (int j = 0; j < nr; ++j) outlier_dots<1>(x, w + j * P, P, s + j);
+}
+
+// The dequantized weight at the outlier columns for weight rows n0 .. n0 + nr: w_out [nr, P] (row stride P).
+template <typename T>
+void gather_outlier_weights(const Int8LinearArgs<T>& a, const QuantizedActivations& qa, int64_t n0, int nr,
+                            float* w_out) {
+  const int64_t P = static_cast<int64_t>(qa.outlier_cols.size());
+  for (int j = 0; j < nr; ++j) {
+    const int8_t* wr = a.w + (n0 + j) * a.ldw;
+    const float ws = a.w_scale[n0 + j];
+    for (int64_t p = 0; p < P; ++p) w_out[j * P + p] = static_cast<float>(wr[qa.outlier_cols[p]]) * ws;
+  }
+}
+
+// Step 4 for one register tile: acc [mr, kInt8NR] of rows m0.., weight rows n0..; w_out as gathered above.
+template <typename T>
+void store_tile(const Int8LinearArgs<T>& a, const QuantizedActivations& qa, int64_t m0, int64_t n0, int mr, int nr,
+                const int32_t* acc, const float* w_out) {
+  const int64_t P = static_cast<int64_t>(qa.outlier_cols.size());
+  float outlier[kInt8NR];
+  for (int i = 0; i < mr; ++i) {
+    const int64_t m = m0 + i;
+    if (P > 0) outlier_dots(qa.outlier_x.data() + m * P, w_out, P, nr, outlier);
+    for (int j = 0; j < nr; ++j) {
+      const int64_t n = n0 + j;
+      float y = static_cast<float>(acc[i * kInt8NR + j]) * (qa.scale[m] * a.w_scale[n]);
+      if (P > 0) y += outlier[j];
+      if (a.bias != nullptr) y += static_cast<float>(a.bias[n]);
+      a.out[m * a.ldo + n] = static_cast<T>(y);
+    }
+  }
+}
+
+using DotBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int64_t, int, int,
+                            int32_t*);
+
+inline DotBlockFn dot_block_for(Isa isa) {
+#ifdef PAGELLM_INT8_X86
+  if (isa == Isa::kAvx512Vnni) return &dot_block_vnni;
+  if (isa == Isa::kAvx2) return &dot_block_avx2;
+#endif
+  return &dot_block_scalar;
+}
+
+// Rows of x whose quantized and outlier values stay in cache while a thread's weight tiles pass (prefill).
+constexpr int64_t kInt8RowChunk = 64;
+
+// The whole op on the ISA `isa` (which the caller has checked this CPU runs). Threads split N in whole
+// weight tiles; for each chunk of rows of x, a tile's kInt8NR weight rows stay in cache while the chunk's
+// row blocks pass.
+template <typename T>
+void int8_linear_kernel(const Int8LinearArgs<T>& a, Isa isa) {
+  const QuantizedActivations qa = quantize_activations(a);
+  const DotBlockFn dot_block = dot_block_for(isa);
+  const int64_t num_tiles = (a.N + kInt8NR - 1) / kInt8NR;
+  // >= 256 KiB of weight per task (as linear_small_m): small layers run inline, where waking threads would
+  // cost more than the work; big ones split across threads.
+  const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (kInt8NR * a.K));
+  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+    int32_t acc[kInt8MR * kInt8NR];
+    std::vector<float> w_out(kInt8NR * qa.outlier_cols.size());
+    for (int64_t m_begin = 0; m_begin < a.M; m_begin += kInt8RowChunk) {
+      const int64_t m_end = std::min(a.M, m_begin + kInt8RowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t n0 = t * kInt8NR;
+        const int nr = static_cast<int>(std::min<int64_t>(kInt8NR, a.N - n0));
+        if (!w_out.empty()) gather_outlier_weights(a, qa, n0, nr, w_out.data());
+        for (int64_t m0 = m_begin; m0 < m_end; m0 += kInt8MR) {
+          const int mr = static_cast<int>(std::min<int64_t>(kInt8MR, m_end - m0));
+          dot_block(a.w + n0 * a.ldw, a.ldw, qa.q.data() + m0 * qa.ldq, qa.ldq, qa.sum.data() + m0, a.K, mr, nr,
+                    acc);
+          store_tile(a, qa, m0, n0, mr, nr, acc, w_out.data());
+        }
+      }
+    }
+  });
+}
+
+}  // namespace pagellm::cpu::int8

@@ -1,0 +1,137 @@
+// CPU glue for int8_linear (LLM.int8(), int8_cpu_kernels.h): out[M, N] = x[M, K] @ dequant(weight[N, K])^T
+// with outlier columns of x in fp32, the rest as int8 x int8 -> int32 (+ bias[N]).
+//
+// The dot-product ISA is chosen once, at the first call, from CPUID (and the OS's saved register state):
+// AVX-512 VNNI, else AVX2, else plain C++. PAGELLM_INT8_KERNEL=avx512_vnni|avx2|scalar forces one (the tests
+// use it to run every path on one machine); forcing one this CPU lacks is an error at the call.
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <optional>
+#include <string>
+
+#include "ops/common/checks.h"
+#include "ops/quant/int8_cpu_kernels.h"
+
+namespace pagellm::cpu::int8 {
+namespace {
+
+bool cpu_supports(Isa isa) {
+#ifdef PAGELLM_INT8_X86
+  __builtin_cpu_init();  // libgcc checks CPUID and XGETBV (the OS saves zmm / ymm state)
+  switch (isa) {
+    case Isa::kAvx512Vnni:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vnni");
+    case Isa::kAvx2: return __builtin_cpu_supports("avx2");
+    case Isa::kScalar: return true;
+  }
+  return false;
+#else
+  return isa == Isa::kScalar;
+#endif
+}
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kAvx512Vnni: return "avx512_vnni";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kScalar: return "scalar";
+  }
+  return "?";
+}
+
+struct IsaChoice {
+  Isa isa = Isa::kScalar;
+  std::string error;  // non-empty: PAGELLM_INT8_KERNEL names something this CPU cannot run
+};
+
+IsaChoice choose_isa() {
+  IsaChoice c;
+  const char* env = std::getenv("PAGELLM_INT8_KERNEL");
+  const std::string want = env == nullptr ? "auto" : env;
+  if (want.empty() || want == "auto") {
+    for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kScalar}) {
+      if (cpu_supports(isa)) {
+        c.isa = isa;
+        break;
+      }
+    }
+    return c;
+  }
+  for (Isa isa : {Isa::kAvx512Vnni, Isa::kAvx2, Isa::kScalar}) {
+    if (want == isa_name(isa)) {
+      c.isa = isa;
+      if (!cpu_supports(isa)) c.error = "PAGELLM_INT8_KERNEL=" + want + ": this CPU (or OS) does not support it";
+      return c;
+    }
+  }
+  c.error = "PAGELLM_INT8_KERNEL must be auto, avx512_vnni, avx2 or scalar, got '" + want + "'";
+  return c;
+}
+
+Isa selected_isa() {
+  static const IsaChoice choice = choose_isa();
+  TORCH_CHECK(choice.error.empty(), "int8_linear: ", choice.error);
+  return choice.isa;
+}
+
+void check_int8_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                       const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias, double threshold) {
+  check_cpu(out, "out");
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  check_cpu(weight_scale, "weight_scale");
+  check_float(x, "x");
+  check_same_dtype(out, x, "out", "x");
+  check_dtype(weight, at::kChar, "weight");
+  check_dtype(weight_scale, at::kFloat, "weight_scale");
+  check_dim(x, 2, "x");
+  check_dim(weight, 2, "weight");
+  check_dim(out, 2, "out");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
+  TORCH_CHECK(K < (int64_t{1} << 17), "x: K = ", K, " is too large for int32 accumulation (must be < 131072)");
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, "weight_scale must have shape [", N, "], got ",
+              weight_scale.sizes());
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
+  if (bias.has_value() && bias->defined()) {
+    check_cpu(*bias, "bias");
+    check_same_dtype(*bias, x, "bias", "x");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
+  }
+  TORCH_CHECK(threshold >= 0.0, "threshold must be >= 0 (0 = no outlier columns), got ", threshold);
+  check_last_contiguous(out, "out");
+}
+
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias, double threshold) {
+  check_int8_linear(out, x, weight, weight_scale, bias, threshold);
+  const Isa isa = selected_isa();
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (out.numel() == 0) return;
+  if (x.size(1) == 0) {  // empty sums
+    if (has_bias) out.copy_(bias->unsqueeze(0).expand_as(out));
+    else out.zero_();
+    return;
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const at::Tensor sc = weight_scale.contiguous();
+  const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+  PAGELLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "int8_linear", [&] {
+    const Int8LinearArgs<scalar_t> a{x.size(0), weight.size(0), x.size(1),
+                                     xc.data_ptr<scalar_t>(), xc.stride(0),
+                                     wc.data_ptr<int8_t>(), wc.stride(0),
+                                     sc.data_ptr<float>(),
+                                     has_bias ? bc.data_ptr<scalar_t>() : nullptr,
+                                     out.data_ptr<scalar_t>(), out.stride(0),
+                                     static_cast<float>(threshold)};
+    int8_linear_kernel(a, isa);
+  });
+}
+
+}  // namespace
+}  // namespace pagellm::cpu::int8
+
+TORCH_LIBRARY_IMPL(pagellm, CPU, m) { m.impl("int8_linear", &pagellm::cpu::int8::int8_linear); }

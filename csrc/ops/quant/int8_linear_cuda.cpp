@@ -1,0 +1,69 @@
+// CUDA glue for int8_linear (kernels in int8_linear_kernels.cu): checks, scratch buffers, launch.
+#include <torch/library.h>
+
+#include <optional>
+
+#include "ops/cuda_common/torch_glue.h"
+#include "ops/quant/int8_linear_launch.h"
+
+namespace pagellm::cuda {
+namespace {
+
+void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
+                 const std::optional<at::Tensor>& bias, double threshold) {
+  check_cuda(x, "x");
+  check_cuda(out, "out");
+  check_same_device(out, x, "out", "x");
+  check_cuda(weight, "weight");
+  check_same_device(weight, x, "weight", "x");
+  check_cuda(weight_scale, "weight_scale");
+  check_same_device(weight_scale, x, "weight_scale", "x");
+  const DType dt = to_dtype(x, "x");
+  check_same_dtype(out, x, "out", "x");
+  check_dtype(weight, at::kChar, "weight");
+  check_dtype(weight_scale, at::kFloat, "weight_scale");
+  check_dim(x, 2, "x");
+  check_dim(weight, 2, "weight");
+  check_dim(out, 2, "out");
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
+  TORCH_CHECK(K < (int64_t{1} << 17), "x: K = ", K, " is too large for int32 accumulation (must be < 131072)");
+  TORCH_CHECK(M <= 65535, "x: at most 65535 rows per call, got ", M);
+  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, "weight_scale must have shape [", N, "], got ",
+              weight_scale.sizes());
+  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
+  const bool has_bias = bias.has_value() && bias->defined();
+  if (has_bias) {
+    check_cuda(*bias, "bias");
+    check_same_device(*bias, x, "bias", "x");
+    check_same_dtype(*bias, x, "bias", "x");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
+  }
+  TORCH_CHECK(threshold >= 0.0, "threshold must be >= 0 (0 = no outlier columns), got ", threshold);
+  check_last_contiguous(out, "out");
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  if (K == 0) {
+    if (has_bias) out.copy_(bias->unsqueeze(0).expand_as(out));
+    else out.zero_();
+    return;
+  }
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const at::Tensor wc = weight.stride(1) == 1 ? weight : weight.contiguous();
+  const at::Tensor sc = weight_scale.contiguous();
+  const at::Tensor bc = has_bias ? bias->contiguous() : at::Tensor();
+  const int64_t ldq = (K + 15) / 16 * 16;
+  at::Tensor mask = at::empty({ldq}, x.options().dtype(at::kByte));
+  at::Tensor q = at::empty({M, ldq}, x.options().dtype(at::kChar));
+  at::Tensor row_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  Int8LinearCudaArgs a{out.data_ptr(), xc.data_ptr(), wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
+                       has_bias ? bc.data_ptr() : nullptr, M, N, K, xc.stride(0), wc.stride(0), out.stride(0),
+                       static_cast<float>(threshold), mask.data_ptr<uint8_t>(), q.data_ptr<int8_t>(),
+                       row_scale.data_ptr<float>(), ldq};
+  check_launch(launch_int8_linear(a, dt, current_stream()), "int8_linear");
+}
+
+}  // namespace
+}  // namespace pagellm::cuda
+
+TORCH_LIBRARY_IMPL(pagellm, CUDA, m) { m.impl("int8_linear", &pagellm::cuda::int8_linear); }

@@ -1,0 +1,122 @@
+// LLM.int8() linear on the GPU: three straightforward kernels (torch-free; same math as int8_cpu_kernels.h).
+//   outlier_mask_kernel   one thread per column: mask[k] = any_m |x[m, k]| > threshold (0 beyond K)
+//   quantize_rows_kernel  one block per row: absmax over non-outlier columns, q = round(x * 127 / absmax)
+//   int8_gemm_kernel      one warp per (m, n): int32 dot products (dp4a on 4-byte words when aligned) plus the
+//                         fp32 outlier term, then out = acc * (s_m * w_scale[n]) + outliers + bias
+// The scale arithmetic uses the IEEE-rounded intrinsics (__fdiv_rn, __fmul_rn, __float2int_rn) so that
+// --use_fast_math cannot change which int8 value an activation rounds to.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ops/cuda_common/vec.cuh"
+
+namespace pagellm::cuda::int8 {
+
+constexpr int kQuantThreads = 256;
+constexpr int kGemmWarps = 8;
+
+template <typename T>
+__global__ void outlier_mask_kernel(const T* __restrict__ x, int64_t M, int64_t K, int64_t ldx, int64_t ldq,
+                                    float threshold, uint8_t* __restrict__ mask) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (k >= ldq) return;
+  uint8_t hit = 0;
+  if (k < K && threshold > 0.f) {
+    for (int64_t m = 0; m < M && !hit; ++m) hit = fabsf(to_float(x[m * ldx + k])) > threshold;
+  }
+  mask[k] = hit;
+}
+
+__device__ __forceinline__ float block_max(float v, float* shared) {
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < static_cast<int>(blockDim.x / 32) ? shared[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) shared[0] = v;
+  }
+  __syncthreads();
+  return shared[0];
+}
+
+// grid: M blocks; block: kQuantThreads.
+template <typename T>
+__global__ void quantize_rows_kernel(const T* __restrict__ x, int64_t K, int64_t ldx, int64_t ldq,
+                                     const uint8_t* __restrict__ mask, int8_t* __restrict__ q,
+                                     float* __restrict__ row_scale) {
+  __shared__ float shared[32];
+  const int64_t m = blockIdx.x;
+  const T* xr = x + m * ldx;
+  float absmax = 0.f;
+  for (int64_t k = threadIdx.x; k < K; k += blockDim.x) {
+    if (!mask[k]) absmax = fmaxf(absmax, fabsf(to_float(xr[k])));
+  }
+  absmax = block_max(absmax, shared);
+  const float inv = absmax > 0.f ? __fdiv_rn(127.f, absmax) : 0.f;
+  int8_t* qr = q + m * ldq;
+  for (int64_t k = threadIdx.x; k < ldq; k += blockDim.x) {
+    int v = 0;
+    if (k < K && !mask[k]) v = max(-127, min(127, __float2int_rn(__fmul_rn(to_float(xr[k]), inv))));
+    qr[k] = static_cast<int8_t>(v);
+  }
+  if (threadIdx.x == 0) row_scale[m] = __fdiv_rn(absmax, 127.f);
+}
+
+template <typename T>
+__device__ __forceinline__ float outlier_terms(const T* xr, const int8_t* wr, const uint8_t* mask, int64_t k0, int n,
+                                               float ws) {
+  float s = 0.f;
+  for (int i = 0; i < n; ++i)
+    if (mask[k0 + i]) s += to_float(xr[k0 + i]) * __fmul_rn(static_cast<float>(wr[k0 + i]), ws);
+  return s;
+}
+
+// grid: (ceil(N / kGemmWarps), M); block: 32 * kGemmWarps. `words`: rows of w and q are 4-byte aligned and
+// K % 4 == 0, so each lane reads 4 int8 at a time and uses dp4a.
+template <typename T>
+__global__ void int8_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, const int8_t* __restrict__ w,
+                                 const float* __restrict__ w_scale, const T* __restrict__ bias,
+                                 const uint8_t* __restrict__ mask, const int8_t* __restrict__ q,
+                                 const float* __restrict__ row_scale, int64_t N, int64_t K, int64_t ldx, int64_t ldw,
+                                 int64_t ldo, int64_t ldq, bool words) {
+  const int lane = threadIdx.x % 32;
+  const int64_t n = static_cast<int64_t>(blockIdx.x) * kGemmWarps + threadIdx.x / 32;
+  const int64_t m = blockIdx.y;
+  if (n >= N) return;
+  const int8_t* wr = w + n * ldw;
+  const int8_t* qr = q + m * ldq;
+  const T* xr = x + m * ldx;
+  const float ws = w_scale[n];
+  int acc = 0;
+  float outl = 0.f;
+  if (words) {
+    const int* w4 = reinterpret_cast<const int*>(wr);
+    const int* q4 = reinterpret_cast<const int*>(qr);
+    const uint32_t* m4 = reinterpret_cast<const uint32_t*>(mask);
+    for (int64_t k4 = lane; k4 < K / 4; k4 += 32) {
+      acc = __dp4a(w4[k4], q4[k4], acc);
+      if (m4[k4]) outl += outlier_terms(xr, wr, mask, 4 * k4, 4, ws);
+    }
+  } else {
+    for (int64_t k = lane; k < K; k += 32) {
+      acc += static_cast<int>(wr[k]) * static_cast<int>(qr[k]);
+      if (mask[k]) outl += outlier_terms(xr, wr, mask, k, 1, ws);
+    }
+  }
+  for (int off = 16; off > 0; off >>= 1) {
+    acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    outl += __shfl_xor_sync(0xffffffffu, outl, off);
+  }
+  if (lane == 0) {
+    float y = __fmul_rn(static_cast<float>(acc), __fmul_rn(row_scale[m], ws));
+    y += outl;
+    if (bias != nullptr) y += to_float(bias[n]);
+    out[m * ldo + n] = from_float<T>(y);
+  }
+}
+
+}  // namespace pagellm::cuda::int8

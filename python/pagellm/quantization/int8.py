@@ -1,0 +1,171 @@
+"""LLM.int8() weights (Dettmers et al. 2022): `quantization="int8"` quantizes any float checkpoint at load.
+
+    LLM(model, quantization="int8")          # fp16 / bf16 / fp32 checkpoint; activations keep the model dtype
+
+Each linear weight [out, in] is stored as int8 `weight` [out, in] plus a float32 `weight_scale` [out]
+(row absmax / 127). The product is `torch.ops.pagellm.int8_linear` (its pure-torch reference where the
+compiled op is missing): activation columns with |x| > threshold (default 6.0) in any token of the batch
+run in fp32 against the dequantized weight columns; the rest are quantized per token and multiplied as
+int8 x int8 -> int32. The outlier column set is decided inside the op, so a decode step replays from a
+step graph like any other. The LM head and embeddings stay in the model dtype.
+
+Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
+straight into its rows (the scale is per output row, so every shard of a merged layer quantizes on its
+own). Peak memory is the int8 model plus a float32 copy of at most `_QUANTIZE_CHUNK_BYTES` of one tensor.
+`weight_scale` is a buffer, derived, never a checkpoint tensor.
+
+Checkpoints saved by bitsandbytes (quant_method "bitsandbytes", int8 `weight` + `SCB` row absmax +
+`weight_format`) are not read: transformers documents `SCB` (its dequantization is weight * SCB / 127) but
+not the encoding of `weight_format`, so such a file could be misread; load the float model instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from pagellm.quantization.base import LinearMethodBase, QuantizationConfig, new_linear_param
+from pagellm.quantization.registry import register_quantization_config
+from pagellm.weight_utils import OutputShard, WeightShapeError
+
+INT8_METHOD = "int8"
+DEFAULT_THRESHOLD = 6.0
+_QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
+
+# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold) -> None
+Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], None]
+
+
+def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, in] float -> (int8 [rows, in], float32 scale [rows]) with scale = absmax / 127 and
+    q = clamp(round_half_even(w * (127 / absmax)), -127, 127); an all-zero row gets scale 0 and q 0.
+    The dequantized weight is q * scale[:, None]."""
+    wf = w.float()
+    if wf.shape[1] == 0:
+        return torch.zeros(wf.shape, dtype=torch.int8, device=w.device), torch.zeros(wf.shape[0], device=w.device)
+    absmax = wf.abs().amax(dim=1)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)  # IEEE-rounded, as in the op
+    q = torch.round(wf * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, absmax / 127.0
+
+
+def dequantize_weight_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8 [rows, in] and float32 scale [rows] -> float32 [rows, in]."""
+    return q.float() * scale[:, None]
+
+
+def check_threshold(threshold: Any) -> float:
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+        raise ValueError(f"int8 threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
+    return float(threshold)
+
+
+def default_int8_op(device: torch.device) -> Int8Op:
+    """The compiled op when pagellm._C has it for `device`, else the pure-torch reference (same semantics)."""
+    from pagellm import ops  # noqa: PLC0415 (loads pagellm._C)
+    from pagellm.ops import reference  # noqa: PLC0415
+
+    compiled = ops.ops_available()[0] and hasattr(torch.ops.pagellm, "int8_linear")
+    if compiled and device.type == "cuda":
+        import pagellm._C as _C  # noqa: PLC0415
+
+        compiled = bool(getattr(_C, "built_with_cuda", False))
+    if compiled and device.type in ("cpu", "cuda"):
+        return torch.ops.pagellm.int8_linear.default
+    return reference.int8_linear
+
+
+class Int8LinearMethod(LinearMethodBase):
+    """weight int8 [out, in] (a parameter: the checkpoint's float `weight` loads into it, quantized),
+    weight_scale float32 [out] (a buffer), optional bias [out] in the model dtype.
+
+    `op` (default: `default_int8_op` for the weight's device, chosen after loading) may be replaced, e.g.
+    by `pagellm.ops.reference.int8_linear` to compare against the reference on the same weights."""
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None) -> None:
+        self.threshold = check_threshold(threshold)
+        self.op = op
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
+                       params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
+        layer.register_parameter("weight", new_linear_param(
+            (output_size, input_size), torch.int8, extra, shard_loader=_quantizing_shard_loader(layer)))
+        layer.register_buffer("weight_scale", torch.zeros(output_size, dtype=torch.float32))
+        if bias:
+            layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.op is None:
+            self.op = default_int8_op(layer.weight.device)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        op = self.op if self.op is not None else default_int8_op(x.device)
+        n = layer.weight.shape[0]
+        if x.dim() == 2:  # the decode case: as few torch calls as possible
+            out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
+            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold)
+            return out
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
+        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold)
+        return out.view(x.shape[:-1] + (n,))
+
+
+def _quantizing_shard_loader(layer: nn.Module):
+    """A shard loader that quantizes a float checkpoint tensor into the int8 weight rows it owns and writes
+    their scales into `layer.weight_scale` (held weakly: the layer owns the parameter holding this loader)."""
+    layer_ref = weakref.ref(layer)
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard: OutputShard | None) -> None:
+        offset, size = (0, param.shape[0]) if shard is None else (shard.offset, shard.size)
+        target = param.data.narrow(0, offset, size)
+        name = "weight" if shard is None else f"shard {shard.shard_id!r}"
+        if tuple(target.shape) != tuple(loaded.shape):
+            raise WeightShapeError(f"shape mismatch for {name}: expected {tuple(target.shape)}, got "
+                                   f"{tuple(loaded.shape)}")
+        if not loaded.is_floating_point():
+            raise WeightShapeError(f"quantization='int8' quantizes float checkpoints; {name} is {loaded.dtype}")
+        scale = layer_ref().weight_scale.narrow(0, offset, size)
+        rows_per_chunk = max(1, _QUANTIZE_CHUNK_BYTES // (4 * max(1, loaded.shape[1])))
+        with torch.no_grad():
+            for start in range(0, size, rows_per_chunk):
+                rows = min(rows_per_chunk, size - start)
+                q, s = quantize_weight_rows(loaded.narrow(0, start, rows).to(target.device))
+                target.narrow(0, start, rows).copy_(q)
+                scale.narrow(0, start, rows).copy_(s)
+
+    return load
+
+
+@register_quantization_config(INT8_METHOD)
+class Int8Config(QuantizationConfig):
+    """Every linear layer of the decoder in LLM.int8() (`Int8LinearMethod`) with one outlier `threshold`.
+    From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0} (both optional)."""
+
+    _KEYS = ("quant_method", "threshold")
+
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD) -> None:
+        self.threshold = check_threshold(threshold)
+
+    @classmethod
+    def get_name(cls) -> str:
+        return INT8_METHOD
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Int8Config":
+        unknown = sorted(set(config) - set(cls._KEYS))
+        if unknown:
+            raise ValueError(f"int8 quantization_config: unknown keys {unknown}; allowed: {list(cls._KEYS)}")
+        return cls(config.get("threshold", DEFAULT_THRESHOLD))
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
+        return Int8LinearMethod(self.threshold)
+
+
+__all__ = [
+    "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config", "Int8LinearMethod", "default_int8_op",
+    "dequantize_weight_rows", "quantize_weight_rows",
+]
