@@ -10,6 +10,11 @@ TORCH_LIBRARY(pagellm, m) {
       "reshape_and_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  // Quantized caches (int8 / float8_e4m3fn values + float32 scales [num_blocks, num_kv_heads, block_size], one per
+  // row): every written (token, head) row is quantized by its absmax (pagellm.ops.reference has the exact rule).
+  m.def(
+      "reshape_and_cache_quantized(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor(c!) k_scale, "
+      "Tensor(d!) v_scale, Tensor key, Tensor value, Tensor slot_mapping) -> ()");
 
   // ---- paged_attention ----
   m.def(
@@ -19,6 +24,15 @@ TORCH_LIBRARY(pagellm, m) {
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
       "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, int window_size=-1, "
       "float softcap=0.0) -> ()");
+  // The same over a quantized cache (value = stored * scale of its row).
+  m.def(
+      "paged_attention_decode_quantized(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor seq_lens, float scale, int window_size=-1, "
+      "float softcap=0.0) -> ()");
+  m.def(
+      "paged_attention_prefill_quantized(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
+      "int window_size=-1, float softcap=0.0) -> ()");
 
   // ---- norm_rope ----
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
@@ -36,4 +50,18 @@ TORCH_LIBRARY(pagellm, m) {
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
   m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+
+  // ---- quant: int8 (LLM.int8()) ----
+  // out[M, N] = x[M, K] @ (weight_int8[N, K] * weight_scale[N, None])^T (+ bias[N]): columns of x with
+  // |x| > threshold in any row in fp32, the rest quantized per row to int8 (int32 dot products); threshold 0 =
+  // no outlier columns. x, out, bias: float32 / bfloat16 / float16; weight_scale float32.
+  m.def(
+      "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, "
+      "float threshold=6.0) -> ()");
+
+  // ---- quant: GGUF blocks (csrc/ops/quant/gguf_blocks.h) ----
+  // out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias[N]), K = in_features (a multiple of 32); qweight uint8
+  // [N, K / 32 * block_bytes] in GGUF's own block layout; qtype = ggml type id: 2 Q4_0, 3 Q4_1, 8 Q8_0.
+  // x, out, bias: float32 / bfloat16 / float16 (fp32 accumulation, one rounding).
+  m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias) -> ()");
 }

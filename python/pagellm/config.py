@@ -19,6 +19,14 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "f
 _POLICIES = ("fcfs", "priority")
 
 
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """Allowed `kv_cache_dtype` values (vLLM's names): "auto" (the model dtype), "int8", and "fp8_e4m3"
+    when this torch has float8_e4m3fn. Quantized caches store one float32 scale per (token, kv head)."""
+    import torch  # noqa: PLC0415 (config stays importable without touching torch at import time)
+
+    return ("auto", "int8") + (("fp8_e4m3",) if hasattr(torch, "float8_e4m3fn") else ())
+
+
 def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
     if not ok:
         raise ValueError(f"{name} must be {allowed}, got {value!r}")
@@ -39,6 +47,7 @@ class ModelConfig:
     attention_backend: str | None = None
     quantization: str | None = None  # a registered weight format; None = the checkpoint's, if any
     enforce_eager: bool = False  # True: every step runs the module forward (no step-graph replay)
+    max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary size
 
     def __post_init__(self) -> None:
         _require(self.model is None or isinstance(self.model, str), "model", "a path or name (str) or None", self.model)
@@ -49,6 +58,8 @@ class ModelConfig:
         _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
                  "device", "'cpu', 'cuda' or 'cuda:N'", self.device)
         _require(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
+        _require(_is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs",
+                 "an integer >= 0 or -1 (the vocabulary size)", self.max_logprobs)
         if self.quantization is not None:
             from pagellm.quantization import list_quantization_methods  # noqa: PLC0415 (torch; only when asked)
 
@@ -85,6 +96,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None  # override the computed number of blocks (tests, tuning)
     watermark: float = 0.01
+    kv_cache_dtype: str = "auto"  # "auto" = the model dtype; "int8" / "fp8_e4m3": quantized (kv_cache_dtypes())
 
     def __post_init__(self) -> None:
         bs = self.block_size
@@ -98,6 +110,8 @@ class CacheConfig:
         _require(self.num_kv_blocks is None or (_is_int(self.num_kv_blocks) and self.num_kv_blocks >= 1),
                  "num_kv_blocks", "an integer >= 1 or None", self.num_kv_blocks)
         _require(isinstance(self.watermark, (int, float)) and 0.0 <= self.watermark < 1.0, "watermark", "in [0, 1)", self.watermark)
+        allowed = kv_cache_dtypes()
+        _require(self.kv_cache_dtype in allowed, "kv_cache_dtype", f"one of {allowed}", self.kv_cache_dtype)
 
     def cpp_kwargs(self, num_blocks: int) -> dict[str, Any]:
         """Keyword arguments of pagellm._C.Scheduler for the C++ CacheConfig."""
@@ -184,12 +198,14 @@ class EngineArgs:
     kv_cache_fraction: float = 0.9
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
     attention_backend: str | None = None
     quantization: str | None = None
     enforce_eager: bool = False
     distributed_executor_backend: str = "uni"
     seed: int = 0
     device: str = "cpu"
+    max_logprobs: int = 20
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -205,7 +221,7 @@ class EngineArgs:
             tokenizer=None if self.tokenizer is None else str(self.tokenizer),
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
             device=str(self.device), attention_backend=self.attention_backend, quantization=self.quantization,
-            enforce_eager=self.enforce_eager,
+            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
         )
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
@@ -221,6 +237,7 @@ class EngineArgs:
         cc = CacheConfig(
             block_size=self.block_size, kv_cache_memory_gb=self.kv_cache_memory_gb, kv_cache_fraction=fraction,
             enable_prefix_caching=self.enable_prefix_caching, num_kv_blocks=self.num_kv_blocks,
+            kv_cache_dtype=self.kv_cache_dtype,
         )
         sc = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,

@@ -31,6 +31,12 @@ def _cases():
     yield "copy_blocks", ([kc.clone()], [vc.clone()], torch.tensor([[0, 1]]))
     yield "paged_attention_decode", (torch.empty(2, 4, 64), q[:2].clone(), kc, vc, bt, lens, 0.125, -1, 0.0)
     yield "paged_attention_prefill", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, 0.125, 4, 5.0)
+    kq, vq = (torch.randint(-127, 128, kc.shape, dtype=torch.int8) for _ in range(2))
+    ks, vs = (torch.rand(kc.shape[:3]) / 50 for _ in range(2))
+    yield "reshape_and_cache_quantized", (kq.clone(), vq.clone(), ks.clone(), vs.clone(), torch.randn(3, 2, 64),
+                                          torch.randn(3, 2, 64), torch.tensor([0, -1, 5]))
+    yield "paged_attention_decode_quantized", (torch.empty(2, 4, 64), q[:2].clone(), kq, vq, ks, vs, bt, lens, 0.125)
+    yield "paged_attention_prefill_quantized", (torch.empty_like(q), q, kq, vq, ks, vs, bt, qsl, lens, 0.125, 4, 5.0)
     yield "rms_norm", (torch.empty_like(x), x, w, 1e-6)
     yield "fused_add_rms_norm", (x.clone(), x.clone(), w, 1e-6)
     yield "rotary_embedding", (torch.tensor([1, 7, 3]), torch.randn(3, 128), torch.randn(3, 64), 64, cache, True)
@@ -39,6 +45,13 @@ def _cases():
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
     xb = x.to(torch.bfloat16)
     yield "linear_amx", (torch.empty(5, 24, dtype=torch.bfloat16), xb, torch.randn(24, 128).to(xb.dtype), xb[0, :24])
+    x_outlier = x.clone()
+    x_outlier[2, 7] = 9.0  # one outlier column (threshold 6)
+    yield "int8_linear", (torch.empty(5, 24), x_outlier, torch.randint(-127, 128, (24, 128), dtype=torch.int8),
+                          torch.rand(24) / 100, torch.randn(24), 6.0)
+    q4_1 = torch.randint(0, 256, (24, 4, 20), dtype=torch.uint8)  # 24 rows of 4 Q4_1 blocks: d, m (fp16), 16 qs
+    q4_1[..., :4] = torch.full((24, 4, 2), 0.01, dtype=torch.float16).view(torch.uint8)
+    yield "gguf_linear", (torch.empty(5, 24), x, q4_1.view(24, 80), 3, 128, torch.randn(24))
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])
@@ -108,6 +121,8 @@ def test_cpp_errors_name_the_argument():
         ("weight", lambda: OP.rms_norm(torch.empty(2, 8), torch.randn(2, 8), torch.randn(9), 1e-6)),
         ("out", lambda: OP.silu_and_mul(torch.empty(2, 3), torch.randn(2, 8))),
         ("input", lambda: OP.silu_and_mul(torch.empty(2, 3), torch.randn(2, 7))),
+        ("weight_scale", lambda: OP.int8_linear(torch.empty(2, 4), torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(3), None, 6.0)),
+        ("threshold", lambda: OP.int8_linear(torch.empty(2, 4), torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4), None, -1.0)),
     ]
     for name, fn in cases:
         with pytest.raises(RuntimeError, match=name):

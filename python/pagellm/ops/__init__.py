@@ -24,9 +24,12 @@ else:
 __all__ = [
     "ops_available",
     "reshape_and_cache",
+    "reshape_and_cache_quantized",
     "copy_blocks",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "paged_attention_decode_quantized",
+    "paged_attention_prefill_quantized",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -35,9 +38,13 @@ __all__ = [
     "linear_small_m",
     "linear_amx",
     "amx_available",
+    "int8_linear",
+    "gguf_linear",
 ]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# storage dtypes of quantized KV caches (values; their scales are float32)
+_QUANTIZED_CACHE_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
 
 
 def ops_available() -> tuple[bool, str]:
@@ -73,11 +80,31 @@ def _same(x: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
         raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {x.device}")
 
 
-def _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens) -> None:
+def _check_quantized_cache(key_cache, value_cache, k_scale, v_scale) -> None:
+    """int8 / float8_e4m3fn caches [num_blocks, num_kv_heads, block_size, head_dim] and float32 scales
+    [num_blocks, num_kv_heads, block_size] (one per row)."""
+    if _tensor(key_cache, "key_cache").dtype not in _QUANTIZED_CACHE_DTYPES:
+        raise TypeError(f"key_cache must have a quantized cache dtype {_QUANTIZED_CACHE_DTYPES}, got {key_cache.dtype}")
+    _tensor(value_cache, "value_cache")
+    _same(value_cache, key_cache, "value_cache", "key_cache")
+    _ndim(key_cache, 4, "key_cache")
+    for t, n in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        _dtype(t, torch.float32, n)
+        if tuple(t.shape) != tuple(key_cache.shape[:3]):
+            raise ValueError(f"{n} shape {tuple(t.shape)} must be [num_blocks, num_kv_heads, block_size] = "
+                             f"{tuple(key_cache.shape[:3])} (one scale per cached row)")
+
+
+def _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None) -> None:
     _float(query, "query")
-    for t, n in ((out, "out"), (key_cache, "key_cache"), (value_cache, "value_cache")):
-        _tensor(t, n)
-        _same(t, query, n, "query")
+    _tensor(out, "out")
+    _same(out, query, "out", "query")
+    if k_scale is None:
+        for t, n in ((key_cache, "key_cache"), (value_cache, "value_cache")):
+            _tensor(t, n)
+            _same(t, query, n, "query")
+    else:
+        _check_quantized_cache(key_cache, value_cache, k_scale, v_scale)
     _ndim(query, 3, "query")
     _ndim(key_cache, 4, "key_cache")
     if out.shape != query.shape:
@@ -103,6 +130,26 @@ def reshape_and_cache(
         _same(t, key_cache, n, "key_cache")
     _dtype(slot_mapping, torch.int64, "slot_mapping")
     torch.ops.pagellm.reshape_and_cache(key_cache, value_cache, key, value, slot_mapping)
+
+
+def reshape_and_cache_quantized(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Quantizes key/value [num_tokens, num_kv_heads, head_dim] row by row (absmax per token and kv head) into
+    int8 / float8_e4m3fn caches and their scales [num_blocks, num_kv_heads, block_size] at slot_mapping (-1 =
+    skip). Exact rule: reference.quantize_kv_rows."""
+    _check_quantized_cache(key_cache, value_cache, k_scale, v_scale)
+    _float(key, "key")
+    _tensor(value, "value")
+    _same(value, key, "value", "key")
+    _dtype(slot_mapping, torch.int64, "slot_mapping")
+    torch.ops.pagellm.reshape_and_cache_quantized(key_cache, value_cache, k_scale, v_scale, key, value, slot_mapping)
 
 
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
@@ -149,6 +196,50 @@ def paged_attention_prefill(
     torch.ops.pagellm.paged_attention_prefill(
         out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         float(scale), int(window_size), float(softcap),
+    )  # fmt: skip
+
+
+def paged_attention_decode_quantized(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """paged_attention_decode over an int8 / float8_e4m3fn cache (a row's value = stored * its scale)."""
+    _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
+    torch.ops.pagellm.paged_attention_decode_quantized(
+        out, query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, float(scale), int(window_size),
+        float(softcap),
+    )  # fmt: skip
+
+
+def paged_attention_prefill_quantized(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """paged_attention_prefill over an int8 / float8_e4m3fn cache (a row's value = stored * its scale)."""
+    _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale, v_scale)
+    _dtype(query_start_loc, torch.int32, "query_start_loc")
+    torch.ops.pagellm.paged_attention_prefill_quantized(
+        out, query, key_cache, value_cache, k_scale, v_scale, block_tables, query_start_loc, seq_lens, float(scale),
+        int(window_size), float(softcap),
     )  # fmt: skip
 
 
@@ -244,3 +335,66 @@ def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
     _dtype(x, torch.bfloat16, "x")
     _check_linear(out, x, weight, bias)
     torch.ops.pagellm.linear_amx(out, x, weight, bias)
+
+
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+                bias: torch.Tensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ dequant(qweight)^T (+ bias [N]), fp32 accumulation, one rounding into x's dtype.
+
+    qweight: uint8 [N, K / 32 * block_bytes] in GGUF's block layout (rows of a .gguf tensor as stored);
+    qtype: the ggml type id, 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) (`reference.GGUF_QTYPES`); in_features = K, a
+    multiple of 32. Reference: `reference.gguf_linear`."""
+    from pagellm.ops.reference import GGUF_BLOCK_BYTES  # noqa: PLC0415
+
+    _float(x, "x")
+    _dtype(qweight, torch.uint8, "qweight")
+    _tensor(out, "out")
+    _same(out, x, "out", "x")
+    if bias is not None:
+        _tensor(bias, "bias")
+        _same(bias, x, "bias", "x")
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype!r}")
+    if not isinstance(in_features, int) or in_features <= 0 or in_features % 32:
+        raise ValueError(f"in_features must be a positive multiple of 32 (the GGUF block size), got {in_features!r}")
+    _ndim(x, 2, "x")
+    _ndim(qweight, 2, "qweight")
+    row_bytes = in_features // 32 * GGUF_BLOCK_BYTES[qtype]
+    if x.shape[1] != in_features:
+        raise ValueError(f"x shape {tuple(x.shape)} must be [M, in_features={in_features}]")
+    if qweight.shape[1] != row_bytes:
+        raise ValueError(f"qweight shape {tuple(qweight.shape)} must be [N, {row_bytes}] for qtype {qtype} "
+                         f"and in_features {in_features}")
+    if tuple(out.shape) != (x.shape[0], qweight.shape[0]):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], qweight.shape[0])}")
+    torch.ops.pagellm.gguf_linear(out, x, qweight, int(qtype), int(in_features), bias)
+
+
+def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
+    """LLM.int8(): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N] float32)^T (+ bias [N]).
+
+    Columns of x with |x| > threshold in any row run in fp32 against the dequantized weight; the rest are
+    quantized per row (absmax) to int8 and multiplied as int8 x int8 -> int32. threshold 0 = no outlier
+    columns. x, out, bias: float32 / bfloat16 / float16. Reference: `reference.int8_linear`."""
+    _float(x, "x")
+    _tensor(out, "out")
+    _same(out, x, "out", "x")
+    _dtype(weight, torch.int8, "weight")
+    _dtype(weight_scale, torch.float32, "weight_scale")
+    if bias is not None:
+        _tensor(bias, "bias")
+        _same(bias, x, "bias", "x")
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+        raise ValueError(f"threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
+    _ndim(x, 2, "x")
+    _ndim(weight, 2, "weight")
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"weight shape {tuple(weight.shape)} must be [N, {x.shape[1]}] (K of x)")
+    if tuple(weight_scale.shape) != (weight.shape[0],):
+        raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} must be ({weight.shape[0]},) (N)")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (N)")
+    if tuple(out.shape) != (x.shape[0], weight.shape[0]):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
+    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold))

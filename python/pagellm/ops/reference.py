@@ -13,9 +13,13 @@ import torch.nn.functional as F
 
 __all__ = [
     "reshape_and_cache",
+    "reshape_and_cache_quantized",
+    "quantize_kv_rows",
     "copy_blocks",
     "paged_attention_decode",
     "paged_attention_prefill",
+    "paged_attention_decode_quantized",
+    "paged_attention_prefill_quantized",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -23,6 +27,11 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
+    "int8_linear",
+    "GGUF_QTYPES",
+    "GGUF_BLOCK_BYTES",
+    "gguf_dequantize",
+    "gguf_linear",
 ]
 
 
@@ -45,6 +54,45 @@ def reshape_and_cache(
     value_cache[blocks, :, offsets, :] = value[keep]
 
 
+def quantize_kv_rows(x: torch.Tensor, storage_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absmax quantization of every row of x [..., head_dim] -> (stored [..., head_dim], scale [...] float32).
+
+    scale = absmax / qmax and stored = Q(x * (qmax / absmax)), qmax = 127 (int8: round half to even, clamped
+    to +-127) or 448 (float8_e4m3fn: clamped to +-448, rounded to nearest even); a zero row stores zeros with
+    scale 0. stored * scale is the value meant. Divisions are tensor / tensor (correctly rounded on every
+    device), so the kernels reproduce these bits exactly.
+    """
+    qmax = 127.0 if storage_dtype == torch.int8 else 448.0
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    qmax_t = torch.full_like(amax, qmax)
+    inv = torch.where(amax > 0, qmax_t / amax, torch.zeros_like(amax))
+    scaled = (xf * inv[..., None]).clamp(-qmax, qmax)
+    stored = scaled.round().to(torch.int8) if storage_dtype == torch.int8 else scaled.to(storage_dtype)
+    return stored, amax / qmax_t
+
+
+def reshape_and_cache_quantized(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """reshape_and_cache into a quantized cache: each (token, kv head) row quantized by quantize_kv_rows,
+    its scale at scale[slot // block_size, head, slot % block_size]; slot -1 is skipped."""
+    block_size = key_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    for cache, scales, x in ((key_cache, k_scale, key), (value_cache, v_scale, value)):
+        stored, scale = quantize_kv_rows(x[keep], cache.dtype)
+        cache.view(torch.uint8)[blocks, :, offsets, :] = stored.view(torch.uint8)  # byte view: fp8 has no index_put
+        scales[blocks, :, offsets] = scale
+
+
 def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
     """For every layer, copy block src -> dst for each (src, dst) row of block_mapping."""
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
@@ -61,6 +109,12 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     n_blocks = (seq_len + block_size - 1) // block_size
     blocks = cache[block_table[:n_blocks].long()]  # [n, H, bs, D]
     return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
+
+
+def _gather_dequantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[seq_len, num_kv_heads, head_dim] float32 = stored * scale of one sequence of a quantized cache."""
+    stored = _gather_context(cache.view(torch.uint8), block_table, seq_len).view(cache.dtype)
+    return stored.float() * _gather_context(scales.unsqueeze(-1), block_table, seq_len)
 
 
 def _attend(
@@ -95,9 +149,15 @@ def paged_attention_decode(
     softcap: float = 0.0,
 ) -> None:
     """One query token per sequence, at position seq_len - 1."""
+    def context(i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_context(key_cache, block_tables[i], seq_len), _gather_context(value_cache, block_tables[i], seq_len)
+
+    _decode(out, query, context, seq_lens, scale, window_size, softcap)
+
+
+def _decode(out, query, context, seq_lens, scale: float, window_size: int, softcap: float) -> None:
     for i, seq_len in enumerate(seq_lens.tolist()):
-        k = _gather_context(key_cache, block_tables[i], seq_len)
-        v = _gather_context(value_cache, block_tables[i], seq_len)
+        k, v = context(i, seq_len)
         pos = torch.tensor([seq_len - 1], device=query.device)
         out[i : i + 1] = _attend(query[i : i + 1], k, v, pos, scale, window_size, softcap).to(out.dtype)
 
@@ -115,15 +175,66 @@ def paged_attention_prefill(
     softcap: float = 0.0,
 ) -> None:
     """Chunk i's q_len = qsl[i+1] - qsl[i] queries are the LAST q_len positions of its seq_lens[i] context."""
+    def context(i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _gather_context(key_cache, block_tables[i], seq_len), _gather_context(value_cache, block_tables[i], seq_len)
+
+    _prefill(out, query, context, query_start_loc, seq_lens, scale, window_size, softcap)
+
+
+def _prefill(out, query, context, query_start_loc, seq_lens, scale: float, window_size: int, softcap: float) -> None:
     qsl = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = qsl[i], qsl[i + 1]
         if end == start:
             continue
-        k = _gather_context(key_cache, block_tables[i], seq_len)
-        v = _gather_context(value_cache, block_tables[i], seq_len)
+        k, v = context(i, seq_len)
         pos = torch.arange(seq_len - (end - start), seq_len, device=query.device)
         out[start:end] = _attend(query[start:end], k, v, pos, scale, window_size, softcap).to(out.dtype)
+
+
+def _dequantized_context(key_cache, value_cache, k_scale, v_scale, block_tables):
+    def context(i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (_gather_dequantized(key_cache, k_scale, block_tables[i], seq_len),
+                _gather_dequantized(value_cache, v_scale, block_tables[i], seq_len))
+
+    return context
+
+
+def paged_attention_decode_quantized(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """paged_attention_decode over a quantized cache: keys/values are stored * scale of their row (fp32)."""
+    context = _dequantized_context(key_cache, value_cache, k_scale, v_scale, block_tables)
+    _decode(out, query, context, seq_lens, scale, window_size, softcap)
+
+
+def paged_attention_prefill_quantized(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    window_size: int = -1,
+    softcap: float = 0.0,
+) -> None:
+    """paged_attention_prefill over a quantized cache: keys/values are stored * scale of their row (fp32)."""
+    context = _dequantized_context(key_cache, value_cache, k_scale, v_scale, block_tables)
+    _prefill(out, query, context, query_start_loc, seq_lens, scale, window_size, softcap)
 
 
 # ---------------------------------------------------------------- norms and rotary
@@ -197,3 +308,73 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """The same product as linear_small_m (fp32 accumulation, one rounding); bf16 only."""
     linear_small_m(out, x, weight, bias)
+
+
+# ---------------------------------------------------------------- GGUF blocks (csrc/ops/quant/gguf_blocks.h)
+
+# ggml type id by name, and bytes per 32-element block, of the block types gguf_linear multiplies natively.
+GGUF_QTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+GGUF_BLOCK_BYTES = {2: 18, 3: 20, 8: 34}
+
+
+def _fp16_field(blocks: torch.Tensor, offset: int) -> torch.Tensor:
+    """The fp16 at byte `offset` of every block [..., bytes] -> float32 [..., 1]."""
+    return blocks[..., offset : offset + 2].contiguous().view(torch.float16).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """qs [..., 16] uint8 -> [..., 32] float: the low nibbles are elements 0..15, the high ones 16..31."""
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1).float()
+
+
+def gguf_dequantize(qweight: torch.Tensor, qtype: int, in_features: int) -> torch.Tensor:
+    """qweight uint8 [N, in_features / 32 * block_bytes] -> float32 [N, in_features], as gguf.quants does:
+    Q8_0 d * q, Q4_0 d * (q - 8), Q4_1 d * q + m (d, m fp16 per block of 32)."""
+    blocks = qweight.reshape(qweight.shape[0], in_features // 32, GGUF_BLOCK_BYTES[qtype])
+    d = _fp16_field(blocks, 0)
+    if qtype == GGUF_QTYPES["Q8_0"]:
+        w = d * blocks[..., 2:].contiguous().view(torch.int8).float()
+    elif qtype == GGUF_QTYPES["Q4_0"]:
+        w = d * (_nibbles(blocks[..., 2:]) - 8)
+    else:
+        w = d * _nibbles(blocks[..., 4:]) + _fp16_field(blocks, 2)
+    return w.reshape(qweight.shape[0], in_features)
+
+
+def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
+                bias: torch.Tensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ gguf_dequantize(qweight)^T (+ bias [N]) in float32, rounded once into out."""
+    w = gguf_dequantize(qweight, qtype, in_features)
+    out.copy_(F.linear(x.float(), w, None if bias is None else bias.float()))
+
+
+# ---------------------------------------------------------------- int8 (LLM.int8())
+
+
+def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
+    """LLM.int8() (Dettmers et al. 2022): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N])^T (+ bias).
+
+    Columns of x with |x| > threshold in any row (threshold 0: none) are multiplied in fp32 by the dequantized
+    weight. The other columns are quantized per row by their absmax, s_m = absmax_m / 127 and
+    q = clamp(round_half_even(x * (127 / absmax_m)), -127, 127), and multiplied as int8 x int8 -> int32
+    (exact; here in float64, exact below 2^53), rescaled by s_m * weight_scale[n]. Rounded once into out.
+    Shape branches only (no data read into Python): replayable in a step graph."""
+    if out.numel() == 0:
+        return
+    xf = x.float()
+    if threshold > 0:
+        outlier = xf.abs().amax(dim=0) > threshold  # [K]
+    else:
+        outlier = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
+    x_in = torch.where(outlier, 0.0, xf)
+    absmax = x_in.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)  # [M]
+    # a tensor / tensor division is IEEE-rounded, as in the kernels (127.0 / t is reciprocal(t) * 127 in torch)
+    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
+    q = torch.round(x_in * inv[:, None]).clamp(-127, 127)
+    acc = (q.double() @ weight.double().T).float()
+    y = acc * ((absmax / 127.0)[:, None] * weight_scale[None, :])
+    y = y + torch.where(outlier, xf, 0.0) @ (weight.float() * weight_scale[:, None]).T
+    if bias is not None:
+        y = y + bias.float()
+    out.copy_(y)

@@ -8,9 +8,11 @@ from pagellm.quantization.registry import (
     get_quantization_config_cls, list_quantization_methods, register_quantization_config,
 )
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.quantization.int8 import Int8Config, Int8LinearMethod  # registers "int8"
+from pagellm.quantization.gguf import GGUF_METHOD, GGUFConfig, GGUFLinearMethod  # registers "gguf"
 
 __all__ = [
-    "LinearMethodBase", "OutputShard", "QuantizationConfig", "ShardLoader", "UnquantizedLinearMethod",
-    "get_quantization_config_cls", "list_quantization_methods", "load_output_slice", "new_linear_param",
+    "GGUF_METHOD", "GGUFConfig", "GGUFLinearMethod", "LinearMethodBase", "OutputShard", "QuantizationConfig", "ShardLoader", "UnquantizedLinearMethod",
+    "Int8Config", "Int8LinearMethod", "get_quantization_config_cls", "list_quantization_methods", "load_output_slice", "new_linear_param",
     "register_quantization_config", "set_weight_attrs",
 ]
