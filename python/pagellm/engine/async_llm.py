@@ -30,6 +30,7 @@ and every later call raise EngineDeadError, and `check_health()` raises it (a se
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import itertools
 import threading
 import time
@@ -47,6 +48,15 @@ from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
+
+
+def release_freed_heap() -> None:
+    """glibc keeps freed heap pages (a long prompt's activations, say) in its arenas, so a server's RSS
+    only ever grows; malloc_trim(0) returns them. A no-op where glibc is not the allocator."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class EngineDeadError(RuntimeError):
@@ -328,12 +338,17 @@ class AsyncLLM:
         loop = self._loop
         assert loop is not None
         self._refresh_stats()
+        busy = False
         try:
             while not self._stopped.is_set():
                 self._drain_inbox(loop)
                 if self.engine.has_unfinished_requests():
+                    busy = True
                     self._step_once(loop)
                 else:
+                    if busy:  # just went idle: hand the heap the steps freed back to the OS
+                        busy = False
+                        release_freed_heap()
                     self._refresh_stats()
                     self._wake.wait(self._idle_poll_s)
                     self._wake.clear()
