@@ -12,6 +12,7 @@
 
 #include "ops/common/checks.h"
 #include "ops/quant/int8_cpu_kernels.h"
+#include "ops/quant/int8_linear_checks.h"
 
 namespace pagellm::cpu::int8 {
 namespace {
@@ -82,26 +83,8 @@ void check_int8_linear(const at::Tensor& out, const at::Tensor& x, const at::Ten
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   check_cpu(weight_scale, "weight_scale");
-  check_float(x, "x");
-  check_same_dtype(out, x, "out", "x");
-  check_dtype(weight, at::kChar, "weight");
-  check_dtype(weight_scale, at::kFloat, "weight_scale");
-  check_dim(x, 2, "x");
-  check_dim(weight, 2, "weight");
-  check_dim(out, 2, "out");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
-  TORCH_CHECK(K < (int64_t{1} << 17), "x: K = ", K, " is too large for int32 accumulation (must be < 131072)");
-  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, "weight_scale must have shape [", N, "], got ",
-              weight_scale.sizes());
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
-  if (bias.has_value() && bias->defined()) {
-    check_cpu(*bias, "bias");
-    check_same_dtype(*bias, x, "bias", "x");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
-  }
-  TORCH_CHECK(threshold >= 0.0, "threshold must be >= 0 (0 = no outlier columns), got ", threshold);
-  check_last_contiguous(out, "out");
+  if (bias.has_value() && bias->defined()) check_cpu(*bias, "bias");
+  ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold);
 }
 
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,

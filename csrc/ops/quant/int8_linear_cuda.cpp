@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "ops/cuda_common/torch_glue.h"
+#include "ops/quant/int8_linear_checks.h"
 #include "ops/quant/int8_linear_launch.h"
 
 namespace pagellm::cuda {
@@ -18,29 +19,13 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   check_same_device(weight, x, "weight", "x");
   check_cuda(weight_scale, "weight_scale");
   check_same_device(weight_scale, x, "weight_scale", "x");
-  const DType dt = to_dtype(x, "x");
-  check_same_dtype(out, x, "out", "x");
-  check_dtype(weight, at::kChar, "weight");
-  check_dtype(weight_scale, at::kFloat, "weight_scale");
-  check_dim(x, 2, "x");
-  check_dim(weight, 2, "weight");
-  check_dim(out, 2, "out");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
-  TORCH_CHECK(K < (int64_t{1} << 17), "x: K = ", K, " is too large for int32 accumulation (must be < 131072)");
-  TORCH_CHECK(M <= 65535, "x: at most 65535 rows per call, got ", M);
-  TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, "weight_scale must have shape [", N, "], got ",
-              weight_scale.sizes());
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
-  const bool has_bias = bias.has_value() && bias->defined();
-  if (has_bias) {
+  if (bias.has_value() && bias->defined()) {
     check_cuda(*bias, "bias");
     check_same_device(*bias, x, "bias", "x");
-    check_same_dtype(*bias, x, "bias", "x");
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
   }
-  TORCH_CHECK(threshold >= 0.0, "threshold must be >= 0 (0 = no outlier columns), got ", threshold);
-  check_last_contiguous(out, "out");
+  const DType dt = to_dtype(x, "x");
+  const auto [M, N, K, has_bias] = ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold);
+  TORCH_CHECK(M <= 65535, "x: at most 65535 rows per call, got ", M);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   if (K == 0) {
