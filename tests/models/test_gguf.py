@@ -36,7 +36,21 @@ def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path, hf, tokenizer) -> None:
+_GLOBAL_TO_GGUF = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                   "lm_head.weight": "output.weight"}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """llama.cpp's name of an HF Llama tensor (blk.N.attn_q.weight, token_embd.weight, ...)."""
+    if hf_name in _GLOBAL_TO_GGUF:
+        return _GLOBAL_TO_GGUF[hf_name]
+    parts = hf_name.split(".")
+    return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+def write_llama_gguf(path, hf, tokenizer, qtype_of) -> None:
+    """hf's weights and tokenizer as a llama GGUF, q/k rows permuted as llama.cpp's converter does; each tensor in
+    the type `qtype_of(hf_name, gguf_name, array)` gives (F32, F16 or a block type)."""
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
@@ -65,21 +79,12 @@ def write_tiny_gguf(path, hf, tokenizer) -> None:
     w.add_chat_template(tokenizer.chat_template)
     for name, t in hf.state_dict().items():
         a = t.float().numpy()
-        if name == "model.embed_tokens.weight":
-            g = "token_embd.weight"
-        elif name == "model.norm.weight":
-            g = "output_norm.weight"
-        elif name == "lm_head.weight":
-            g = "output.weight"
-        else:
-            parts = name.split(".")
-            g = f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
+        g = gguf_tensor_name(name)
         if "self_attn.q_proj" in name:
             a = llamacpp_permute(a, cfg.num_attention_heads)
         elif "self_attn.k_proj" in name:
             a = llamacpp_permute(a, cfg.num_key_value_heads)
-        kind = name.split(".")[-2]
-        qtype = QTYPES.get(kind, Q.F32) if a.ndim == 2 else Q.F32
+        qtype = qtype_of(name, g, a)
         if qtype == Q.F32:
             w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
         elif qtype == Q.F16:
@@ -90,6 +95,12 @@ def write_tiny_gguf(path, hf, tokenizer) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_tiny_gguf(path, hf, tokenizer) -> None:
+    """The tiny test GGUF: each kind of tensor in the type QTYPES gives it (vectors F32)."""
+    write_llama_gguf(path, hf, tokenizer,
+                     lambda name, g, a: QTYPES.get(name.split(".")[-2], Q.F32) if a.ndim == 2 else Q.F32)
 
 
 def hf_from_gguf(path):

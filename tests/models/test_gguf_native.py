@@ -8,8 +8,6 @@ only in summation order, so greedy tokens are equal and prompt logprobs within 1
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 import torch
@@ -23,7 +21,7 @@ from pagellm.model_loader import build_model, open_model
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.ops.reference import gguf_dequantize
 from pagellm.quantization import GGUFConfig, GGUFLinearMethod, UnquantizedLinearMethod
-from test_gguf import llamacpp_permute
+from test_gguf import write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -38,63 +36,18 @@ LAYER_TYPES = [
      "ffn_up": Q.Q4_0, "ffn_down": Q.Q4_1},
 ]
 GLOBAL_TYPES = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q4_1, "output_norm.weight": Q.F32}
-_TO_GGUF = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-            "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-            "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-           "lm_head.weight": "output.weight"}
 
 
 def write_gguf(path, hf, tokenizer, layer_types=LAYER_TYPES) -> None:
-    """hf's weights as a llama GGUF (llama.cpp's q/k row permutation), each tensor in the type the tables say."""
-    cfg = hf.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_vocab_size(cfg.vocab_size)
-    tj = json.loads(tokenizer.backend_tokenizer.to_str())
-    vocab = sorted(tj["model"]["vocab"].items(), key=lambda kv: kv[1])
-    special = {t.content for t in tokenizer.added_tokens_decoder.values()}
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t in special else 1 for t, _ in vocab])
-    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tj["model"]["merges"]])
-    w.add_eos_token_id(tokenizer.eos_token_id)
-    for name, t in hf.state_dict().items():
-        a = t.float().numpy()
-        if name in _GLOBAL:
-            g = _GLOBAL[name]
-            qtype = GLOBAL_TYPES[g]
-        else:
-            parts = name.split(".")
-            kind = _TO_GGUF[".".join(parts[3:-1])]
-            g = f"blk.{parts[2]}.{kind}.{parts[-1]}"
-            qtype = layer_types[int(parts[2])].get(kind, Q.F32)
-        if kind_is(name, "q_proj"):
-            a = llamacpp_permute(a, cfg.num_attention_heads)
-        elif kind_is(name, "k_proj"):
-            a = llamacpp_permute(a, cfg.num_key_value_heads)
-        if qtype == Q.F32:
-            w.add_tensor(g, np.ascontiguousarray(a, dtype=np.float32))
-        elif qtype == Q.F16:
-            w.add_tensor(g, a.astype(np.float16))
-        else:
-            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """hf's weights as a llama GGUF, each tensor in the type the tables say."""
 
+    def qtype_of(name: str, gguf_name: str, array) -> object:
+        if gguf_name in GLOBAL_TYPES:
+            return GLOBAL_TYPES[gguf_name]
+        parts = gguf_name.split(".")  # blk.N.kind.weight
+        return layer_types[int(parts[1])].get(parts[2], Q.F32)
 
-def kind_is(hf_name: str, proj: str) -> bool:
-    return f".{proj}." in hf_name
+    write_llama_gguf(path, hf, tokenizer, qtype_of)
 
 
 def tiny_hf(tokenizer):
