@@ -1,4 +1,5 @@
-"""Speculative decoding: the proposer contract (base.py) and the step's bookkeeping of spec rows (batch.py).
+"""Speculative decoding: the proposer contract (base.py), methods by name and `SpeculativeConfig` (registry.py),
+and the step's bookkeeping of spec rows (batch.py).
 Verification lives in sampling/rejection.py; the engine wires them up in LLMEngine.step()."""
 
 from pagellm.spec_decode.base import (
@@ -9,13 +10,25 @@ from pagellm.spec_decode.base import (
     check_proposals,
 )
 from pagellm.spec_decode.batch import SpecRows, split_spec_rows
+from pagellm.spec_decode.registry import (
+    ProposerContext,
+    SpeculativeConfig,
+    create_proposer,
+    list_proposers,
+    register_proposer,
+)
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "BaseProposer",
     "DraftRequest",
+    "ProposerContext",
     "SpecDecodeStats",
     "SpecRows",
+    "SpeculativeConfig",
     "check_proposals",
+    "create_proposer",
+    "list_proposers",
+    "register_proposer",
     "split_spec_rows",
 ]
