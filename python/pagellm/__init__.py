@@ -1,6 +1,10 @@
 """pagellm: a readable LLM inference engine with a paged KV cache and a C++/CUDA core."""
 
-import torch  # noqa: F401  (loads libtorch before the _C extension)
+from pagellm.threading_config import set_openmp_defaults
+
+set_openmp_defaults()  # OpenMP reads its settings when torch loads it: first (see threading_config)
+
+import torch  # noqa: E402, F401  (loads libtorch before the _C extension)
 
 from pagellm.version import __version__
 

@@ -1,7 +1,7 @@
 // Gated activations: out[r, i] = act(x[r, i]) * x[r, d + i], computed in fp32, rounded once.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include "ops/common/cpu_vec.h"
 
@@ -40,7 +40,7 @@ void gated_activation_kernel(T* out, const T* x, int64_t rows, int64_t d, int64_
   constexpr int64_t kChunk = 1024;
   const int64_t chunks = (d + kChunk - 1) / kChunk;
   // grain 64 chunks: >= 64K elements per task, so tiny calls run inline.
-  at::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, rows * chunks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) {
       const int64_t r = w / chunks, c = w % chunks;
       gate_row<A>(out + r * out_stride, x + r * x_stride, c * kChunk, std::min(d, (c + 1) * kChunk), d);

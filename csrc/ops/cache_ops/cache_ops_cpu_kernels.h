@@ -4,7 +4,7 @@
 // block_size] (one per row, so a row's scale index is its row index in the cache).
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include <cstdint>
 #include <cstring>
@@ -29,7 +29,7 @@ inline void reshape_and_cache_kernel(const CacheWriteArgs& a) {
   const int64_t head_bytes = a.block_size * row_bytes;
   const int64_t block_bytes = a.num_heads * head_bytes;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, a.num_heads * row_bytes));
-  at::parallel_for(0, a.num_tokens, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = a.slots[t];
       if (slot < 0) continue;
@@ -63,7 +63,7 @@ template <typename T, typename C>
 void reshape_and_cache_quantized_kernel(const QuantCacheWriteArgs<T, C>& a) {
   const int64_t D = a.head_dim, bs = a.block_size;
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 15) / std::max<int64_t>(1, a.num_heads * D));
-  at::parallel_for(0, a.num_tokens, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.num_tokens, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t slot = a.slots[t];
       if (slot < 0) continue;
@@ -80,7 +80,7 @@ void reshape_and_cache_quantized_kernel(const QuantCacheWriteArgs<T, C>& a) {
 inline void copy_blocks_kernel(char* const* key_caches, char* const* value_caches, int64_t num_layers,
                                const int64_t* mapping, int64_t num_pairs, const int64_t* block_bytes) {
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, block_bytes[0]));
-  at::parallel_for(0, num_layers * num_pairs, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, num_layers * num_pairs, grain, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t l = i / num_pairs, p = i % num_pairs;
       const int64_t nb = block_bytes[l];

@@ -16,7 +16,7 @@
 // row's result does not depend on the other rows in the batch.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 #include <c10/util/BFloat16.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -225,7 +225,7 @@ inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const 
   thread_local std::vector<uint32_t> xp;
   if (xp.size() < static_cast<size_t>(panels * panel)) xp.resize(static_cast<size_t>(panels * panel));
   uint32_t* const xpd = xp.data();
-  at::parallel_for(0, panels, 4, [&](int64_t b, int64_t e) {
+  pagellm::cpu::parallel_for(0, panels, 4, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) pack_x_panel(xpd + t * panel, x, a, t * 16);
   });
   const int64_t n_blocks = (a.N + kBlockN - 1) / kBlockN;
@@ -234,7 +234,7 @@ inline void linear_amx_kernel(c10::BFloat16* out, const c10::BFloat16* x, const 
   const int64_t k_full = a.K / kTileK * kTileK;
   // ~>= 128 KiB of weight per task
   const int64_t grain = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(kBlockN * a.K * 2, 1));
-  at::parallel_for(0, n_blocks, grain, [&](int64_t nb0, int64_t nb1) {
+  pagellm::cpu::parallel_for(0, n_blocks, grain, [&](int64_t nb0, int64_t nb1) {
     load_tile_config();
     alignas(64) float cacc[kChunkPairs * 4 * 256];
     std::vector<c10::BFloat16> ktail(k_tail ? kBlockN * kTileK : 0);

@@ -9,7 +9,7 @@
 // fp32 (cpu_vec.h) and use FMA. K tails use masked loads (both operands zeroed, so no garbage NaNs).
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include "ops/common/cpu_vec.h"
 
@@ -168,7 +168,7 @@ void linear_small_m_kernel(T* out, const T* x, const T* w, const T* bias, const 
   // ~>= 256 KiB of weight per task, so small matrices run inline and big ones split across threads.
   const int64_t tile_bytes = NR * a.K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(tile_bytes, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * NR;
       if (n0 + NR <= a.N) {

@@ -2,7 +2,7 @@
 // RMSNorm rounds like HF Llama: normalize in fp32, cast to the input dtype, then multiply by weight.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include "ops/common/cpu_vec.h"
 
@@ -43,7 +43,7 @@ inline void scale_row(T* out, const T* x, const T* w, int64_t n, float inv_rms) 
 template <typename T>
 void rms_norm_kernel(T* out, const T* x, const T* w, int64_t rows, int64_t n, int64_t out_stride,
                      int64_t x_stride, float eps) {
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * x_stride;
       const float inv = 1.0f / std::sqrt(sum_squares(xr, n) / static_cast<float>(n) + eps);
@@ -74,7 +74,7 @@ inline float add_residual_row(T* res, const T* x, int64_t n) {
 template <typename T>
 void fused_add_rms_norm_kernel(T* x, T* res, const T* w, int64_t rows, int64_t n, int64_t x_stride,
                                int64_t res_stride, float eps) {
-  at::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, rows, row_grain(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* rr = res + r * res_stride;
       T* xr = x + r * x_stride;
@@ -117,7 +117,7 @@ inline void rope_gptj_head(T* x, const float* ce, const float* se, int64_t rot) 
 
 template <typename T, typename C>
 void rotary_embedding_kernel(const RopeArgs& a, T* q, T* k, const C* cache) {
-  at::parallel_for(0, a.num_tokens, row_grain((a.num_q_heads + a.num_k_heads) * a.rot_dim), [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.num_tokens, row_grain((a.num_q_heads + a.num_k_heads) * a.rot_dim), [&](int64_t begin, int64_t end) {
     float cbuf[512], sbuf[512];  // rot_dim <= 512 (checked by the caller)
     const int64_t half = a.rot_dim / 2;
     for (int64_t t = begin; t < end; ++t) {

@@ -2,7 +2,7 @@
 // soft-capping and a dynamically scheduled parallel loop (work items of very different cost).
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include <atomic>
 #include <cstdint>
@@ -72,15 +72,15 @@ inline void apply_softcap(float* x, int64_t n, float softcap, float scale = 1.0f
   }
 }
 
-// Runs body(claim) on every thread of at::parallel_for; claim() hands out item indices 0, 1, ...
+// Runs body(claim) on every thread of parallel_for; claim() hands out item indices 0, 1, ...
 // (body loops until claim() >= n). Per-thread scratch lives inside body.
 template <typename Body>
 void parallel_dynamic(int64_t n, const Body& body) {
   if (n <= 0) return;
   std::atomic<int64_t> next{0};
   auto claim = [&next]() { return next.fetch_add(1, std::memory_order_relaxed); };
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(pagellm::cpu::num_threads(), n));
+  pagellm::cpu::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
     for (int64_t w = begin; w < end; ++w) body(claim);
   });
 }

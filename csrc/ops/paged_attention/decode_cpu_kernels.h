@@ -308,7 +308,7 @@ struct DecodePart {
 // (num_seqs * num_kv_heads * partitions) to keep every thread busy; part_off[s] indexes seq s's parts.
 template <typename T, typename C>
 std::vector<DecodePart> plan_decode(const PagedAttnArgs<T, C>& a, std::vector<int64_t>& part_off) {
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = pagellm::cpu::num_threads();
   int64_t max_len = 0;
   for (int64_t s = 0; s < a.num_seqs; ++s) max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
   const int64_t units = a.num_seqs * a.num_kv_heads;
@@ -338,7 +338,7 @@ template <typename T, typename C>
 void decode_reduce(const PagedAttnArgs<T, C>& a, const std::vector<int64_t>& part_off, const float* partials) {
   const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
   const int64_t item_floats = G * (D + 2);
-  at::parallel_for(0, a.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / H, h = u % H;

@@ -13,7 +13,7 @@
 // Larger M (prefill): `dequantize_rows` expands a tile of weight rows into T, to feed a GEMM (the glue).
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -219,7 +219,7 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
   const int64_t tiles = (a.N + kTileRows - 1) / kTileRows;
   // >= ~64 KiB of weight per task, so small matrices run inline and big ones split across threads.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(kTileRows * a.ldw, 1));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     float sums[kChunkM * kTileRows];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows;
@@ -246,7 +246,7 @@ void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int
   const int64_t nb = K / kBlockElems;
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    pagellm::cpu::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> buf(static_cast<size_t>(K));
       for (int64_t r = begin; r < end; ++r) {
         const uint8_t* row = w + r * ldw;

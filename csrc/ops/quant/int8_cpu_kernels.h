@@ -11,7 +11,7 @@
 // term (and where the compiler fuses a multiply-add) round differently.
 #pragma once
 
-#include <ATen/Parallel.h>
+#include "ops/common/parallel.h"
 
 #include <algorithm>
 #include <cmath>
@@ -59,7 +59,7 @@ std::vector<int64_t> find_outlier_columns(const Int8LinearArgs<T>& a) {
   if (!(a.threshold > 0.f)) return cols;
   std::vector<uint8_t> is_outlier(a.K, 0);
   const int64_t grain = std::max<int64_t>(64, kInt8SerialElems / std::max<int64_t>(a.M, 1));
-  at::parallel_for(0, a.K, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.K, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = 0; m < a.M; ++m) {
       const T* xr = a.x + m * a.ldx;
       for (int64_t k = begin; k < end; ++k) is_outlier[k] |= std::fabs(static_cast<float>(xr[k])) > a.threshold;
@@ -113,7 +113,7 @@ QuantizedActivations quantize_activations(const Int8LinearArgs<T>& a) {
     for (int64_t c : qa.outlier_cols) zero_col[c] = 1;
   }
   const int64_t grain = std::max<int64_t>(1, kInt8SerialElems / std::max<int64_t>(a.K, 1));
-  at::parallel_for(0, a.M, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, a.M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) quantize_row(a, zero_col, m, qa);
   });
   return qa;
@@ -204,7 +204,7 @@ void int8_linear_kernel(const Int8LinearArgs<T>& a, Isa isa) {
   // >= 256 KiB of weight per task (as linear_small_m): small layers run inline, where waking threads would
   // cost more than the work; big ones split across threads.
   const int64_t grain = std::max<int64_t>(1, (int64_t{256} << 10) / (kInt8NR * a.K));
-  at::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
+  pagellm::cpu::parallel_for(0, num_tiles, grain, [&](int64_t begin, int64_t end) {
     int32_t acc[kInt8MR * kInt8NR];
     std::vector<float> w_out(kInt8NR * qa.outlier_cols.size());
     for (int64_t m_begin = 0; m_begin < a.M; m_begin += kInt8RowChunk) {

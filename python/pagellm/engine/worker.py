@@ -15,6 +15,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, make_kv_cache_config
 from pagellm.logger import init_logger
+from pagellm.threading_config import ThreadingConfig, apply_threading
 
 logger = init_logger(__name__)
 
@@ -29,6 +30,7 @@ class Worker:
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.rank = rank
         self.device = torch.device(mc.device)
+        self.threading = apply_threading(ThreadingConfig.from_env()) if self.device.type == "cpu" else None
         self.dtype = mc.torch_dtype(resolve_dtype("auto", model_files.hf_config))
         self.model = build_model(model_files, self.dtype, self.device, quantization=mc.quantization)
         self.model.eval()

@@ -1,0 +1,82 @@
+// pagellm's CPU thread pool: one persistent set of workers that every CPU kernel's parallel_for runs on.
+//
+// Why not at::parallel_for (OpenMP): its workers spin between regions and each takes one fixed slice of
+// the range, so on a machine where another process is busy the OS parks a spinning worker on the busy
+// core and every region waits a whole time slice for that worker's slice (batch-1 decode went 37x slower
+// with one busy process on 2 cores). Here:
+//   * the range is cut into several chunks per thread, claimed from one atomic counter by the caller and
+//     the workers alike, so a worker the OS does not run simply claims nothing and the others finish
+//     the range; a preempted worker delays only the chunk it holds;
+//   * workers join a region only while it is open: the caller never waits for a worker that has not
+//     started, only for chunks already claimed;
+//   * idle workers spin briefly (the gaps between one decode step's kernels) and then sleep on a futex,
+//     so they do not burn a core another process needs, and the scheduler treats them as interactive;
+//   * when the caller still had to wait long for a worker's chunk (the OS preempted it), the next
+//     regions run on the caller alone for a few milliseconds, doubling while it keeps happening, so a
+//     busy machine costs at most what one thread would;
+//   * with bind, each worker is pinned to one CPU of the process's affinity mask (sched_getaffinity);
+//     the calling thread is never pinned (threads it creates later would inherit the mask).
+// Torch-free (tested by thread_pool_test.cpp without torch); csrc/ops/common/parallel.h is what kernels use.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace pagellm {
+
+struct ThreadPoolSettings {
+  int num_threads = 0;    // threads a parallel_for uses, the caller included; 0: one per allowed CPU
+  bool bind = true;       // pin worker i to the (i + 1)-th allowed CPU (wrapping around)
+  int spin_us = 50;       // how long an idle worker polls for the next region before it sleeps
+  int chunks_per_thread = 4;  // a region is cut into at most num_threads * this many chunks
+  int max_backoff_ms = 200;   // after stalls on a preempted worker, regions run on the caller alone for up
+                              // to this long (5 ms, doubling while stalls continue); 0: never
+};
+
+// The CPUs this process may run on (sched_getaffinity), ascending; never empty.
+std::vector<int> allowed_cpus();
+
+// Replaces the settings (num_threads 0 resolved to allowed_cpus().size()); the workers restart lazily on
+// the next parallel_for. Throws std::invalid_argument (nothing changed) for num_threads outside
+// [0, 1024], spin_us outside [0, 1000000], chunks_per_thread outside [1, 64] or max_backoff_ms outside
+// [0, 10000]. Not callable from inside
+// a parallel_for body (throws std::logic_error).
+void configure_thread_pool(const ThreadPoolSettings& settings);
+
+// The current settings, num_threads resolved.
+ThreadPoolSettings thread_pool_settings();
+
+// Threads a parallel_for splits work across, the caller included (1 inside a parallel_for body).
+int thread_pool_num_threads();
+
+// Regions so far where the caller waited on a preempted worker and fell back to running alone.
+int64_t thread_pool_num_stalls();
+
+// True on a thread that is running a parallel_for body (there, parallel_for runs inline).
+bool in_thread_pool_region();
+
+namespace detail {
+// A non-owning reference to the body: fn(ctx, begin, end).
+struct ChunkBody {
+  void (*fn)(const void* ctx, int64_t begin, int64_t end);
+  const void* ctx;
+};
+// Runs body over [begin, end) in chunks of >= grain indices (except the last) on the pool.
+void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body);
+}  // namespace detail
+
+// at::parallel_for's contract: f(b, e) is called on disjoint sub-ranges that together cover
+// [begin, end) exactly once, each at least grain long except possibly the last; inline (one call
+// f(begin, end)) when the range is shorter than grain, the pool has one thread, or the caller is
+// already inside a parallel_for body; the first exception a body throws is rethrown here after every
+// started chunk has finished (the chunks not yet started are skipped). Unlike at::parallel_for, one
+// thread may call f several times (a thread's calls are not one contiguous range).
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const detail::ChunkBody body{[](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); },
+                               &f};
+  detail::run_parallel(begin, end, grain, body);
+}
+
+}  // namespace pagellm

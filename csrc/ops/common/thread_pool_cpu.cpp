@@ -1,0 +1,332 @@
+// The thread pool behind pagellm::parallel_for (see thread_pool.h for the policy and why).
+// Named *_cpu.cpp so the extension's source glob compiles it; torch-free.
+#include "ops/common/thread_pool.h"
+
+#include <linux/futex.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <exception>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace pagellm {
+namespace {
+
+thread_local bool tls_in_region = false;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+void futex_wait(std::atomic<uint32_t>* word, uint32_t expected) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT_PRIVATE, expected, nullptr, nullptr, 0);
+}
+
+void futex_wake(std::atomic<uint32_t>* word, int count) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAKE_PRIVATE, count, nullptr, nullptr, 0);
+}
+
+// The claim word: [epoch:32 | num_chunks:16 | next_chunk:16]. Epoch and chunk count travel with the
+// counter so a worker still looking at an earlier region can never claim a chunk of a later one.
+constexpr int kMaxChunks = 0xFFFF;
+inline uint64_t pack_claim(uint32_t epoch, uint64_t num_chunks, uint64_t next) {
+  return (static_cast<uint64_t>(epoch) << 32) | (num_chunks << 16) | next;
+}
+
+using Clock = std::chrono::steady_clock;
+
+class ThreadPool {
+ public:
+  // Process-wide on purpose: the CPUs are a process resource, and every kernel must share one set of
+  // workers. Never destroyed (workers may still sleep in a futex at exit).
+  static ThreadPool& instance() {
+    static ThreadPool* pool = new ThreadPool();
+    return *pool;
+  }
+
+  void configure(const ThreadPoolSettings& s) {
+    if (tls_in_region) throw std::logic_error("configure_thread_pool: called inside a parallel_for body");
+    std::lock_guard<std::mutex> lk(run_mu_);
+    stop_workers_locked();
+    solo_until_ = {};
+    backoff_ = {};
+    settings_ = s;
+    if (settings_.num_threads == 0) settings_.num_threads = static_cast<int>(allowed_cpus().size());
+    num_threads_.store(settings_.num_threads, std::memory_order_relaxed);
+  }
+
+  ThreadPoolSettings settings() {
+    std::lock_guard<std::mutex> lk(run_mu_);
+    return settings_;
+  }
+
+  int64_t num_stalls() {
+    std::lock_guard<std::mutex> lk(run_mu_);
+    return num_stalls_;
+  }
+
+  int num_threads() const { return num_threads_.load(std::memory_order_relaxed); }
+
+  void run(int64_t begin, int64_t end, int64_t grain, detail::ChunkBody body) {
+    const int64_t range = end - begin;
+    grain = std::max<int64_t>(grain, 1);
+    if (tls_in_region || range <= grain || num_threads() <= 1) return body.fn(body.ctx, begin, end);
+    // One region at a time; a second thread arriving meanwhile runs its range inline.
+    std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
+    if (!lk.owns_lock()) return run_inline(begin, end, body);
+    const int nthreads = settings_.num_threads;
+    const int64_t max_chunks = std::min<int64_t>(kMaxChunks, int64_t{nthreads} * settings_.chunks_per_thread);
+    const int64_t want = std::min<int64_t>((range + grain - 1) / grain, max_chunks);
+    const int64_t chunk = std::max(grain, (range + want - 1) / want);
+    const int64_t num_chunks = (range + chunk - 1) / chunk;
+    if (num_chunks <= 1) return run_inline(begin, end, body);
+    const auto t_start = Clock::now();
+    if (t_start < solo_until_) return run_inline(begin, end, body);
+    if (!started_) start_workers_locked();
+
+    body_ = body;
+    begin_ = begin;
+    end_ = end;
+    chunk_ = chunk;
+    error_ = nullptr;
+    failed_.store(false, std::memory_order_relaxed);
+    chunks_done_.store(0, std::memory_order_relaxed);
+    const uint32_t epoch = epoch_.load(std::memory_order_relaxed) + 1;
+    claim_.store(pack_claim(epoch, num_chunks, 0), std::memory_order_release);
+    epoch_.store(epoch, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      futex_wake(&epoch_, static_cast<int>(std::min<int64_t>(nthreads - 1, num_chunks - 1)));
+    }
+    tls_in_region = true;
+    const int64_t own_chunks = work(epoch);
+    tls_in_region = false;
+    const auto t_own_done = Clock::now();
+    wait_done(num_chunks);
+    note_stall(num_chunks, own_chunks, t_start, t_own_done, Clock::now());
+    if (error_) std::rethrow_exception(error_);
+  }
+
+  void after_fork_in_child() {
+    // Only the forking thread exists in the child: forget the workers (their stacks are gone with them).
+    workers_.clear();
+    started_ = false;
+    sleepers_.store(0);
+  }
+
+ private:
+  ThreadPool() {
+    settings_.num_threads = static_cast<int>(allowed_cpus().size());
+    num_threads_.store(settings_.num_threads);
+    pthread_atfork(nullptr, nullptr, [] { instance().after_fork_in_child(); });
+  }
+
+  void run_inline(int64_t begin, int64_t end, detail::ChunkBody body) {
+    tls_in_region = true;
+    try {
+      body.fn(body.ctx, begin, end);
+    } catch (...) {
+      tls_in_region = false;
+      throw;
+    }
+    tls_in_region = false;
+  }
+
+  // A worker the OS has preempted (or that shares its core with a busy process) makes the caller wait
+  // for the chunk it holds: on a busy machine, a time slice. When the caller waited longer than doing
+  // the workers' chunks itself would have taken (its own time per chunk), the workers cost more than
+  // they gave: regions run on the caller alone for a while (5 ms, doubling up to max_backoff_ms while
+  // it keeps happening; a region where they helped resets it).
+  void note_stall(int64_t num_chunks, int64_t own_chunks, Clock::time_point start, Clock::time_point own_done,
+                  Clock::time_point end) {
+    if (settings_.max_backoff_ms <= 0 || own_chunks == 0) return;
+    const auto per_chunk = (own_done - start) / own_chunks;
+    if (end - own_done <= (num_chunks - own_chunks) * per_chunk + std::chrono::microseconds(50)) {
+      backoff_ = Clock::duration::zero();
+      return;
+    }
+    const Clock::duration max_backoff = std::chrono::milliseconds(settings_.max_backoff_ms);
+    backoff_ = std::min(max_backoff, std::max<Clock::duration>(2 * backoff_, std::chrono::milliseconds(5)));
+    solo_until_ = end + backoff_;
+    ++num_stalls_;
+  }
+
+  // Claims and runs chunks of region `epoch` until none is left (or a later region started); how many.
+  int64_t work(uint32_t epoch) {
+    int64_t done = 0;
+    uint64_t w = claim_.load(std::memory_order_acquire);
+    for (;;) {
+      if (static_cast<uint32_t>(w >> 32) != epoch) return done;
+      const uint64_t num_chunks = (w >> 16) & 0xFFFF, next = w & 0xFFFF;
+      if (next >= num_chunks) return done;
+      if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      // Chunk `next` of this region is ours: the caller waits for it, so the fields below are this region's.
+      const int64_t b = begin_ + static_cast<int64_t>(next) * chunk_, e = std::min(end_, b + chunk_);
+      if (!failed_.load(std::memory_order_relaxed)) {
+        try {
+          body_.fn(body_.ctx, b, e);
+        } catch (...) {
+          std::lock_guard<std::mutex> lk(error_mu_);
+          if (!error_) error_ = std::current_exception();
+          failed_.store(true, std::memory_order_relaxed);
+        }
+      }
+      chunks_done_.fetch_add(1, std::memory_order_acq_rel);
+      ++done;
+      w = claim_.load(std::memory_order_acquire);
+    }
+  }
+
+  // The caller's wait for chunks that workers hold: spin briefly, then yield the core (a preempted
+  // worker on this core gets to finish its chunk).
+  void wait_done(int64_t num_chunks) {
+    int spins = 0;
+    while (chunks_done_.load(std::memory_order_acquire) < num_chunks) {
+      if (++spins < 2000) {
+        cpu_relax();
+      } else {
+        sched_yield();
+      }
+    }
+  }
+
+  static void* worker_entry(void* arg) {
+    auto* start = static_cast<WorkerStart*>(arg);
+    ThreadPool& pool = *start->pool;
+    const int cpu = start->cpu;
+    const uint32_t first_epoch = start->epoch;
+    delete start;
+    pthread_setname_np(pthread_self(), "pagellm-pool");
+    if (cpu >= 0) {
+      cpu_set_t set;
+      CPU_ZERO(&set);
+      CPU_SET(cpu, &set);
+      pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: unpinned on failure
+    }
+    pool.worker_loop(first_epoch);
+    return nullptr;
+  }
+
+  void worker_loop(uint32_t seen) {
+    const auto spin = std::chrono::microseconds(settings_.spin_us);  // fixed while this worker lives
+    tls_in_region = true;  // a body run here that calls parallel_for runs inline
+    for (;;) {
+      const auto deadline = std::chrono::steady_clock::now() + spin;
+      int polls = 0;
+      while (epoch_.load(std::memory_order_acquire) == seen) {
+        cpu_relax();
+        if (++polls % 64 != 0 || std::chrono::steady_clock::now() < deadline) continue;
+        sleepers_.fetch_add(1, std::memory_order_seq_cst);
+        if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch_, seen);
+        sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+      }
+      seen = epoch_.load(std::memory_order_acquire);
+      if (stop_.load(std::memory_order_acquire)) return;
+      work(seen);
+    }
+  }
+
+  void start_workers_locked() {
+    const std::vector<int> cpus = allowed_cpus();
+    stop_.store(false);
+    for (int i = 1; i < settings_.num_threads; ++i) {
+      auto* start = new WorkerStart{this, settings_.bind ? cpus[i % cpus.size()] : -1, epoch_.load()};
+      pthread_t t;
+      if (pthread_create(&t, nullptr, &ThreadPool::worker_entry, start) != 0) {
+        delete start;
+        break;  // fewer workers: the caller and the others still cover every chunk
+      }
+      workers_.push_back(t);
+    }
+    started_ = true;
+  }
+
+  void stop_workers_locked() {
+    if (!started_) return;
+    stop_.store(true, std::memory_order_release);
+    epoch_.fetch_add(1, std::memory_order_seq_cst);
+    futex_wake(&epoch_, INT_MAX);
+    for (pthread_t t : workers_) pthread_join(t, nullptr);
+    workers_.clear();
+    started_ = false;
+  }
+
+  struct WorkerStart {
+    ThreadPool* pool;
+    int cpu;
+    uint32_t epoch;
+  };
+
+  Clock::time_point solo_until_{};  // regions before this run on the caller alone (note_stall)
+  Clock::duration backoff_{};
+  int64_t num_stalls_ = 0;
+  std::mutex run_mu_;  // held by the thread running a region, and by configure
+  ThreadPoolSettings settings_;
+  std::atomic<int> num_threads_{1};
+  std::vector<pthread_t> workers_;
+  bool started_ = false;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint32_t> epoch_{0};  // futex word: bumped per region (and to stop the workers)
+  std::atomic<int> sleepers_{0};
+  std::atomic<uint64_t> claim_{0};
+  std::atomic<int64_t> chunks_done_{0};
+  std::atomic<bool> failed_{false};
+  std::mutex error_mu_;
+  std::exception_ptr error_;
+  detail::ChunkBody body_{};
+  int64_t begin_ = 0, end_ = 0, chunk_ = 1;
+};
+
+}  // namespace
+
+std::vector<int> allowed_cpus() {
+  std::vector<int> cpus;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    for (int c = 0; c < CPU_SETSIZE; ++c) {
+      if (CPU_ISSET(c, &set)) cpus.push_back(c);
+    }
+  }
+  if (cpus.empty()) cpus.push_back(0);  // unknown: behave as one CPU
+  return cpus;
+}
+
+void configure_thread_pool(const ThreadPoolSettings& s) {
+  auto require = [](bool ok, const std::string& what) {
+    if (!ok) throw std::invalid_argument("configure_thread_pool: " + what);
+  };
+  require(s.num_threads >= 0 && s.num_threads <= 1024,
+          "num_threads must be in [0, 1024] (0: one per allowed CPU), got " + std::to_string(s.num_threads));
+  require(s.spin_us >= 0 && s.spin_us <= 1000000, "spin_us must be in [0, 1000000], got " + std::to_string(s.spin_us));
+  require(s.max_backoff_ms >= 0 && s.max_backoff_ms <= 10000,
+          "max_backoff_ms must be in [0, 10000], got " + std::to_string(s.max_backoff_ms));
+  require(s.chunks_per_thread >= 1 && s.chunks_per_thread <= 64,
+          "chunks_per_thread must be in [1, 64], got " + std::to_string(s.chunks_per_thread));
+  ThreadPool::instance().configure(s);
+}
+
+ThreadPoolSettings thread_pool_settings() { return ThreadPool::instance().settings(); }
+
+int thread_pool_num_threads() { return tls_in_region ? 1 : ThreadPool::instance().num_threads(); }
+
+bool in_thread_pool_region() { return tls_in_region; }
+
+int64_t thread_pool_num_stalls() { return ThreadPool::instance().num_stalls(); }
+
+namespace detail {
+void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body) {
+  ThreadPool::instance().run(begin, end, grain, body);
+}
+}  // namespace detail
+
+}  // namespace pagellm

@@ -1,0 +1,200 @@
+// The CPU kernels' thread pool: every index exactly once, chunk sizes, nesting, exceptions, settings.
+#include "ops/common/thread_pool.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+namespace pagellm {
+namespace {
+
+struct Calls {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  std::set<std::thread::id> threads;
+};
+
+// Runs parallel_for over [begin, end) and checks the contract: disjoint chunks covering every index
+// once, each >= grain except at most one shorter (the last).
+Calls check_cover(int64_t begin, int64_t end, int64_t grain) {
+  Calls calls;
+  std::mutex mu;
+  std::vector<std::atomic<int>> hits(static_cast<size_t>(std::max<int64_t>(end - begin, 0)));
+  parallel_for(begin, end, grain, [&](int64_t b, int64_t e) {
+    EXPECT_LT(b, e);
+    for (int64_t i = b; i < e; ++i) hits[i - begin].fetch_add(1);
+    std::lock_guard<std::mutex> lk(mu);
+    calls.ranges.emplace_back(b, e);
+    calls.threads.insert(std::this_thread::get_id());
+  });
+  for (size_t i = 0; i < hits.size(); ++i) EXPECT_EQ(hits[i].load(), 1) << "index " << begin + i;
+  int short_chunks = 0;
+  for (auto [b, e] : calls.ranges) short_chunks += (e - b < grain) ? 1 : 0;
+  EXPECT_LE(short_chunks, 1);
+  return calls;
+}
+
+class ThreadPoolTest : public ::testing::Test {
+ protected:
+  void SetUp() override { saved_ = thread_pool_settings(); }
+  void TearDown() override { configure_thread_pool(saved_); }
+  ThreadPoolSettings saved_;
+};
+
+TEST_F(ThreadPoolTest, CoversEveryIndexOnceForManyShapes) {
+  configure_thread_pool({4, false, 50, 4});
+  for (int64_t n : {1, 2, 3, 7, 16, 100, 1000, 4097}) {
+    for (int64_t grain : {1, 3, 16, 64, 5000}) check_cover(10, 10 + n, grain);
+  }
+}
+
+TEST_F(ThreadPoolTest, EmptyAndShortRangesRunInline) {
+  configure_thread_pool({4, false, 50, 4});
+  int calls = 0;
+  parallel_for(5, 5, 1, [&](int64_t, int64_t) { ++calls; });
+  parallel_for(5, 3, 1, [&](int64_t, int64_t) { ++calls; });
+  EXPECT_EQ(calls, 0);
+  const Calls c = check_cover(0, 10, 10);
+  ASSERT_EQ(c.ranges.size(), 1u);
+  EXPECT_EQ(c.ranges[0], std::make_pair(int64_t{0}, int64_t{10}));
+}
+
+TEST_F(ThreadPoolTest, OneThreadIsOneInlineCall) {
+  configure_thread_pool({1, true, 50, 4});
+  EXPECT_EQ(thread_pool_num_threads(), 1);
+  const Calls c = check_cover(0, 1000, 1);
+  ASSERT_EQ(c.ranges.size(), 1u);
+  EXPECT_EQ(*c.threads.begin(), std::this_thread::get_id());
+}
+
+TEST_F(ThreadPoolTest, ChunksAtMostThreadsTimesChunksPerThread) {
+  configure_thread_pool({3, false, 50, 2});
+  const Calls c = check_cover(0, 600, 1);
+  EXPECT_EQ(c.ranges.size(), 6u);
+  EXPECT_LE(c.threads.size(), 3u);
+}
+
+TEST_F(ThreadPoolTest, WorkersShareTheWork) {
+  configure_thread_pool({2, false, 1000, 4});
+  // Chunks that take a while: the worker must claim some of them.
+  std::mutex mu;
+  std::set<std::thread::id> seen;
+  for (int round = 0; round < 50 && seen.size() < 2; ++round) {
+    parallel_for(0, 8, 1, [&](int64_t, int64_t) {
+      std::this_thread::sleep_for(std::chrono::microseconds(300));
+      std::lock_guard<std::mutex> lk(mu);
+      seen.insert(std::this_thread::get_id());
+    });
+  }
+  EXPECT_EQ(seen.size(), 2u);
+}
+
+TEST_F(ThreadPoolTest, NestedCallsRunInline) {
+  configure_thread_pool({4, false, 50, 4});
+  std::vector<std::atomic<int>> hits(64 * 64);
+  parallel_for(0, 64, 1, [&](int64_t b, int64_t e) {
+    EXPECT_TRUE(in_thread_pool_region());
+    EXPECT_EQ(thread_pool_num_threads(), 1);
+    for (int64_t i = b; i < e; ++i) {
+      int inner_calls = 0;
+      parallel_for(0, 64, 1, [&](int64_t ib, int64_t ie) {
+        ++inner_calls;
+        for (int64_t j = ib; j < ie; ++j) hits[i * 64 + j].fetch_add(1);
+      });
+      EXPECT_EQ(inner_calls, 1);
+    }
+  });
+  EXPECT_FALSE(in_thread_pool_region());
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+TEST_F(ThreadPoolTest, FirstExceptionPropagatesAndPoolStaysUsable) {
+  configure_thread_pool({4, false, 50, 4});
+  EXPECT_THROW(parallel_for(0, 1000, 1, [&](int64_t b, int64_t e) {
+                 if (b <= 500 && 500 < e) throw std::runtime_error("chunk with 500");
+               }),
+               std::runtime_error);
+  EXPECT_FALSE(in_thread_pool_region());
+  check_cover(0, 1000, 1);  // the next region still covers everything
+}
+
+TEST_F(ThreadPoolTest, ConcurrentCallersEachCoverTheirRange) {
+  configure_thread_pool({2, false, 50, 4});
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([] {
+      for (int r = 0; r < 200; ++r) check_cover(0, 257, 1);
+    });
+  }
+  for (auto& t : callers) t.join();
+}
+
+TEST_F(ThreadPoolTest, ManyTinyRegionsDoNotHang) {
+  configure_thread_pool({2, true, 0, 4});  // spin 0: workers sleep at once, every region wakes them
+  std::atomic<int64_t> sum{0};
+  for (int r = 0; r < 20000; ++r) {
+    parallel_for(0, 4, 1, [&](int64_t b, int64_t e) { sum.fetch_add(e - b); });
+  }
+  EXPECT_EQ(sum.load(), 80000);
+}
+
+TEST_F(ThreadPoolTest, SettingsAreValidatedBeforeAnythingChanges) {
+  configure_thread_pool({3, false, 50, 4});
+  EXPECT_THROW(configure_thread_pool({-1, true, 50, 4}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2000, true, 50, 4}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, -5, 4}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 0}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 4, -1}), std::invalid_argument);
+  EXPECT_EQ(thread_pool_settings().num_threads, 3);
+  configure_thread_pool({0, true, 50, 4});
+  EXPECT_EQ(thread_pool_settings().num_threads, static_cast<int>(allowed_cpus().size()));
+}
+
+TEST_F(ThreadPoolTest, AllowedCpusAreTheAffinityMask) {
+  const std::vector<int> cpus = allowed_cpus();
+  ASSERT_FALSE(cpus.empty());
+  EXPECT_TRUE(std::is_sorted(cpus.begin(), cpus.end()));
+  EXPECT_LE(cpus.size(), std::thread::hardware_concurrency() ? std::thread::hardware_concurrency() : cpus.size());
+}
+
+TEST_F(ThreadPoolTest, AStalledWorkerSendsTheNextRegionsToTheCallerAlone) {
+  configure_thread_pool({2, false, 1000, 4, 50});
+  const int64_t stalls_before = thread_pool_num_stalls();
+  const auto caller = std::this_thread::get_id();
+  // The worker's chunks take 20 ms, the caller's 0.1 ms: the caller waits long for the worker.
+  bool stalled = false;
+  for (int round = 0; round < 50 && !stalled; ++round) {
+    parallel_for(0, 8, 1, [&](int64_t, int64_t) {
+      const bool on_caller = std::this_thread::get_id() == caller;
+      std::this_thread::sleep_for(on_caller ? std::chrono::microseconds(100) : std::chrono::microseconds(20000));
+    });
+    stalled = thread_pool_num_stalls() > stalls_before;
+  }
+  ASSERT_TRUE(stalled);
+  const Calls c = check_cover(0, 64, 1);  // within the 5 ms back-off: the caller alone, still every index
+  EXPECT_EQ(c.threads.size(), 1u);
+  EXPECT_EQ(*c.threads.begin(), caller);
+}
+
+TEST_F(ThreadPoolTest, ConfigureInsideABodyIsRefused) {
+  configure_thread_pool({2, false, 50, 4});
+  std::atomic<int> refused{0};
+  parallel_for(0, 8, 1, [&](int64_t, int64_t) {
+    try {
+      configure_thread_pool({1, false, 50, 4});
+    } catch (const std::logic_error&) {
+      refused.fetch_add(1);
+    }
+  });
+  EXPECT_GE(refused.load(), 1);
+  EXPECT_EQ(thread_pool_settings().num_threads, 2);
+}
+
+}  // namespace
+}  // namespace pagellm
