@@ -34,6 +34,15 @@ TORCH_LIBRARY(pagellm, m) {
       "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
       "int window_size=-1, float softcap=0.0) -> ()");
 
+  // ---- tree_attention (Medusa verification) ----
+  // Sequence i's q_len = qsl[i+1] - qsl[i] tree tokens are the LAST q_len positions of its seq_lens[i] keys (already
+  // cached); each sees the whole committed context plus the tree tokens j with tree_mask[token][j] != 0
+  // (bool / uint8 [num_tokens, max_tree_tokens]: its ancestors and itself). Float caches only.
+  m.def(
+      "paged_tree_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+      "Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, Tensor tree_mask, float scale, "
+      "float softcap=0.0) -> ()");
+
   // ---- norm_rope ----
   m.def("rms_norm(Tensor(a!) out, Tensor input, Tensor weight, float epsilon) -> ()");
   m.def("fused_add_rms_norm(Tensor(a!) input, Tensor(b!) residual, Tensor weight, float epsilon) -> ()");
@@ -64,4 +73,12 @@ TORCH_LIBRARY(pagellm, m) {
   // [N, K / 32 * block_bytes] in GGUF's own block layout; qtype = ggml type id: 2 Q4_0, 3 Q4_1, 8 Q8_0.
   // x, out, bias: float32 / bfloat16 / float16 (fp32 accumulation, one rounding).
   m.def("gguf_linear(Tensor(a!) out, Tensor x, Tensor qweight, int qtype, int in_features, Tensor? bias) -> ()");
+
+  // ---- quant: AWQ 4-bit groups (csrc/ops/quant/awq_layout.h) ----
+  // out[M, N] = x[M, K] @ W^T (+ bias[N]), W[n, k] = (q[n, k] - zeros[n, k / G]) * scales[n, k / G]: qweight
+  // uint8 [N, K / 2] (blocks of 32 along K, low nibbles first), scales float32 / zeros uint8 [N, K / G];
+  // G = group_size, a multiple of 32 dividing K. x, out, bias: float32 / bfloat16 / float16 (fp32 accumulation).
+  m.def(
+      "awq_linear(Tensor(a!) out, Tensor x, Tensor qweight, Tensor scales, Tensor zeros, int group_size, "
+      "Tensor? bias) -> ()");
 }

@@ -31,6 +31,8 @@ def _cases():
     yield "copy_blocks", ([kc.clone()], [vc.clone()], torch.tensor([[0, 1]]))
     yield "paged_attention_decode", (torch.empty(2, 4, 64), q[:2].clone(), kc, vc, bt, lens, 0.125, -1, 0.0)
     yield "paged_attention_prefill", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, 0.125, 4, 5.0)
+    tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)  # 3-node tree + 1 node
+    yield "paged_tree_attention", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, tree_mask, 0.125, 5.0)
     kq, vq = (torch.randint(-127, 128, kc.shape, dtype=torch.int8) for _ in range(2))
     ks, vs = (torch.rand(kc.shape[:3]) / 50 for _ in range(2))
     yield "reshape_and_cache_quantized", (kq.clone(), vq.clone(), ks.clone(), vs.clone(), torch.randn(3, 2, 64),
@@ -52,6 +54,9 @@ def _cases():
     q4_1 = torch.randint(0, 256, (24, 4, 20), dtype=torch.uint8)  # 24 rows of 4 Q4_1 blocks: d, m (fp16), 16 qs
     q4_1[..., :4] = torch.full((24, 4, 2), 0.01, dtype=torch.float16).view(torch.uint8)
     yield "gguf_linear", (torch.empty(5, 24), x, q4_1.view(24, 80), 3, 128, torch.randn(24))
+    # AWQ: N = 24, K = 128 (uint8 [N, K / 2]), two groups of 64 per row
+    yield "awq_linear", (torch.empty(5, 24), x, torch.randint(0, 256, (24, 64), dtype=torch.uint8),
+                         torch.rand(24, 2) / 100, torch.randint(0, 16, (24, 2), dtype=torch.uint8), 64, torch.randn(24))
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])

@@ -40,84 +40,15 @@ __all__ = [
     "amx_available",
     "int8_linear",
     "gguf_linear",
+    "awq_linear",
 ]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# storage dtypes of quantized KV caches (values; their scales are float32)
-_QUANTIZED_CACHE_DTYPES = tuple(d for d in (torch.int8, getattr(torch, "float8_e4m3fn", None)) if d is not None)
+from pagellm.ops.arg_checks import _check_attention, _check_quantized_cache, _dtype, _float, _ndim, _same, _tensor  # noqa: E402
 
 
 def ops_available() -> tuple[bool, str]:
     """Whether the compiled ops are loaded; the import error when not."""
     return (_LOAD_ERROR is None, "" if _LOAD_ERROR is None else f"pagellm._C failed to import: {_LOAD_ERROR}")
-
-
-def _tensor(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
-
-
-def _float(x: object, name: str) -> None:
-    if _tensor(x, name).dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-
-
-def _dtype(x: object, dtype: torch.dtype, name: str) -> None:
-    if _tensor(x, name).dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {x.dtype}")
-
-
-def _ndim(x: torch.Tensor, ndim: int, name: str) -> None:
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
-
-
-def _same(x: torch.Tensor, ref: torch.Tensor, name: str, ref_name: str) -> None:
-    if x.dtype != ref.dtype:
-        raise TypeError(f"{name} must have the dtype of {ref_name} ({ref.dtype}), got {x.dtype}")
-    if x.device != ref.device:
-        raise ValueError(f"{name} must be on the device of {ref_name} ({ref.device}), got {x.device}")
-
-
-def _check_quantized_cache(key_cache, value_cache, k_scale, v_scale) -> None:
-    """int8 / float8_e4m3fn caches [num_blocks, num_kv_heads, block_size, head_dim] and float32 scales
-    [num_blocks, num_kv_heads, block_size] (one per row)."""
-    if _tensor(key_cache, "key_cache").dtype not in _QUANTIZED_CACHE_DTYPES:
-        raise TypeError(f"key_cache must have a quantized cache dtype {_QUANTIZED_CACHE_DTYPES}, got {key_cache.dtype}")
-    _tensor(value_cache, "value_cache")
-    _same(value_cache, key_cache, "value_cache", "key_cache")
-    _ndim(key_cache, 4, "key_cache")
-    for t, n in ((k_scale, "k_scale"), (v_scale, "v_scale")):
-        _dtype(t, torch.float32, n)
-        if tuple(t.shape) != tuple(key_cache.shape[:3]):
-            raise ValueError(f"{n} shape {tuple(t.shape)} must be [num_blocks, num_kv_heads, block_size] = "
-                             f"{tuple(key_cache.shape[:3])} (one scale per cached row)")
-
-
-def _check_attention(out, query, key_cache, value_cache, block_tables, seq_lens, k_scale=None, v_scale=None) -> None:
-    _float(query, "query")
-    _tensor(out, "out")
-    _same(out, query, "out", "query")
-    if k_scale is None:
-        for t, n in ((key_cache, "key_cache"), (value_cache, "value_cache")):
-            _tensor(t, n)
-            _same(t, query, n, "query")
-    else:
-        _check_quantized_cache(key_cache, value_cache, k_scale, v_scale)
-    _ndim(query, 3, "query")
-    _ndim(key_cache, 4, "key_cache")
-    if out.shape != query.shape:
-        raise ValueError(f"out shape {tuple(out.shape)} must equal query shape {tuple(query.shape)}")
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"value_cache shape {tuple(value_cache.shape)} must equal key_cache's {tuple(key_cache.shape)}")
-    if query.shape[2] != key_cache.shape[3] or query.shape[1] % key_cache.shape[1]:
-        raise ValueError(
-            f"query [tokens, heads, head_dim] = {tuple(query.shape)} does not match key_cache "
-            f"[blocks, kv_heads, block_size, head_dim] = {tuple(key_cache.shape)}"
-        )
-    _dtype(block_tables, torch.int32, "block_tables")
-    _dtype(seq_lens, torch.int32, "seq_lens")
 
 
 def reshape_and_cache(
@@ -337,64 +268,5 @@ def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
     torch.ops.pagellm.linear_amx(out, x, weight, bias)
 
 
-def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
-                bias: torch.Tensor | None = None) -> None:
-    """out [M, N] = x [M, K] @ dequant(qweight)^T (+ bias [N]), fp32 accumulation, one rounding into x's dtype.
-
-    qweight: uint8 [N, K / 32 * block_bytes] in GGUF's block layout (rows of a .gguf tensor as stored);
-    qtype: the ggml type id, 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) (`reference.GGUF_QTYPES`); in_features = K, a
-    multiple of 32. Reference: `reference.gguf_linear`."""
-    from pagellm.ops.reference import GGUF_BLOCK_BYTES  # noqa: PLC0415
-
-    _float(x, "x")
-    _dtype(qweight, torch.uint8, "qweight")
-    _tensor(out, "out")
-    _same(out, x, "out", "x")
-    if bias is not None:
-        _tensor(bias, "bias")
-        _same(bias, x, "bias", "x")
-    if qtype not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype!r}")
-    if not isinstance(in_features, int) or in_features <= 0 or in_features % 32:
-        raise ValueError(f"in_features must be a positive multiple of 32 (the GGUF block size), got {in_features!r}")
-    _ndim(x, 2, "x")
-    _ndim(qweight, 2, "qweight")
-    row_bytes = in_features // 32 * GGUF_BLOCK_BYTES[qtype]
-    if x.shape[1] != in_features:
-        raise ValueError(f"x shape {tuple(x.shape)} must be [M, in_features={in_features}]")
-    if qweight.shape[1] != row_bytes:
-        raise ValueError(f"qweight shape {tuple(qweight.shape)} must be [N, {row_bytes}] for qtype {qtype} "
-                         f"and in_features {in_features}")
-    if tuple(out.shape) != (x.shape[0], qweight.shape[0]):
-        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], qweight.shape[0])}")
-    torch.ops.pagellm.gguf_linear(out, x, qweight, int(qtype), int(in_features), bias)
-
-
-def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
-    """LLM.int8(): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N] float32)^T (+ bias [N]).
-
-    Columns of x with |x| > threshold in any row run in fp32 against the dequantized weight; the rest are
-    quantized per row (absmax) to int8 and multiplied as int8 x int8 -> int32. threshold 0 = no outlier
-    columns. x, out, bias: float32 / bfloat16 / float16. Reference: `reference.int8_linear`."""
-    _float(x, "x")
-    _tensor(out, "out")
-    _same(out, x, "out", "x")
-    _dtype(weight, torch.int8, "weight")
-    _dtype(weight_scale, torch.float32, "weight_scale")
-    if bias is not None:
-        _tensor(bias, "bias")
-        _same(bias, x, "bias", "x")
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
-        raise ValueError(f"threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
-    _ndim(x, 2, "x")
-    _ndim(weight, 2, "weight")
-    if weight.shape[1] != x.shape[1]:
-        raise ValueError(f"weight shape {tuple(weight.shape)} must be [N, {x.shape[1]}] (K of x)")
-    if tuple(weight_scale.shape) != (weight.shape[0],):
-        raise ValueError(f"weight_scale shape {tuple(weight_scale.shape)} must be ({weight.shape[0]},) (N)")
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (N)")
-    if tuple(out.shape) != (x.shape[0], weight.shape[0]):
-        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
-    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold))
+from pagellm.ops.quant import awq_linear, gguf_linear, int8_linear  # noqa: E402,F401
+from pagellm.ops.tree import paged_tree_attention, tree_depths, tree_mask_from_parents  # noqa: E402,F401  (issue 17)

@@ -18,12 +18,13 @@ except Exception:  # pragma: no cover - depends on the build
 
 # Which kernel a bf16 CPU linear of M (flattened) rows runs (the one place this is decided; decode steps
 # replayed from a step graph replay the choice made here). Measured on the AMX dev machine:
-#   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2,
-#     and the best choice up to M = 4 on a CPU without AMX;
+#   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2;
+#     on a CPU without AMX it beats oneDNN's bf16 GEMM up to M = 16 (the 49152-wide LM head: 51 vs 107 ms at
+#     M = 16, 148 vs 132 ms at M = 32; session 7, Xeon without AMX), which covers spec rows of 1 + k tokens;
 #   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, 1.1-1.4x
 #     at 128-256 on the wide shapes (gate/up, the LM head) and about even on the others;
 #   - beyond that (prefill chunks) torch's GEMM (oneDNN) is as fast or faster.
-SMALL_M_MAX = 2 if _AMX_OK else 4
+SMALL_M_MAX = 2 if _AMX_OK else 16
 AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
 

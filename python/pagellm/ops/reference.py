@@ -32,6 +32,8 @@ __all__ = [
     "GGUF_BLOCK_BYTES",
     "gguf_dequantize",
     "gguf_linear",
+    "awq_dequantize",
+    "awq_linear",
 ]
 
 
@@ -348,6 +350,27 @@ def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype
     out.copy_(F.linear(x.float(), w, None if bias is None else bias.float()))
 
 
+# ---------------------------------------------------------------- AWQ 4-bit groups (csrc/ops/quant/awq_layout.h)
+
+
+def awq_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """qweight uint8 [N, K / 2] (awq_linear's layout: blocks of 32 along K, byte j of a block holds element j in
+    its low nibble and j + 16 in its high one), scales float32 / zeros uint8 [N, K / group_size] ->
+    float32 W [N, K] = (q - zeros) * scales, per group of `group_size` consecutive k."""
+    n = qweight.shape[0]
+    q = _nibbles(qweight.reshape(n, -1, 16)).reshape(n, -1)  # same nibble order as GGUF's Q4 blocks
+    z = zeros.float().repeat_interleave(group_size, dim=1)
+    s = scales.float().repeat_interleave(group_size, dim=1)
+    return (q - z) * s
+
+
+def awq_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, bias: torch.Tensor | None = None) -> None:
+    """out [M, N] = x [M, K] @ awq_dequantize(...)^T (+ bias [N]) in float32, rounded once into out."""
+    w = awq_dequantize(qweight, scales, zeros, group_size)
+    out.copy_(F.linear(x.float(), w, None if bias is None else bias.float()))
+
+
 # ---------------------------------------------------------------- int8 (LLM.int8())
 
 
@@ -378,3 +401,4 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     if bias is not None:
         y = y + bias.float()
     out.copy_(y)
+from pagellm.ops.tree_reference import paged_tree_attention, tree_attention_mask  # noqa: E402,F401  (re-export)

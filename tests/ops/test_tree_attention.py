@@ -1,0 +1,190 @@
+"""paged_tree_attention (Medusa tree verification) against the pure-torch reference and the prefill op."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from pagellm import ops
+from pagellm.ops import reference as ref
+from ops.op_helpers import assert_close, poison, random_block_tables, random_caches, requires_ops, strided_heads
+
+pytestmark = requires_ops
+
+
+def random_parents(num_nodes: int, seed: int) -> list[int]:
+    """A random tree in topological order: each node's parent is -1 (a root) or an earlier node."""
+    rng = random.Random(seed)
+    return [rng.randrange(-1, j) if j else -1 for j in range(num_nodes)]
+
+
+def medusa_parents(branching=(1, 10, 4, 3, 2, 2), num_nodes=64) -> list[int]:
+    """A Medusa-style tree: one root (the verified token), then level d gives each node branching[d] children,
+    breadth first, truncated to num_nodes (64 = the root + 63 candidates, like Medusa's 63-choice trees)."""
+    parents, level = [-1], [0]
+    for fan in branching[1:]:
+        nxt = []
+        for p in level:
+            for _ in range(fan):
+                if len(parents) == num_nodes:
+                    return parents
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    return parents
+
+
+def _batch(trees, device, pad_value=True):
+    """trees: list of (context_len, parents). Returns seq_lens, query_start_loc (int32) and the tree mask
+    [num_tokens, max_T]; columns past a sequence's tree are filled with pad_value (they must be ignored)."""
+    sizes = [len(p) for _, p in trees]
+    width = max(max(sizes, default=1), 1) + 2
+    mask = torch.full((sum(sizes), width), pad_value, dtype=torch.bool)
+    row = 0
+    for _, parents in trees:
+        n = len(parents)
+        if n:
+            mask[row : row + n, :n] = ops.tree_mask_from_parents(parents)
+        row += n
+    qsl = torch.tensor([0] + torch.tensor(sizes).cumsum(0).tolist(), dtype=torch.int32)
+    seq_lens = torch.tensor([c + n for (c, _), n in zip(trees, sizes)], dtype=torch.int32)
+    return seq_lens.to(device), qsl.to(device), mask.to(device)
+
+
+def _tree_case(device, trees, num_heads, num_kv_heads, head_dim, block_size, dtype, softcap=0.0, seed=0):
+    """Runs the op and the reference on one batch; returns (out, expected, args) for further checks."""
+    seq_lens, qsl, mask = _batch(trees, device)
+    tables, num_blocks = random_block_tables(seq_lens.tolist(), block_size, seed=seed)
+    kc, vc = random_caches(num_blocks, num_kv_heads, block_size, head_dim, dtype, device, seed=seed + head_dim)
+    query = strided_heads(int(qsl[-1]), num_heads, head_dim, dtype, device, seed=seed + 1)
+    args = (kc, vc, tables.to(device), qsl, seq_lens, mask, 1.0 / math.sqrt(head_dim), softcap)
+    out, expected = poison(torch.empty_like(query)), torch.empty_like(query)
+    ops.paged_tree_attention(out, query, *args)
+    ref.paged_tree_attention(expected, query, *args)
+    return out, expected, query, args
+
+
+# (context_len, number of tree nodes or "medusa"); block sizes below put contexts on, before and after boundaries.
+_TREES = {
+    "single": [(37, 6)],
+    "no_context": [(0, 9)],
+    "batch": [(16, 7), (0, 3), (33, 12), (15, 1)],  # exactly a block, none, crossing, one-node tree
+    "medusa": [(100, "medusa"), (31, "medusa")],
+}
+
+
+def _trees(name, seed):
+    specs = enumerate(_TREES[name])
+    return [(c, medusa_parents() if n == "medusa" else random_parents(n, seed + i)) for i, (c, n) in specs]
+
+
+@pytest.mark.parametrize(
+    "trees,num_heads,num_kv_heads,head_dim,block_size,dtype",
+    [
+        ("single", 4, 4, 64, 16, torch.float32),  # MHA
+        ("no_context", 8, 2, 80, 16, torch.bfloat16),  # GQA 4, odd head dim, tree only
+        ("batch", 8, 4, 96, 16, torch.float32),  # GQA 2, ragged batch of different trees
+        ("batch", 14, 2, 112, 8, torch.float16),  # GQA 7
+        ("batch", 16, 2, 128, 1, torch.bfloat16),  # GQA 8, block_size 1
+        ("medusa", 8, 1, 256, 32, torch.float32),  # MQA, 64-node Medusa trees
+        ("medusa", 32, 8, 128, 16, torch.bfloat16),  # Llama-like
+    ],
+)
+def test_tree_attention_matches_reference(device, trees, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    for seed in (0, 1):
+        out, expected, _, _ = _tree_case(device, _trees(trees, seed), num_heads, num_kv_heads, head_dim, block_size,
+                                         dtype, seed=seed)
+        assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_attention_softcap(device, dtype):
+    out, expected, _, _ = _tree_case(device, _trees("batch", 3), 8, 2, 64, 16, dtype, softcap=5.0, seed=3)
+    assert_close(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chain_tree_equals_prefill(device, dtype):
+    """A chain (each node's parent the previous one) is causal attention: the prefill op on the same tokens."""
+    trees = [(c, [-1] + list(range(n - 1))) for c, n in ((40, 5), (0, 8), (16, 16), (3, 1))]
+    out, _, query, args = _tree_case(device, trees, 8, 2, 128, 16, dtype, seed=5)
+    kc, vc, tables, qsl, seq_lens, _, scale, _ = args
+    prefill = poison(torch.empty_like(query))
+    ops.paged_attention_prefill(prefill, query, kc, vc, tables, qsl, seq_lens, scale)
+    assert_close(out, prefill)
+
+
+def test_each_node_sees_its_path(device):
+    """Semantics independent of the reference: node j's output equals the prefill (causal) output of the last
+    token of a sequence whose tail is the path root..j (same K/V rows, gathered into a fresh chain)."""
+    torch.manual_seed(0)
+    parents, context, H, D, bs = random_parents(10, seed=7), 21, 4, 64, 8
+    out, _, query, args = _tree_case(device, [(context, parents)], H, H, D, bs, torch.float32, seed=7)
+    kc, vc, tables, _, _, _, scale, _ = args
+    ancestors = ops.tree_mask_from_parents(parents)
+    for j in range(len(parents)):
+        path = [context + i for i in range(len(parents)) if ancestors[j, i]]
+        positions = list(range(context)) + path  # the chain's positions in the original sequence
+        chain_k = torch.stack([kc[tables[0, p // bs].long(), :, p % bs] for p in positions])  # [L, H, D]
+        chain_v = torch.stack([vc[tables[0, p // bs].long(), :, p % bs] for p in positions])
+        kc1 = chain_k.transpose(0, 1).unsqueeze(0).contiguous()  # one block of L tokens: [1, H, L, D]
+        vc1 = chain_v.transpose(0, 1).unsqueeze(0).contiguous()
+        L = len(positions)
+        size = 1 << (L - 1).bit_length()  # power-of-two block size >= L
+        pad = lambda c: torch.cat([c, c.new_zeros(1, H, size - L, D)], dim=2)  # noqa: E731
+        expected = torch.empty_like(query[j : j + 1])
+        ops.paged_attention_decode(expected, query[j : j + 1].contiguous(), pad(kc1), pad(vc1),
+                                   torch.zeros(1, 1, dtype=torch.int32, device=device),
+                                   torch.tensor([L], dtype=torch.int32, device=device), scale)
+        assert_close(out[j : j + 1], expected)
+
+
+def test_empty_row_and_empty_sequence(device):
+    """A token that sees nothing (no context, empty mask row) gets zeros; a sequence without tree tokens is fine."""
+    seq_lens, qsl, mask = _batch([(0, [-1, 0]), (5, [])], device, pad_value=False)
+    mask[0, 0] = False  # token 0 sees nothing
+    tables, nb = random_block_tables(seq_lens.tolist(), 4)
+    kc, vc = random_caches(nb, 2, 4, 64, torch.float32, device)
+    query = torch.randn(2, 2, 64, device=device)
+    out, expected = poison(torch.empty_like(query)), torch.empty_like(query)
+    args = (kc, vc, tables.to(device), qsl, seq_lens, mask, 0.125)
+    ops.paged_tree_attention(out, query, *args)
+    ref.paged_tree_attention(expected, query, *args)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert_close(out, expected)
+
+
+def test_tree_helpers():
+    assert ops.tree_depths([-1, 0, 0, 1, -1, 4]) == [0, 1, 1, 2, 0, 1]
+    mask = ops.tree_mask_from_parents([-1, 0, 0, 1])
+    assert mask.tolist() == [[True, False, False, False], [True, True, False, False],
+                             [True, False, True, False], [True, True, False, True]]
+    assert len(medusa_parents()) == 64
+    with pytest.raises(ValueError, match="parents\\[1\\]"):
+        ops.tree_mask_from_parents([-1, 1])
+
+
+def test_bad_inputs():
+    seq_lens, qsl, mask = _batch([(5, [-1, 0, 0])], "cpu")
+    tables, nb = random_block_tables(seq_lens.tolist(), 4)
+    kc, vc = random_caches(nb, 2, 4, 64, torch.float32, "cpu")
+    q = torch.randn(3, 4, 64)
+    out = torch.empty_like(q)
+    with pytest.raises(TypeError, match="tree_mask must be bool or uint8"):
+        ops.paged_tree_attention(out, q, kc, vc, tables, qsl, seq_lens, mask.float(), 0.1)
+    with pytest.raises(ValueError, match="tree_mask must have shape"):
+        ops.paged_tree_attention(out, q, kc, vc, tables, qsl, seq_lens, mask[:2], 0.1)
+    with pytest.raises(TypeError, match="query_start_loc"):
+        ops.paged_tree_attention(out, q, kc, vc, tables, qsl.long(), seq_lens, mask, 0.1)
+    op = torch.ops.pagellm.paged_tree_attention
+    with pytest.raises(RuntimeError, match="tree_mask has 2 columns"):
+        op(out, q, kc, vc, tables, qsl, seq_lens, mask[:, :2].contiguous(), 0.1)
+    with pytest.raises(RuntimeError, match="tree_mask must be bool or uint8"):
+        op(out, q, kc, vc, tables, qsl, seq_lens, mask.int(), 0.1)
+    with pytest.raises(RuntimeError, match="seq_lens\\[0\\]"):
+        op(out, q, kc, vc, tables, qsl, torch.tensor([2], dtype=torch.int32), mask, 0.1)
+    with pytest.raises(RuntimeError, match="softcap"):
+        op(out, q, kc, vc, tables, qsl, seq_lens, mask, 0.1, -1.0)
