@@ -3,6 +3,7 @@
 
     python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
     python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -40,6 +41,7 @@ import torch
 
 BIBLE_PASSAGE = "Ecclesiastes 1:1-12:14"
 RANDOM_1B_DIR = Path("/tmp/pagellm-bench/random-llama-1b")
+AWQ_CACHE_DIR = Path("/tmp/pagellm-bench/awq")
 # TinyLlama-1.1B's shape: 22 layers, GQA 32/4, untied 32000-token head (1.1B parameters, 2.2 GB in bf16)
 RANDOM_1B_SHAPE = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
@@ -123,13 +125,68 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path) -> str:
     return str(dst)
 
 
-def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path):
-    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; else quantization=method."""
+def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int) -> str:
+    """An AWQ checkpoint of `model` made by `pagellm quantize --method awq` (its calibration text never
+    includes this benchmark's held-out excerpt), written once under `cache` and reused."""
+    from pagellm.entrypoints.quantize import quantize_model_awq
+    from pagellm.model_loader import open_model
+
+    src = Path(open_model(model).source).resolve()
+    out = cache / f"{src.stem}-awq-n{num_samples}-l{seq_len}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return str(out)
+    t = time.perf_counter()
+    quantize_model_awq(model, out, num_samples=num_samples, seq_len=seq_len, overwrite=True,
+                       progress=lambda msg: print(f"[awq] {msg}", flush=True))
+    print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
+    return str(out)
+
+
+AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def awq_rtn_checkpoint(model: str | None, cache: Path) -> str:
+    """The same format with plain round-to-nearest (`awq_format.quantize_awq` of every decoder linear, no
+    activation-aware scaling, no clip search): AWQ's own baseline, and fast enough for the random 1B model."""
+    from safetensors.torch import load_file
+
+    from pagellm.model_loader import open_model
+    from pagellm.quantization.awq_calibrate import choose_group_size
+    from pagellm.quantization.awq_export import write_awq_checkpoint
+    from pagellm.quantization.awq_format import quantize_awq
+
+    files = open_model(model)
+    src = Path(files.path)
+    group = choose_group_size(files.hf_config, None)
+    out = cache / f"{Path(files.source).resolve().stem}-awq-rtn-g{group}"
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return str(out)
+    tensors = {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(str(f)).items():
+            module = name.rsplit(".", 2)
+            if name.endswith(".weight") and len(module) == 3 and module[1] in AWQ_LINEARS:
+                qweight, qzeros, scales = quantize_awq(t, group)
+                base = name[: -len(".weight")]
+                tensors.update({f"{base}.qweight": qweight, f"{base}.qzeros": qzeros, f"{base}.scales": scales})
+            else:
+                tensors[name] = t
+    write_awq_checkpoint(tensors, src, out, group)
+    return str(out)
+
+
+def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
+    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "awq": the AWQ checkpoint
+    `awq_checkpoint` makes; else quantization=method."""
     from pagellm import LLM
 
     quantization = None if method == "bf16" else method
     if method.startswith("int8:"):
         model, quantization = with_int8_threshold(model, float(method.split(":", 1)[1]), tmp_root), None
+    if method == "awq":
+        model = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len)
+    if method == "awq-rtn":
+        model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache)), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
                kv_cache_memory_gb=0.5, block_size=16, seed=0)
 
@@ -221,7 +278,7 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,int8",
-                    help="comma-separated: bf16, int8:<threshold>, or a registered quantization name")
+                    help="comma-separated: bf16, int8:<threshold>, awq, awq-rtn (round-to-nearest, no calibration), or a registered quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
     ap.add_argument("--max-words", type=int, default=4000)
@@ -233,6 +290,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="800 words, 16 decode tokens, 1 repeat")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--awq-cache", default=str(AWQ_CACHE_DIR), help="where the awq method's checkpoint is kept")
+    ap.add_argument("--awq-num-samples", type=int, default=32, help="awq calibration samples")
+    ap.add_argument("--awq-seq-len", type=int, default=256, help="awq calibration tokens per sample")
     args = ap.parse_args()
     if args.quick:
         args.max_words, args.tpot_tokens, args.repeats = 800, 16, 1
@@ -241,7 +301,7 @@ def main() -> None:
     model = args.model or (str(random_1b_model()) if args.model_size == "1b" else None)
     text, source = held_out_text(args.max_words)
     tmp_root = Path(tempfile.mkdtemp(prefix="pagellm-quant-ppl-"))
-    llms = {m: make_llm(model, m, max(args.window, args.prompt_len + args.tpot_tokens) + 16, tmp_root)
+    llms = {m: make_llm(model, m, max(args.window, args.prompt_len + args.tpot_tokens) + 16, tmp_root, args)
             for m in methods}
     random_weights = args.model is None and args.model_size == "1b"
     tok = None if random_weights else llms[methods[0]].get_tokenizer()

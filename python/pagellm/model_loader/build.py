@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file
+from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file, tensor_headers
 from pagellm.model_loader.gguf_native import NativeGGUFPlan, plan_native_gguf
 from pagellm.models.base import WeightLoadError
 from pagellm.models.registry import get_model_cls
 from pagellm.quantization import (
     GGUF_METHOD, QuantizationConfig, get_quantization_config_cls, list_quantization_methods,
 )
+from pagellm.quantization.awq import AWQ_METHOD, AWQ_QUANT_CONFIG_FILE
 
 _ALLOWED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -37,23 +39,41 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config=None) -> torch.dtyp
     return _ALLOWED[name]
 
 
-def resolve_quant_config(quantization: str | None, hf_config,
-                         cfg_file: Path | str = CONFIG_NAME) -> QuantizationConfig | None:
-    """The checkpoint's weight format: `quantization` if named (it must agree with the checkpoint's
-    `quantization_config.quant_method` when that is present), else that quant_method, else None (unquantized).
-    A name that is not registered -> ValueError naming it and the registered ones."""
+def checkpoint_quantization(hf_config, cfg_file: Path | str = CONFIG_NAME) -> tuple[dict | None, str]:
+    """(the checkpoint's quantization dict or None, where it came from): config.json's `quantization_config`,
+    else AutoAWQ's `quant_config.json` next to config.json (whose quant_method is "awq" when it names none)."""
     hf_quant = getattr(hf_config, "quantization_config", None)
     if hf_quant is not None and not isinstance(hf_quant, dict):
         hf_quant = hf_quant.to_dict() if hasattr(hf_quant, "to_dict") else vars(hf_quant)
+    if hf_quant:
+        return dict(hf_quant), f"{cfg_file}: quantization_config"
+    awq_file = Path(cfg_file).parent / AWQ_QUANT_CONFIG_FILE
+    if awq_file.is_file():
+        with open(awq_file) as fh:
+            raw = json.load(fh)
+        if not isinstance(raw, dict):
+            raise ValueError(f"{awq_file}: expected a JSON object, got {type(raw).__name__}")
+        return {"quant_method": AWQ_METHOD, **raw}, str(awq_file)
+    return None, str(cfg_file)
+
+
+def resolve_quant_config(quantization: str | None, hf_config,
+                         cfg_file: Path | str = CONFIG_NAME) -> QuantizationConfig | None:
+    """The checkpoint's weight format: `quantization` if named (it must agree with the checkpoint's
+    quant_method when that is present), else that quant_method, else None (unquantized).
+    A name that is not registered -> ValueError naming it and the registered ones."""
+    hf_quant, where = checkpoint_quantization(hf_config, cfg_file)
     ckpt_method = (hf_quant or {}).get("quant_method")
     if quantization is not None and ckpt_method is not None and quantization != ckpt_method:
-        raise ValueError(f"quantization={quantization!r}, but {cfg_file} says quant_method={ckpt_method!r}")
+        raise ValueError(f"quantization={quantization!r}, but the checkpoint is already quantized with "
+                         f"quant_method={ckpt_method!r} ({where}); load it with quantization=None or "
+                         f"{ckpt_method!r}, or load a float checkpoint to use {quantization!r}")
     name = quantization if quantization is not None else ckpt_method
     if name is None:
         return None
     if name not in list_quantization_methods():
-        where = "" if quantization is not None else f"{cfg_file}: quantization_config.quant_method "
-        raise ValueError(f"{where}unknown quantization method {name!r}; registered: {list_quantization_methods()} "
+        prefix = "" if quantization is not None else f"{where}.quant_method: "
+        raise ValueError(f"{prefix}unknown quantization method {name!r}; registered: {list_quantization_methods()} "
                          "(None = unquantized)")
     return get_quantization_config_cls(name).from_config(dict(hf_quant or {}))
 
@@ -69,11 +89,14 @@ def _plan_native_gguf(files: ModelFiles, model_cls) -> NativeGGUFPlan:
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
-    """Give every linear layer's method its one chance to repack what it loaded (see LinearMethodBase)."""
+    """Give every linear layer's method its one chance to repack what it loaded (see LinearMethodBase); a tied
+    LM head shares its embedding's method and parameters, so each method runs once."""
+    seen: set[int] = set()
     with torch.no_grad():
         for module in model.modules():
             method = getattr(module, "linear_method", None)
-            if method is not None:
+            if method is not None and id(method) not in seen:
+                seen.add(id(method))
                 method.process_weights_after_loading(module)
 
 
@@ -94,6 +117,8 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
         raise ValueError(f"{cfg_file}: {e}") from None
     native = _plan_native_gguf(files, cls) if quantization == GGUF_METHOD else None
     quant_config = native.quant_config if native is not None else resolve_quant_config(quantization, config, cfg_file)
+    if native is None and quant_config is not None:  # refuse what the format cannot load before allocating
+        quant_config.check_checkpoint(tensor_headers(files))
     torch_dtype = resolve_dtype(dtype, config)
     with torch.device(device):
         # unquantized: built exactly as before, so model classes that take no quant_config still load

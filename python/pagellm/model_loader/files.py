@@ -139,6 +139,19 @@ def iter_weights_with_file(files: ModelFiles) -> Iterator[tuple[Path, str, torch
                 yield f, name, fh.get_tensor(name)
 
 
+def tensor_headers(files: ModelFiles) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """HF tensor name -> (safetensors dtype name, e.g. "F16" / "I32", shape), from the file headers only."""
+    from safetensors import safe_open
+
+    headers: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for f in weight_files(Path(files.path)):
+        with safe_open(str(f), framework="pt", device="cpu") as fh:
+            for name in fh.keys():
+                view = fh.get_slice(name)
+                headers[name] = (view.get_dtype(), tuple(view.get_shape()))
+    return headers
+
+
 def iter_weights(files: ModelFiles) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF tensor name, tensor) one at a time, file by file (safetensors safe_open)."""
     for _, name, tensor in iter_weights_with_file(files):

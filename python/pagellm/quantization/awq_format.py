@@ -37,7 +37,7 @@ def pack_awq_int4(values: torch.Tensor, name: str = "values") -> torch.Tensor:
     _check_unpacked(values, name)
     rows, cols = values.shape
     v = values.to(torch.int64).reshape(rows, cols // AWQ_PACK_FACTOR, AWQ_PACK_FACTOR)
-    packed = torch.zeros(rows, cols // AWQ_PACK_FACTOR, dtype=torch.int64)
+    packed = torch.zeros(rows, cols // AWQ_PACK_FACTOR, dtype=torch.int64, device=values.device)
     for nibble, column in enumerate(AWQ_PACK_ORDER):
         packed |= v[:, :, column] << (4 * nibble)
     # int64 holding a uint32 bit pattern -> the same bits as int32 (two's complement wrap)
@@ -51,7 +51,7 @@ def unpack_awq_int4(packed: torch.Tensor, name: str = "qweight") -> torch.Tensor
                          f"{packed.dtype} with shape {tuple(packed.shape)}")
     bits = packed.to(torch.int64) & 0xFFFFFFFF
     rows, groups = packed.shape
-    out = torch.empty(rows, groups, AWQ_PACK_FACTOR, dtype=torch.uint8)
+    out = torch.empty(rows, groups, AWQ_PACK_FACTOR, dtype=torch.uint8, device=packed.device)
     for nibble, column in enumerate(AWQ_PACK_ORDER):
         out[:, :, column] = ((bits >> (4 * nibble)) & 0xF).to(torch.uint8)
     return out.reshape(rows, groups * AWQ_PACK_FACTOR)

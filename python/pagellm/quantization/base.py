@@ -68,6 +68,22 @@ class LinearMethodBase(ABC):
         """y = x W^T (+ bias): x [..., input_size] in the model dtype -> [..., output_size] in the same dtype."""
 
 
+class EmbeddingMethodBase(LinearMethodBase):
+    """How a vocabulary-sized weight W [num_embeddings, embedding_dim] is stored, looked up and multiplied.
+
+    The input embedding and the LM head are this one weight seen two ways: W is a linear's [out, in] with
+    out = num_embeddings (the vocabulary) and in = embedding_dim (hidden), so `create_weights` / `apply` are
+    the LinearMethodBase ones (`apply`: hidden [..., in] -> logits [..., num_embeddings] in the model dtype),
+    and `embedding` reads rows of it. A tied LM head shares its embedding's method and parameters (one copy
+    of W in memory), so a method must not replace parameters in `process_weights_after_loading`.
+    """
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+        """token_ids [...] (int64 or int32) -> [..., embedding_dim] in the model dtype: the rows of W, as the
+        float path would hold them. Called inside captured steps: only tensor ops, no reads into Python."""
+
+
 class QuantizationConfig(ABC):
     """A weight format: parsed once from the checkpoint's `quantization_config` dict, then asked by each
     linear layer for its LinearMethod (a format may leave some layers unquantized by `prefix`)."""
@@ -86,8 +102,20 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         """The method for the linear layer named `prefix` (e.g. "model.layers.0.self_attn.qkv_proj")."""
 
+    def check_checkpoint(self, tensors: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+        """Called before the model is built with every checkpoint tensor's (safetensors dtype name such as
+        "I32", shape) by HF name, read from the file headers: refuse a checkpoint this format cannot load
+        (ValueError naming the tensor) before memory is committed. Default: nothing to check."""
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase | None:
+        """The method for a vocabulary-sized layer named `prefix`: the input embedding ("model.embed_tokens",
+        whose method a tied LM head shares) or an untied LM head ("lm_head"). None (the default): unquantized,
+        W in the model dtype (`UnquantizedEmbeddingMethod`), as AutoAWQ and LLM.int8() leave them; a format
+        that stores them otherwise overrides this."""
+        return None
+
 
 __all__ = [
-    "LinearMethodBase", "OutputShard", "QuantizationConfig", "ShardLoader", "WeightShapeError", "load_output_slice",
+    "EmbeddingMethodBase", "LinearMethodBase", "OutputShard", "QuantizationConfig", "ShardLoader", "WeightShapeError", "load_output_slice",
     "new_linear_param", "set_weight_attrs",
 ]
