@@ -6,10 +6,12 @@ bf16 vs the GGUF blocks used natively (quantization="gguf", bf16 activations), i
     python benchmarks/bench_gguf.py --quick          # prompt 32, 16 new tokens, 3 rounds
 
 Each round streams one request through each engine in turn (LLMEngine.add_request / step, greedy,
-`ignore_eos`); TPOT is the median over rounds. Weight bytes per decode token: every unique parameter
-once (qweight uint8 blocks at their stored size; the tied embedding counts whole, as the LM head reads
-it), split into the decoder's linear layers and the rest; plus K/V bytes at the mean context. MBU =
-those bytes / TPOT / copy bandwidth (a large tensor.copy_, read + write, measured in the same run).
+`ignore_eos`); TPOT is the median over rounds. Weight bytes per decode token, as stored (uint8 GGUF
+blocks at their size, float tensors at the model dtype), every tensor once: the decoder's linear layers,
+the LM head (it reads its whole weight: the file's Q8_0 blocks natively, bf16 dequantized; a tied embedding
+is the same tensor, an untied one adds one row per token) and the rest (norms); plus K/V bytes at the mean
+context. MBU = those bytes / TPOT / copy bandwidth (a large tensor.copy_, read + write, measured in the
+same run).
 Writes benchmarks/results/gguf_<tag>.{md,json}.
 """
 
@@ -23,21 +25,41 @@ import common as C
 import torch
 from bench_latency import stream_one
 
-VARIANTS = {"dequantized bf16": None, "native GGUF (Q4_1)": "gguf"}
+VARIANTS = {"dequantized bf16": None, "native GGUF (Q4_1 linears, Q8_0 head)": "gguf"}
 
 
-def linear_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the decoder's linear layers (the part quantization="gguf" keeps in blocks)."""
-    return sum(p.numel() * p.element_size() for m in model.modules() if hasattr(m, "linear_method")
-               for p in m.parameters(recurse=False))
+def decode_weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Weight bytes one batch-1 decode step reads, each tensor once at its stored size: "linear" (the decoder's
+    Linear layers), "head" (the LM head's whole weight, plus one row of an untied input embedding) and
+    "other" (norms); "total" is their sum."""
+    from pagellm.layers import LMHead, Linear, VocabEmbedding
+
+    parts, seen = {"linear": 0, "head": 0, "other": 0}, set()
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            if p.data_ptr() in seen:
+                continue  # a tied head's blocks are the embedding's
+            seen.add(p.data_ptr())
+            nbytes = p.numel() * p.element_size()
+            if isinstance(module, Linear):
+                parts["linear"] += nbytes
+            elif isinstance(module, VocabEmbedding):
+                tied = isinstance(model.lm_head, LMHead) and model.lm_head.tied
+                parts["head"] += nbytes if tied else nbytes // module.num_embeddings
+            elif isinstance(module, LMHead):
+                parts["head"] += nbytes
+            else:
+                parts["other"] += nbytes
+    return {**parts, "total": sum(parts.values())}
 
 
 def make_engine(quantization: str | None, args):
     llm = C.make_llm("smollm2-135m", max_model_len=args.prompt_len + args.output_len + 16, max_num_seqs=1,
                      kv_gb=0.25, quantization=quantization)
     eng = llm.llm_engine
-    info = C.model_bytes_per_decode_token(eng.model, eng.model_files.hf_config)
-    info["linear_bytes"] = linear_bytes(eng.model)
+    info = C.model_bytes_per_decode_token(eng.model, eng.model_files.hf_config)  # for its K/V bytes per token
+    parts = decode_weight_bytes(eng.model)
+    info.update(weight_bytes=parts["total"], linear_bytes=parts["linear"], head_bytes=parts["head"])
     return llm, info
 
 
@@ -62,7 +84,8 @@ def run(args) -> dict:
     for name, (llm, info) in engines.items():
         tpot = statistics.median(x["tpot_ms"] for x in runs[name])
         read = info["weight_bytes"] + info["kv_bytes_per_ctx_token"] * mean_ctx
-        results.append({"variant": name, "linear_bytes": info["linear_bytes"], "weight_bytes": info["weight_bytes"],
+        results.append({"variant": name, "linear_bytes": info["linear_bytes"], "head_bytes": info["head_bytes"],
+                        "weight_bytes": info["weight_bytes"],
                         "bytes_per_decode_token": read, "tpot_ms": tpot,
                         "ttft_ms": statistics.median(x["ttft_ms"] for x in runs[name]),
                         "achieved_gbs": read / (tpot / 1e3) / 1e9, "mbu": read / (tpot / 1e3) / 1e9 / bw["best_gbs"],
@@ -82,10 +105,11 @@ def render(data: dict) -> str:
            f"Default model, batch 1, prompt {a['prompt_len']} tokens, {a['output_len']} new tokens, greedy, bf16 "
            f"activations; {a['rounds']} interleaved rounds, medians. Copy bandwidth (tensor.copy_, read+write): best "
            f"{bw['best_gbs']:.1f} GB/s, median {bw['median_gbs']:.1f} GB/s; MBU uses the best.", ""]
-    rows = [[r["variant"], f"{r['linear_bytes'] / 1e6:.0f} MB", f"{(r['weight_bytes'] - r['linear_bytes']) / 1e6:.0f} MB",
+    rows = [[r["variant"], f"{r['linear_bytes'] / 1e6:.0f} MB", f"{r['head_bytes'] / 1e6:.0f} MB",
+             f"{(r['weight_bytes'] - r['linear_bytes'] - r['head_bytes']) / 1e6:.2f} MB",
              f"{r['bytes_per_decode_token'] / 1e6:.0f} MB", r["tpot_ms"], r["ttft_ms"], r["achieved_gbs"],
              f"{r['mbu']:.2f}", f"{base / r['tpot_ms']:.2f}x"] for r in data["results"]]
-    out.append(C.md_table(["weights", "decoder linears", "embedding/LM head + norms", "bytes/decode tok",
+    out.append(C.md_table(["weights", "decoder linears", "embedding/LM head", "norms", "bytes/decode tok",
                            "TPOT ms", "TTFT ms", "achieved GB/s", "MBU", "TPOT speedup"], rows))
     return "\n".join(out)
 

@@ -89,7 +89,7 @@ class PagedRunner:
         self.bs = block_size
         blocks_per_req = (max_tokens_per_req + block_size - 1) // block_size
         num_blocks = blocks_per_req * max_reqs + 3
-        dtype = next(model.parameters()).dtype
+        dtype = getattr(model, "dtype", None) or next(p.dtype for p in model.parameters() if p.is_floating_point())
         specs = model.kv_cache_specs(block_size, dtype)
         config = KVCacheConfig(num_blocks=num_blocks, groups=group_kv_cache_specs(specs), layer_specs=specs)
         self.kv_caches = allocate_kv_caches(config, torch.device("cpu"))

@@ -20,7 +20,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.model_loader import build_model, open_model
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.ops.reference import gguf_dequantize
-from pagellm.quantization import GGUFConfig, GGUFLinearMethod, UnquantizedLinearMethod
+from pagellm.quantization import GGUFConfig, GGUFEmbeddingMethod, GGUFLinearMethod, UnquantizedLinearMethod
 from test_gguf import write_llama_gguf
 
 gguf = pytest.importorskip("gguf")
@@ -88,8 +88,12 @@ def test_native_layers_hold_the_files_blocks(tiny_gguf):
             # the same values as the dequantized path (q/k rows un-permuted as whole rows of blocks)
             w = gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features)
             assert torch.equal(w, ref.weight), merged
-    assert torch.equal(native.model.embed_tokens.weight, deq.model.embed_tokens.weight)  # Q8_0 in the file: float
-    assert torch.equal(native.lm_head.weight, deq.lm_head.weight)  # Q4_1 in the file: float
+    # the embedding (Q8_0 in the file) and the untied LM head (Q4_1) keep their blocks too
+    for name, gguf_name in (("model.embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
+        layer, ref = native.get_submodule(name), deq.get_submodule(name)
+        assert isinstance(layer.linear_method, GGUFEmbeddingMethod), name
+        assert layer.linear_method.type_name == types[gguf_name].name
+        assert torch.equal(gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features), ref.weight)
 
 
 def test_native_matches_dequantized_path(tiny_gguf):

@@ -1,49 +1,94 @@
-"""Token embedding and LM head (optionally tied to the embedding)."""
+"""Token embedding and LM head (optionally tied to the embedding), stored as an EmbeddingMethod says.
+
+Both are views of one vocabulary-sized weight W [num_embeddings, embedding_dim], which a LinearMethod sees
+as a linear's [out, in] (`out_features` = vocabulary, `in_features` = hidden). `quant_config` (None =
+unquantized, W in the model dtype) picks the method by `prefix` (`get_embedding_method`, None there:
+unquantized too); a tied head shares the embedding's method and parameters, so the weight is held once
+whatever its format.
+"""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pagellm.layers.linear import default_weight_loader, linear
+from pagellm.quantization.base import EmbeddingMethodBase, QuantizationConfig
+from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod
+from pagellm.weight_utils import load_output_slice
 
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None, device=None) -> None:
-        super().__init__()
+def _load_whole(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+    """The vocabulary layers' weight_loader: one checkpoint tensor per parameter, through its shard_loader."""
+    if shard_id is not None:
+        raise ValueError(f"parameter does not take shards (got shard_id={shard_id!r})")
+    getattr(param, "shard_loader", load_output_slice)(param, loaded_weight, None)
+
+
+class _VocabWeight(nn.Module):
+    """W [num_embeddings, embedding_dim], its parameters registered by the method the config picks."""
+
+    def _create_weights(self, num_embeddings: int, embedding_dim: int, dtype, device,
+                        quant_config: QuantizationConfig | None, prefix: str) -> None:
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.weight.weight_loader = default_weight_loader
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        self.in_features, self.out_features = embedding_dim, num_embeddings  # what a LinearMethod reads
+        self.prefix = prefix
+        method = None if quant_config is None else quant_config.get_embedding_method(self, prefix)
+        self.linear_method: EmbeddingMethodBase = UnquantizedEmbeddingMethod() if method is None else method
+        params_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            self.linear_method.create_weights(self, embedding_dim, [num_embeddings], num_embeddings, params_dtype,
+                                              False, weight_loader=_load_whole)
+        for name, p in self._parameters.items():
+            if p is not None and not hasattr(p, "weight_loader"):
+                raise TypeError(f"{type(self.linear_method).__name__}.create_weights registered {name!r} "
+                                f"without a weight_loader")
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, linear_method={type(self.linear_method).__name__}"
 
 
-class LMHead(nn.Module):
-    """logits = hidden @ W^T in the model dtype (as HF's lm_head); the sampler widens to float32 only where
-    it computes more than an argmax. `tie_to(embedding)` shares the embedding's weight."""
+class VocabEmbedding(_VocabWeight):
+    """token ids [...] -> [..., embedding_dim] in the model dtype (the method's `embedding`: a float W is
+    indexed, a quantized one dequantizes only the rows looked up)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None, device=None,
-                 tied_to: VocabEmbedding | None = None) -> None:
+                 quant_config: QuantizationConfig | None = None, prefix: str = "model.embed_tokens") -> None:
         super().__init__()
-        self.num_embeddings = num_embeddings
-        self.embedding_dim = embedding_dim
+        self._create_weights(num_embeddings, embedding_dim, dtype, device, quant_config, prefix)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.embedding(self, input_ids)
+
+
+class LMHead(_VocabWeight):
+    """logits = hidden @ W^T in the model dtype (as HF's lm_head); the sampler widens to float32 only where
+    it computes more than an argmax. `tied_to`: the embedding whose W (method and parameters) it shares;
+    otherwise its own W, in the format `quant_config` gives `prefix`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype | None = None, device=None,
+                 tied_to: VocabEmbedding | None = None, quant_config: QuantizationConfig | None = None,
+                 prefix: str = "lm_head") -> None:
+        super().__init__()
         self.tied = tied_to is not None
-        if tied_to is not None:
-            self.weight = tied_to.weight
-        else:
-            self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device),
-                                       requires_grad=False)
-            self.weight.weight_loader = default_weight_loader
+        if tied_to is None:
+            self._create_weights(num_embeddings, embedding_dim, dtype, device, quant_config, prefix)
+            return
+        if (tied_to.num_embeddings, tied_to.embedding_dim) != (num_embeddings, embedding_dim):
+            raise ValueError(f"tied LM head [{num_embeddings}, {embedding_dim}] differs from its embedding "
+                             f"[{tied_to.num_embeddings}, {tied_to.embedding_dim}]")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.in_features, self.out_features = embedding_dim, num_embeddings
+        self.prefix = prefix
+        self.linear_method = tied_to.linear_method
+        for name, p in tied_to.named_parameters(recurse=False):
+            self.register_parameter(name, p)  # the same Parameter objects: one copy, loaded once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.weight)
+        """hidden [..., embedding_dim] -> logits [..., num_embeddings] in hidden's dtype."""
+        return self.linear_method.apply(self, hidden)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, tied={self.tied}"
+        return f"{super().extra_repr()}, tied={self.tied}"

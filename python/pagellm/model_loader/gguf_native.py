@@ -7,8 +7,11 @@ weights are read from the .gguf itself:
   `<hf module>.qweight`, uint8 [out, in / 32 * block_bytes], the file's rows as they are (q/k rows
   un-permuted as gguf_convert.unpermute_qk does: a row of blocks moves as a unit), for
   `pagellm.quantization.gguf.GGUFLinearMethod`;
-- every other tensor (norms, embedding, LM head, and linears stored as F32/F16/BF16) is dequantized to
-  float32 exactly as the default path does, and loads into an ordinary float parameter.
+- the token embedding and an untied LM head (token_embd, output) stored in one of those types are yielded
+  the same way (`model.embed_tokens.qweight`, `lm_head.qweight`) for `GGUFEmbeddingMethod`; in any other
+  type they are dequantized (llama.cpp files often keep them as Q6_K: no native kernel, but not refused);
+- every other tensor (norms, and linears stored as F32/F16/BF16) is dequantized to float32 exactly as the
+  default path does, and loads into an ordinary float parameter.
 
 `plan_native_gguf` reads only the file's tensor directory (GGUFReader memory-maps it), so a tensor type
 that cannot be used natively is refused (ValueError naming it and the supported types) before the model
@@ -30,6 +33,8 @@ from pagellm.quantization.gguf import GGUF_METHOD, GGUFConfig, supported_gguf_ty
 # GGUF tensor kinds that are decoder linear layers (the rest are norms, embedding, LM head)
 _LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
+# GGUF tensors of the vocabulary-sized layers -> the model's layer prefix
+_VOCAB_LAYERS = {"token_embd.weight": "model.embed_tokens", "output.weight": "lm_head"}
 
 
 @dataclass
@@ -83,8 +88,9 @@ def _param_prefix(hf_name: str, stacked_params_mapping) -> tuple[str, object]:
 
 def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
     """Check every tensor type of `gguf_path` and build the GGUFConfig for `model_cls` (whose
-    `stacked_params_mapping` says which HF linears share a merged layer). Raises ValueError for a linear
-    stored in a type without a native kernel, or a merged layer whose shards are stored in different types."""
+    `stacked_params_mapping` says which HF linears share a merged layer): decoder linears, the token embedding
+    and an untied LM head in a supported block type stay blocks. Raises ValueError for a linear stored in a
+    type without a native kernel, or a merged layer whose shards are stored in different types."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -92,10 +98,12 @@ def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
     native: set[str] = set()
     first_shard: dict[str, str] = {}
     for t in reader.tensors:
-        kind = _linear_kind(t.name)
-        if kind is None:
-            continue
         type_name = t.tensor_type.name
+        if t.name in _VOCAB_LAYERS and type_name in supported_gguf_types():
+            layer_types[_VOCAB_LAYERS[t.name]] = type_name
+            native.add(t.name)
+        if _linear_kind(t.name) is None:
+            continue
         if type_name not in _FLOAT_TYPES and type_name not in supported_gguf_types():
             raise ValueError(f"{gguf_path}: tensor {t.name!r} is stored as {type_name}, which has no native kernel; "
                              f"supported with quantization={GGUF_METHOD!r}: {supported_gguf_types()} (and float "
@@ -110,7 +118,7 @@ def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
             layer_types[prefix] = type_name
             native.add(t.name)
     if not layer_types:
-        raise ValueError(f"{gguf_path}: no linear tensor is stored as {supported_gguf_types()}; nothing to load "
+        raise ValueError(f"{gguf_path}: no tensor is stored as {supported_gguf_types()}; nothing to load "
                          f"natively with quantization={GGUF_METHOD!r}")
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head

@@ -107,7 +107,7 @@ class CausalLMBase(nn.Module):
         for name, tensor in weights:
             if name.endswith(self.ignored_weight_suffixes):
                 continue
-            if self.tie_word_embeddings and name == "lm_head.weight":
+            if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # tied: the embedding provides it (HF ignores it too)
             pname, shard = self._hf_to_param(name)
             param = params.get(pname)

@@ -129,7 +129,8 @@ class LlamaModel(nn.Module):
     def __init__(self, config, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer], window_fn, quant_config=None,
                  prefix: str = "model") -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, quant_config=quant_config,
+                                           prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
             [layer_cls(config, i, dtype, window_fn(config, i), quant_config=quant_config, prefix=f"{prefix}.layers.{i}")
              for i in range(config.num_hidden_layers)]
@@ -157,7 +158,8 @@ class LlamaForCausalLM(CausalLMBase):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer, quant_config=quant_config)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
-                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None)
+                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+                              quant_config=quant_config, prefix="lm_head")
 
     @staticmethod
     def window_size_for_layer(config, layer_idx: int) -> int:

@@ -5,7 +5,9 @@ reads the quantized bytes instead of a dequantized copy (Q4_1: 0.625 bytes per w
     LLM("model.gguf", quantization="gguf")      # or LLM(quantization="gguf") for the default model
 
 The layer types come from the file (pagellm.model_loader.gguf_native builds the config from its tensor
-types); a layer whose tensor is F32/F16/BF16 in the file stays an ordinary float layer.
+types); a layer whose tensor is F32/F16/BF16 in the file stays an ordinary float layer. The token embedding
+and the LM head too: the head is a `gguf_linear` over the blocks, the embedding dequantizes only the rows it
+looks up, and a tied pair holds the blocks once (`GGUFEmbeddingMethod`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_QTYPES
+from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_QTYPES, gguf_dequantize
 from pagellm.ops.reference import gguf_linear as _reference_gguf_linear
-from pagellm.quantization.base import LinearMethodBase, QuantizationConfig, new_linear_param
+from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, new_linear_param
 from pagellm.quantization.registry import register_quantization_config
-from pagellm.quantization.unquantized import UnquantizedLinearMethod
+from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
 GGUF_METHOD = "gguf"
 
@@ -72,10 +74,28 @@ class GGUFLinearMethod(LinearMethodBase):
         return out
 
 
+class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
+    """The token embedding / LM head in GGUF blocks: qweight uint8 [vocab, hidden / 32 * block_bytes]. The head
+    is `gguf_linear` (logits in the model dtype); a lookup gathers the looked-up rows of blocks and dequantizes
+    just those ([num_tokens, hidden] per step, pure torch, exactly as gguf-py), then rounds to the model dtype as
+    the float path's weight was rounded when loaded."""
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
+                       params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
+        super().create_weights(layer, input_size, output_partition_sizes, output_size, params_dtype, bias, **extra)
+        self.params_dtype = params_dtype
+
+    def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+        rows = layer.qweight.index_select(0, token_ids.reshape(-1))
+        values = gguf_dequantize(rows, self.qtype, layer.in_features).to(self.params_dtype)
+        return values.view(token_ids.shape + (layer.in_features,))
+
+
 @register_quantization_config(GGUF_METHOD)
 class GGUFConfig(QuantizationConfig):
-    """`layer_types`: linear layer name (its prefix, e.g. "model.layers.0.self_attn.qkv_proj") -> GGUF block
-    type ("Q8_0", "Q4_0", "Q4_1"); layers not listed are unquantized (float in the file)."""
+    """`layer_types`: layer name (its prefix, e.g. "model.layers.0.self_attn.qkv_proj", "model.embed_tokens",
+    "lm_head") -> GGUF block type ("Q8_0", "Q4_0", "Q4_1"); layers not listed are unquantized (float in the
+    file, or a block type without a native kernel, dequantized by the loader)."""
 
     def __init__(self, layer_types: dict[str, str]) -> None:
         bad = {name: t for name, t in layer_types.items() if t not in GGUF_QTYPES}
@@ -100,3 +120,7 @@ class GGUFConfig(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         type_name = self.layer_types.get(prefix)
         return UnquantizedLinearMethod() if type_name is None else GGUFLinearMethod(type_name)
+
+    def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase:
+        type_name = self.layer_types.get(prefix)
+        return UnquantizedEmbeddingMethod() if type_name is None else GGUFEmbeddingMethod(type_name)

@@ -1,14 +1,15 @@
-"""The default LinearMethod: the weight as in the checkpoint, [out, in] in the model dtype."""
+"""The default LinearMethod (and EmbeddingMethod): the weight as in the checkpoint, [out, in] in the model dtype."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagellm.ops.linear_dispatch import linear
-from pagellm.quantization.base import LinearMethodBase, new_linear_param
+from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, new_linear_param
 
 
 class UnquantizedLinearMethod(LinearMethodBase):
@@ -23,3 +24,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return linear(x, layer.weight, bias)
+
+
+class UnquantizedEmbeddingMethod(UnquantizedLinearMethod, EmbeddingMethodBase):
+    """weight [num_embeddings, embedding_dim] in `params_dtype`: looked up with F.embedding, multiplied as a linear."""
+
+    def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, layer.weight)
