@@ -3,7 +3,7 @@
     ModelConfig      what to load and how (model, tokenizer, dtype, quantization, device, max_model_len, seed)
     CacheConfig      the paged KV cache (block size, memory budget, prefix caching)
     SchedulerConfig  batching limits (max_num_seqs, max_num_batched_tokens, chunked prefill)
-    EngineConfig     the three together
+    EngineConfig     the three together (+ parallel, and an optional SpeculativeConfig)
 
 Invalid values raise ValueError naming the field and its allowed range. `cpp_kwargs()` gives the
 keyword arguments of pagellm._C.Scheduler (its C++ configs) for the C++ scheduler.
@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Mapping
+
+from pagellm.spec_decode.registry import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
 _POLICIES = ("fcfs", "priority")
@@ -161,6 +163,12 @@ class EngineConfig:
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
+    # speculative decoding (vLLM's speculative_config dict, or a SpeculativeConfig); None: off
+    speculative_config: SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # ValueError naming the allowed methods / keys / ranges
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
     @property
     def max_model_len(self) -> int:
@@ -206,6 +214,12 @@ class EngineArgs:
     seed: int = 0
     device: str = "cpu"
     max_logprobs: int = 20
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; methods: pagellm.spec_decode.list_proposers()
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # refused here, before any model is opened
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -244,7 +258,8 @@ class EngineArgs:
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
         )
         pc = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
-        return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc)
+        return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
+                            speculative_config=self.speculative_config)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -29,6 +29,7 @@ class LLM:
         llm = LLM()                                    # default model: SmolLM2-135M-Instruct
         outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
         outs = llm.chat([{"role": "user", "content": "Hi"}])
+        llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 4})  # same outputs, fewer steps
     """
 
     def __init__(

@@ -21,6 +21,44 @@ PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass
+class SpecDecodeMetrics:
+    """Speculative-decoding counters (of one request, or engine-wide). A spec row is a step in which a
+    sequence carried drafts: it emits its accepted drafts plus one token of the target's own."""
+
+    num_spec_rows: int = 0
+    num_draft_tokens: int = 0  # drafts scored by the target model
+    num_accepted_draft_tokens: int = 0  # drafts the verifier accepted
+    num_drafts_per_position: list[int] = field(default_factory=list)  # [i]: rows with a draft at position i
+    num_accepted_per_position: list[int] = field(default_factory=list)  # [i]: rows whose draft i was accepted
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One spec row: its drafts, and how many of them (a prefix) the verifier accepted."""
+        self.num_spec_rows += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_draft_tokens += num_accepted
+        for counts, n in ((self.num_drafts_per_position, num_drafts), (self.num_accepted_per_position, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / scored drafts (0 before any draft)."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per spec row, the target's own token included (1 + accepted / rows; 0 before any)."""
+        return 1.0 + self.num_accepted_draft_tokens / self.num_spec_rows if self.num_spec_rows else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """[i]: accepted / proposed drafts at draft position i."""
+        return [a / d for a, d in zip(self.num_accepted_per_position + [0] * len(self.num_drafts_per_position),
+                                      self.num_drafts_per_position)]
+
+
+@dataclass
 class RequestMetrics:
     """Timestamps (time.time()) of a request's life and the derived latencies in seconds."""
 
@@ -30,6 +68,7 @@ class RequestMetrics:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_generation_tokens: int = 0
+    spec_decode: SpecDecodeMetrics | None = None  # set once a step scored drafts for this request
 
     @property
     def ttft(self) -> float | None:

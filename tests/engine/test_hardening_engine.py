@@ -145,16 +145,27 @@ def test_fault_in_step_fails_its_requests_and_engine_stays_usable(llm, reference
     assert_failed_then_usable(llm, outs, reference, f"injected {stage} failure")
 
 
-@pytest.mark.parametrize("where", ["propose", "verify"])
-def test_fault_in_speculative_step(llm, reference, monkeypatch, where):
+def test_fault_in_speculative_step(llm, reference, monkeypatch):
     eng = llm.llm_engine
-    eng.set_proposer(RepeatLastProposer(fail_on=1 if where == "propose" else None))
+    eng.set_proposer(RepeatLastProposer())
     try:
-        if where == "verify":
-            raise_on_call(monkeypatch, eng.sampler, "verify", RuntimeError("injected verify failure"))
+        raise_on_call(monkeypatch, eng.sampler, "verify", RuntimeError("injected verify failure"))
         outs = run_batch(llm)
         monkeypatch.undo()
-        assert_failed_then_usable(llm, outs, reference, f"injected {where}")
+        assert_failed_then_usable(llm, outs, reference, "injected verify")
+    finally:
+        eng.set_proposer(None)
+
+
+def test_raising_proposer_costs_drafts_not_requests(llm, reference):
+    """A proposer that raises (engine/spec_step.py): that step runs without drafts, nothing fails."""
+    eng = llm.llm_engine
+    eng.set_proposer(RepeatLastProposer(fail_on=1))
+    try:
+        outs = run_batch(llm)
+        assert all(o.error is None for o in outs) and tokens(outs) == reference["greedy"]
+        assert eng.spec_stats.num_proposer_errors == 1 and eng.spec_stats.num_draft_tokens > 0
+        assert_idle(eng)
     finally:
         eng.set_proposer(None)
 

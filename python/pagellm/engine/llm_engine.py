@@ -36,7 +36,7 @@ from pagellm.inputs import InputProcessor, PromptType
 from pagellm.logger import init_logger
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
-from pagellm.spec_decode import BaseProposer
+from pagellm.spec_decode import BaseProposer, SpecDecodeStats
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -90,7 +90,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         self._rng = random.Random(mc.seed)
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
-        self.set_proposer(proposer)
+        self._init_speculation(proposer)  # the given proposer, else config.speculative_config's (spec_step.py)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -161,6 +161,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         self.output_processor.remove(st)
         for s in st.seqs:
             self._generators.pop(s.seq_id, None)
+        if self.proposer is not None:  # e.g. a draft model's KV blocks of these sequences
+            self.proposer.release([s.seq_id for s in st.seqs])
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
@@ -176,8 +178,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         """Schedule a batch, run the model on it, apply the sampled tokens; returns the RequestOutputs
         that changed this step. With a proposer, decode-ready sequences carry drafts that are verified.
 
-        An exception inside the step (model, sampler, detokenizer, proposer, ...) fails the requests of
-        that step, not the engine: each gets a final RequestOutput among the returned ones (finished,
+        An exception inside the step (model, sampler, detokenizer, invalid drafts, ...) fails the requests
+        of that step, not the engine (a proposer that raises only costs the step its drafts): each gets a final RequestOutput among the returned ones (finished,
         `error` set, unfinished completions with finish_reason "error"), their blocks are freed, the
         scheduler's pending step is closed, and the other requests go on. KeyboardInterrupt / SystemExit
         get the same cleanup, then propagate. Raises only EngineRecoveryError (the cleanup itself failed;
@@ -201,7 +203,9 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         if not seq_ids:
             return []
         prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
-        result = self.executor.execute_model(sched_out, prompt_logprob_rows)
+        hidden_rows = self._hidden_state_rows(sched_out)  # none unless the proposer reads hidden states
+        extra = {"hidden_state_rows": hidden_rows} if hidden_rows else {}
+        result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
         if len(sched_out.draft_token_ids):
             update = self._sample_and_verify(sched_out, seq_ids, result.logits)
@@ -209,6 +213,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
             targets, rows, logit_rows = self._build_sampling_rows(seq_ids, np.flatnonzero(sched_out.do_sample))
             token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
             update = self._apply_sampled_tokens(targets, token_ids, logprob_lists)
+        self._observe_hidden_states(sched_out, seq_ids, hidden_rows, result.hidden_states, update)
         self._report_to_scheduler(sched_out, seq_ids, update)
         return self._collect_outputs(update.changed)
 
@@ -341,12 +346,14 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         kernel the first time it meets a GEMM shape, pages of weights and caches are touched the first
         time, the thread pool starts. Each prompt runs alone and then all together (mixed prefill and
         decode steps, decode batches of several sizes). Afterwards no request is left, the prefix cache is
-        empty and the token counters are as before. Returns the seconds it took. A server calls this
+        empty and the token counters
+        (and spec_stats) are as before. Returns the seconds it took. A server calls this
         before it accepts requests."""
         if self.has_unfinished_requests():
             raise RuntimeError("warmup() needs an idle engine")
         t0 = time.perf_counter()
-        counters = self.num_prompt_tokens_total, self.num_generation_tokens_total
+        counters = self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats
+        self.spec_stats = SpecDecodeStats()  # warm-up drafts are not counted either
         rng = random.Random(0)
         lens = [max(1, min(int(n), self.max_model_len - max_tokens - 1)) for n in prompt_lens]
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -358,7 +365,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
             while self.has_unfinished_requests():
                 self.step()
         self.reset_prefix_cache()
-        self.num_prompt_tokens_total, self.num_generation_tokens_total = counters
+        self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats = counters
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ workers
@@ -394,5 +401,5 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.usage,
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            num_steps=s.num_steps, timestamp=time.time(),
+            num_steps=s.num_steps, timestamp=time.time(), spec_decode=EngineStats.spec_snapshot(self),
         )  # fmt: skip

@@ -5,25 +5,56 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from pagellm.engine.step_update import StepUpdate, finished_status
+from pagellm.logger import init_logger
+from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
-from pagellm.spec_decode import BaseProposer, DraftRequest, SpecDecodeStats, check_proposals, split_spec_rows
+from pagellm.spec_decode import (
+    BaseProposer,
+    DraftRequest,
+    ProposerContext,
+    SpecDecodeStats,
+    check_proposals,
+    create_proposer,
+    split_spec_rows,
+)
+
+logger = init_logger(__name__)
 
 
 class SpecDecodeStep:
     """Mixed into LLMEngine (uses its scheduler, output_processor, sampler and sampling helpers)."""
 
-    def set_proposer(self, proposer: BaseProposer | None) -> None:
+    def _init_speculation(self, proposer: BaseProposer | None) -> None:
+        """At construction: the given proposer, else the one `config.speculative_config` names."""
+        spec = self.config.speculative_config
+        if proposer is None and spec is not None:
+            context = ProposerContext(engine_config=self.config, model_files=self.model_files,
+                                      tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor)
+            proposer = create_proposer(spec, context)
+        self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size)
+
+    def set_proposer(self, proposer: BaseProposer | None, disable_by_batch_size: int | None = None) -> None:
         """Speculative decoding with `proposer` from the next step on (None: off). Outputs stay those of
         plain decoding (greedy: token-identical; sampled: same distribution), with fewer steps when
-        drafts are accepted. Resets `spec_stats`. Raises TypeError for a non-BaseProposer, ValueError
-        when a waiting prompt plus num_speculative_tokens lookahead slots no longer fits the KV cache."""
+        drafts are accepted. No drafts in a step with more decode-ready sequences than
+        `disable_by_batch_size` (None: the proposer's `default_disable_by_batch_size`). Resets
+        `spec_stats`. Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a
+        waiting prompt plus num_speculative_tokens lookahead slots no longer fits the KV cache."""
         if proposer is not None and not isinstance(proposer, BaseProposer):
             raise TypeError(f"proposer must be a BaseProposer or None, got {type(proposer).__name__}")
+        if disable_by_batch_size is None and proposer is not None:
+            disable_by_batch_size = proposer.default_disable_by_batch_size
+        if disable_by_batch_size is not None and (isinstance(disable_by_batch_size, bool)
+                                                  or not isinstance(disable_by_batch_size, int)
+                                                  or disable_by_batch_size < 1):
+            raise ValueError(f"disable_by_batch_size must be None or an integer >= 1, got {disable_by_batch_size!r}")
         self.scheduler.set_num_lookahead_tokens(0 if proposer is None else proposer.num_speculative_tokens)
         self.proposer = proposer
+        self.spec_disable_by_batch_size = disable_by_batch_size
         self.spec_stats = SpecDecodeStats()
 
     def _propose_drafts(self, in_step: list[str]) -> None:
@@ -31,6 +62,10 @@ class SpecDecodeStep:
         The decode-ready sequences are appended to `in_step`: a failure here fails their requests."""
         requests = []
         ready = self.scheduler.decode_ready_request_ids()
+        limit = self.spec_disable_by_batch_size
+        if limit is not None and len(ready) > limit:
+            self.spec_stats.num_steps_over_batch_limit += 1
+            return
         in_step.extend(ready)
         for sid in ready:
             st, seq = self.output_processor.seq(sid)
@@ -39,10 +74,55 @@ class SpecDecodeStep:
             if req is not None and not seq.finished:
                 requests.append(req)
         if requests:
-            proposals = self.proposer.propose(requests)
+            proposals = self._call_proposer(requests)
             drafts = check_proposals(requests, proposals, self.proposer.num_speculative_tokens, self.vocab_size)
             for sid, tokens in drafts.items():
                 self.scheduler.set_draft_tokens(sid, tokens)
+
+    def _hidden_state_rows(self, sched_out) -> list[int]:
+        """The sampling rows whose final hidden states the proposer reads (none unless it needs_hidden_states)."""
+        if self.proposer is None or not self.proposer.needs_hidden_states:
+            return []
+        return np.flatnonzero(sched_out.do_sample).tolist()
+
+    def _observe_hidden_states(self, sched_out, seq_ids: list[str], rows: list[int], hidden,
+                               update: StepUpdate) -> None:
+        """Hand the proposer, per sequence that sampled and goes on, the hidden state whose logits gave its
+        newest token: a plain row's last position, a spec row's last accepted one (the bonus token's
+        logits row); a new child of n > 1 sampling gets its parent row's."""
+        if not rows or hidden is None:
+            return
+        counts = sched_out.num_scheduled_tokens[rows].astype(np.int64)
+        starts = (np.cumsum(counts) - counts).tolist()  # the rows' first positions in `hidden`
+        pick = {}
+        for r, start, n in zip(rows, starts, counts.tolist()):
+            kept = update.tokens_by_seq.get(seq_ids[r])
+            pick[seq_ids[r]] = start + (len(kept) - 1 if kept else n - 1)
+        for parent_id, child_id, _ in update.forks:
+            if parent_id in pick:
+                pick[child_id] = pick[parent_id]
+        ids, lens, positions = [], [], []
+        for sid, pos in pick.items():
+            st, seq = self.output_processor.seq(sid)
+            if not seq.finished:
+                ids.append(sid)
+                lens.append(len(st.prompt_token_ids) + len(seq.output_token_ids))
+                positions.append(pos)
+        if ids:
+            self.proposer.observe_hidden_states(ids, lens, hidden[torch.as_tensor(positions, device=hidden.device)])
+
+    def _call_proposer(self, requests: list[DraftRequest]) -> dict:
+        """The proposer's answer; when it raises, no drafts this step (outputs do not depend on drafts):
+        the error is counted in spec_stats.num_proposer_errors and logged in full the first time."""
+        try:
+            return self.proposer.propose(requests)
+        except Exception as exc:  # noqa: BLE001 - a broken proposer costs speed, never requests
+            stats = self.spec_stats
+            stats.num_proposer_errors += 1
+            if stats.num_proposer_errors == 1:
+                logger.warning("proposer %s raised; steps with a failing proposer run without drafts",
+                               type(self.proposer).__name__, exc_info=exc)
+            return {}
 
     def _sample_and_verify(self, sched_out, seq_ids: list[str], logits: torch.Tensor) -> StepUpdate:
         """A step with spec rows: plain sampling rows are sampled as usual, spec rows verified; each spec
@@ -73,5 +153,8 @@ class SpecDecodeStep:
             update.changed[st.request_id] = st
             self.num_generation_tokens_total += kept
             self.spec_stats.record(len(drafts), len(tokens) - 1, kept)
+            if st.metrics.spec_decode is None:
+                st.metrics.spec_decode = SpecDecodeMetrics()
+            st.metrics.spec_decode.record(len(drafts), len(tokens) - 1)
             start += len(drafts) + 1
         return update

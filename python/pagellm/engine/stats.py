@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from pagellm.spec_decode import SpecDecodeStats
 
 
 @dataclass
@@ -18,6 +20,16 @@ class EngineStats:
     prefix_cache_hits: int = 0           # cumulative tokens found
     num_steps: int = 0
     timestamp: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # a copy of LLMEngine.spec_stats (None: no proposer)
+
+    @staticmethod
+    def spec_snapshot(engine) -> SpecDecodeStats | None:
+        """A copy of the engine's speculative-decoding counters, safe to read from another thread."""
+        if getattr(engine, "proposer", None) is None:
+            return None
+        s = engine.spec_stats
+        return replace(s, num_drafts_per_position=list(s.num_drafts_per_position),
+                       num_accepted_per_position=list(s.num_accepted_per_position))
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -1,10 +1,12 @@
-"""`pagellm` command line: `pagellm generate "prompt"` (serve / bench subcommands plug in here)."""
+"""`pagellm` command line: `pagellm generate "prompt"` (serve / bench / quantize subcommands plug in here)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+
+from pagellm.threading_config import add_threading_args, export_threading_args
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,12 +20,20 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) | int8 | fp8_e4m3")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--seed", type=int, default=0)
+    from pagellm.entrypoints.serve import (  # noqa: PLC0415
+        QUANTIZATION_HELP, SPECULATIVE_CONFIG_HELP, speculative_config_arg,
+    )
+
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPECULATIVE_CONFIG_HELP)
+    p.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
+    add_threading_args(p)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
-                attention_backend=a.attention_backend, seed=a.seed)
+                attention_backend=a.attention_backend, quantization=a.quantization, seed=a.seed,
+                speculative_config=a.speculative_config)
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
@@ -32,6 +42,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from pagellm.inputs import chat_prompt
     from pagellm.sampling_params import SamplingParams
 
+    export_threading_args(a)
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(a)))
     tok = engine.get_tokenizer()
     if a.no_chat_template or getattr(tok, "chat_template", None) is None:
@@ -64,8 +75,11 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ttft = m.ttft or 0.0
         decode_time = (m.finished_time or time.time()) - (m.first_token_time or start)
         tps = (n_out - 1) / decode_time if n_out > 1 and decode_time > 0 else 0.0
+        spec = m.spec_decode
+        spec_note = "" if spec is None else (f" | drafts accepted {spec.acceptance_rate:.0%}, "
+                                             f"{spec.mean_accepted_length:.2f} tokens per spec step")
         print(f"[TTFT {ttft * 1000:.1f} ms | decode {tps:.1f} tok/s | prompt {len(final.prompt_token_ids)} tokens | "
-              f"output {n_out} tokens | finish {final.outputs[0].finish_reason}]", file=sys.stderr)
+              f"output {n_out} tokens | finish {final.outputs[0].finish_reason}{spec_note}]", file=sys.stderr)
     return 0
 
 
@@ -84,10 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     g.set_defaults(func=cmd_generate)
-    from pagellm.entrypoints import bench, serve  # their heavy imports (fastapi, ...) stay lazy
+    from pagellm.entrypoints import bench, quantize, serve, train_medusa  # their heavy imports (fastapi, ...) stay lazy
 
     serve.add_serve_parser(sub)
     bench.add_bench_parser(sub)
+    quantize.add_quantize_parser(sub)
+    train_medusa.add_train_medusa_parser(sub)
     return parser
 
 

@@ -11,6 +11,7 @@ import argparse
 import os
 
 from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
+from pagellm.threading_config import add_threading_args, export_threading_args
 
 
 def _positive_int(s: str) -> int:
@@ -25,6 +26,29 @@ def _non_negative_float(s: str) -> float:
     if not v >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {s}")
     return v
+
+
+def speculative_config_arg(s: str) -> dict:
+    """`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'` (JSON, as vLLM takes it),
+    checked against the registered methods (pagellm.spec_decode) while the command line is parsed."""
+    import json  # noqa: PLC0415
+
+    from pagellm.spec_decode import SpeculativeConfig  # noqa: PLC0415
+
+    try:
+        config = json.loads(s)
+        SpeculativeConfig.from_dict(config)
+    except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        raise argparse.ArgumentTypeError(f"invalid speculative config {s!r}: {e}") from e
+    return config
+
+
+SPECULATIVE_CONFIG_HELP = ("speculative decoding, as JSON: method (e.g. ngram), num_speculative_tokens, "
+                           "disable_by_batch_size, and the method's own keys (ngram: prompt_lookup_min / _max)")
+
+
+QUANTIZATION_HELP = ("weight format: awq (an AutoAWQ checkpoint), int8 (LLM.int8(), quantized at load), gguf (a .gguf's "
+                     "blocks used natively); default: the checkpoint's own (quantization_config), else none")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -53,14 +77,17 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
     p.add_argument("--kv-cache-dtype", default=None, help="auto (the model dtype) | int8 | fp8_e4m3")
+    p.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
     p.add_argument("--num-kv-blocks", type=_positive_int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPECULATIVE_CONFIG_HELP)
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the throwaway requests run before serving (they take the one-time costs of the "
                         "first kernel calls off the first clients' latency)")
     p.add_argument("--uvicorn-log-level", default="warning")
+    add_threading_args(p)
     return p
 
 
@@ -73,7 +100,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 
 _ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "device", "kv_cache_memory_gb",
-                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed", "kv_cache_dtype")
+                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed", "kv_cache_dtype", "quantization",
+                "speculative_config")
 
 
 def engine_kwargs(args) -> dict:
@@ -98,6 +126,7 @@ def run(args) -> int:
 
     logger = init_logger("pagellm.serve")
     api_key = args.api_key or os.environ.get("PAGELLM_API_KEY") or None
+    export_threading_args(args)
     llm = AsyncLLM.from_engine_args(args.model, max_queue_len=args.max_queue_len, **engine_kwargs(args))
     if getattr(args, "warmup", True):
         logger.info("warm-up done in %.1f s", llm.engine.warmup())

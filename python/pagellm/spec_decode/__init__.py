@@ -17,6 +17,9 @@ from pagellm.spec_decode.registry import (
     list_proposers,
     register_proposer,
 )
+from pagellm.spec_decode import ngram  # noqa: E402,F401  (registers "ngram")
+from pagellm.spec_decode import draft_model  # noqa: E402,F401  (registers "draft_model")
+from pagellm.spec_decode import medusa  # noqa: E402,F401  (registers "medusa")
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",

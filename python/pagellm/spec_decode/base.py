@@ -20,7 +20,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
+
+from pagellm.outputs import SpecDecodeMetrics
 
 MAX_SPECULATIVE_TOKENS = 256  # the scheduler's bound on lookahead slots
 
@@ -56,6 +58,18 @@ class BaseProposer(ABC):
     """Guesses the next tokens of running sequences. Stateless between calls as far as the engine is
     concerned: a sequence may be preempted, aborted or forked between two calls."""
 
+    # no drafts in a step with more decode-ready sequences than this, unless the speculative_config's
+    # disable_by_batch_size says otherwise (None: always draft)
+    default_disable_by_batch_size: int | None = None
+    # True: after each step the engine calls observe_hidden_states with the final hidden state that gave
+    # each sampled sequence its newest token (heads on the target's hidden states, e.g. medusa)
+    needs_hidden_states: bool = False
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        """ValueError for a bad value among the method's own speculative_config keys (its OPTIONS);
+        called by SpeculativeConfig.from_dict, so bad configs fail before an engine is built."""
+
     def __init__(self, num_speculative_tokens: int) -> None:
         if not isinstance(num_speculative_tokens, int) or not 1 <= num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
@@ -66,6 +80,14 @@ class BaseProposer(ABC):
     def propose(self, requests: Sequence[DraftRequest]) -> Mapping[str, Sequence[int]]:
         """Drafts per seq_id for any subset of `requests` (a missing or empty entry: no drafts). At most
         num_speculative_tokens each; entries longer than a request's max_num_drafts are truncated."""
+
+    def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden) -> None:
+        """Only with needs_hidden_states: hidden [len(seq_ids), H] (the model's dtype) holds, per sequence,
+        the final normed hidden state whose logits gave its newest token; the sequence then had
+        num_tokens[i] tokens (prompt + output). Default: nothing."""
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        """The sequences are gone (finished, aborted): drop any state kept for them. Default: nothing."""
 
 
 def check_proposals(requests: Sequence[DraftRequest], proposals: Mapping[str, Sequence[int]],
@@ -90,21 +112,15 @@ def check_proposals(requests: Sequence[DraftRequest], proposals: Mapping[str, Se
 
 
 @dataclass
-class SpecDecodeStats:
-    """Counters since the proposer was set."""
+class SpecDecodeStats(SpecDecodeMetrics):
+    """Engine-wide counters since the proposer was set (`LLMEngine.spec_stats`): the per-request ones
+    summed, plus what only the engine sees."""
 
-    num_spec_rows: int = 0  # rows that carried drafts
-    num_draft_tokens: int = 0  # drafts scored by the target model
-    num_accepted_draft_tokens: int = 0  # drafts the verifier accepted
     num_emitted_tokens: int = 0  # tokens the spec rows added to outputs (after stop truncation)
+    num_proposer_errors: int = 0  # steps whose propose() raised: they ran without drafts
+    num_steps_over_batch_limit: int = 0  # steps without drafts: more decode-ready sequences than the limit
 
-    def record(self, num_drafts: int, num_accepted: int, num_kept: int) -> None:
+    def record(self, num_drafts: int, num_accepted: int, num_kept: int = 0) -> None:  # type: ignore[override]
         """One spec row: its drafts, the drafts accepted, the tokens kept after stop checks."""
-        self.num_spec_rows += 1
-        self.num_draft_tokens += num_drafts
-        self.num_accepted_draft_tokens += num_accepted
+        super().record(num_drafts, num_accepted)
         self.num_emitted_tokens += num_kept
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0

@@ -9,6 +9,8 @@ A method is a `BaseProposer` subclass registered under a name; it parses its own
         OPTIONS = ("my_option",)                 # the method's keys besides the common ones
         @classmethod
         def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "MyProposer": ...
+        @classmethod
+        def check_options(cls, options) -> None: ...  # optional: ValueError for a bad option value
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; allowed: "
                              f"{sorted(COMMON_KEYS + allowed)}")
+        _PROPOSERS[method].check_options(options)
         return cls(method, k, limit, options)
 
     def to_dict(self) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Latencies are measured at the server, on the event loop, when each output reache
 handler: TTFT (arrival -> first generated token), inter-token latency (between successive outputs,
 per token), end-to-end latency, and queue time (arrival -> first scheduled, from the engine's
 RequestMetrics when it has them). Gauges are refreshed from the engine thread's stats snapshot at
-scrape time.
+scrape time; so are the speculative-decoding counters (vLLM's names: drafts, draft tokens, accepted
+tokens, both per draft position too), advanced by the change since the last scrape.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ServerMetrics:
                                     labels, registry=r)
         self.prefix_hits = Gauge("pagellm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                  registry=r)
+        self.spec = SpecDecodeCounters(r, labels)
         self.model_name = model_name
         self._l = {"model_name": model_name}
 
@@ -70,7 +72,50 @@ class ServerMetrics:
             self.prefix_hit_rate.labels(**self._l).set(stats.prefix_cache_hit_rate)
             self.prefix_queries.labels(**self._l).set(stats.prefix_cache_queries)
             self.prefix_hits.labels(**self._l).set(stats.prefix_cache_hits)
+            if getattr(stats, "spec_decode", None) is not None:
+                self.spec.advance(stats.spec_decode, self._l)
         return generate_latest(self.registry)
+
+
+class SpecDecodeCounters:
+    """Prometheus counters following the engine's cumulative SpecDecodeStats. A snapshot below the last
+    one seen (the proposer was replaced, which restarts the engine's counts) counts from zero again."""
+
+    _FIELDS = {"num_drafts": "num_spec_rows", "num_draft_tokens": "num_draft_tokens",
+               "num_accepted_tokens": "num_accepted_draft_tokens", "num_emitted_tokens": "num_emitted_tokens",
+               "num_proposer_errors": "num_proposer_errors"}
+    _HELP = {"num_drafts": "Rows that carried draft tokens (one per sequence and step).",
+             "num_draft_tokens": "Draft tokens scored by the target model.",
+             "num_accepted_tokens": "Draft tokens accepted by verification.",
+             "num_emitted_tokens": "Tokens spec rows added to outputs (accepted drafts + the target's own).",
+             "num_proposer_errors": "Steps run without drafts because the proposer raised."}
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str]) -> None:
+        self.totals = {name: Counter(f"pagellm:spec_decode_{name}", self._HELP[name], labels, registry=registry)
+                       for name in self._FIELDS}
+        pos = labels + ["position"]
+        self.per_pos = {
+            "num_drafts_per_position": Counter("pagellm:spec_decode_num_draft_tokens_per_pos",
+                                               "Draft tokens scored, by draft position (0 = first).", pos,
+                                               registry=registry),
+            "num_accepted_per_position": Counter("pagellm:spec_decode_num_accepted_tokens_per_pos",
+                                                 "Draft tokens accepted, by draft position (0 = first).", pos,
+                                                 registry=registry),
+        }
+        self._last: dict[tuple[str, int], int] = {}
+
+    def _delta(self, key: tuple[str, int], value: int) -> int:
+        last = self._last.get(key, 0)
+        self._last[key] = value
+        return value - last if value >= last else value
+
+    def advance(self, stats, label_values: dict) -> None:
+        for name, attr in self._FIELDS.items():
+            delta = self._delta((attr, -1), int(getattr(stats, attr)))
+            self.totals[name].labels(**label_values).inc(delta)
+        for attr, counter in self.per_pos.items():
+            for i, value in enumerate(getattr(stats, attr)):
+                counter.labels(position=str(i), **label_values).inc(self._delta((attr, i), int(value)))
 
 
 class RequestTracker:

@@ -1,0 +1,214 @@
+#!/usr/bin/env python
+"""Speculative decoding on the default model (SmolLM2-135M-Instruct): decode speed and acceptance per
+method and number of draft tokens k, against no speculation, in one interleaved run.
+
+    python benchmarks/bench_spec_decode.py                                # none + ngram k=2,4; batch 1 and 8
+    python benchmarks/bench_spec_decode.py --methods none,ngram --ks 3 --batches 1 --rounds 1 --output-len 16
+
+Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
+  copy   copy-heavy prompts: rewrite / summarise a KJV passage (Debian's bible-kjv, `bible -f`), and
+         edit a Python snippet (from /usr/share/doc/python3.11) returning the whole code
+  chat   open questions (little to copy)
+Batch b: the workload's prompts are submitted b at a time (LLM.generate of b prompts, max_num_seqs b).
+Each round runs every (workload, batch, method, k) once, engines in turn; medians over rounds of
+tokens/s (new tokens / wall time of the batch), TPOT (median over the requests of RequestMetrics.tpot),
+the ratio of tokens/s to no speculation in the same round, and from RequestMetrics.spec_decode the
+acceptance rate and mean accepted length (tokens per spec step, the target's own included).
+`--disable-by-batch-size N` overrides each method's default off-switch (ngram: off above 4 sequences).
+Writes benchmarks/results/spec_decode_<tag>.{md,json}.
+
+Another method is one entry in METHODS: name -> (k, args) -> speculative_config (None: no speculation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import re
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+import common as C
+
+# name -> builder of the speculative_config for k draft tokens (draft_model / medusa add theirs here)
+METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
+    "none": lambda k, args: None,
+    "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
+                              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
+    # the target's own Q4_1 file read natively (quantization="gguf") as its draft: a self-draft made here
+    "draft_model": lambda k, args: {"method": "draft_model", "num_speculative_tokens": k, "quantization": "gguf"},
+    "medusa": lambda k, args: {"method": "medusa", "num_speculative_tokens": k,
+                               "model": getattr(args, "medusa_heads", "/tmp/medusa-smollm2")},  # pagellm train-medusa
+}
+
+KJV_PASSAGES = ("Gen1:1-1:13", "Gen2:1-2:9", "Ex20:1-20:17", "Ruth1:1-1:14", "Ps23:1-23:6", "Ps1:1-1:6",
+                "Mat5:1-5:12", "John1:1-1:14", "Luke15:11-15:24", "Ecc3:1-3:11")
+CHAT_QUESTIONS = (
+    "What are three good habits for staying healthy?", "Write a short poem about the sea.",
+    "Why is the sky blue? Explain simply.", "Give me some ideas for a birthday party.",
+    "What is the difference between a list and a tuple in Python?", "Tell me a story about a brave cat.",
+    "How do I make a cup of tea?", "What should I pack for a weekend hiking trip?",
+    "Explain what a computer does, for a child.", "What are the benefits of reading books?",
+)
+
+
+def kjv_passages(n: int) -> list[str]:
+    try:
+        texts = [subprocess.run(["bible", "-f", ref], capture_output=True, text=True, check=True).stdout
+                 for ref in KJV_PASSAGES[:n]]
+    except FileNotFoundError as e:
+        raise SystemExit("the `bible` command is missing: apt-get install bible-kjv") from e
+    return [" ".join(re.sub(r"^\S+\d+:\d+\s+", "", line).strip() for line in t.splitlines() if line.strip())
+            for t in texts]
+
+
+def python_snippets(n: int, lines: int = 30) -> list[str]:
+    """Windows of `lines` lines from the Python sources shipped with python3.11-doc."""
+    files = sorted(glob.glob("/usr/share/doc/python3.11*/**/*.py", recursive=True))
+    if not files:
+        raise SystemExit("no .py file under /usr/share/doc/python3.11* (apt-get install python3.11-doc)")
+    source = [line for f in files for line in Path(f).read_text(errors="replace").splitlines()]
+    step = max(1, (len(source) - lines) // max(1, n))
+    return ["\n".join(source[i * step : i * step + lines]) for i in range(n)]
+
+
+def workloads(tok, n: int) -> dict[str, list[list[int]]]:
+    from pagellm.inputs import apply_chat_template
+
+    def encode(messages: list[str]) -> list[list[int]]:
+        texts = [apply_chat_template(tok, [{"role": "user", "content": m}]) for m in messages]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+    passages, snippets = kjv_passages(n), python_snippets(n)
+    copy = []
+    for i in range(n):
+        if i % 3 == 0:
+            copy.append(f"Rewrite this passage in modern English, sentence by sentence:\n\n{passages[i]}")
+        elif i % 3 == 1:
+            copy.append(f"Summarise this passage, quoting its key sentences:\n\n{passages[i]}")
+        else:
+            copy.append("Add a docstring to every function in this Python code and return the whole code:\n\n"
+                        f"```python\n{snippets[i]}\n```")
+    return {"copy": encode(copy), "chat": encode([CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(n)])}
+
+
+def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+    from pagellm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    llm.reset_prefix_cache()
+    outs, wall = [], 0.0
+    for i in range(0, len(prompts), batch):
+        t0 = time.perf_counter()
+        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
+        wall += time.perf_counter() - t0
+    spec = [o.metrics.spec_decode for o in outs if o.metrics.spec_decode is not None]
+    drafts, accepted, rows = (sum(getattr(m, f) for m in spec) for f in
+                              ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_rows"))
+    tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
+    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+            "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
+            "acceptance": accepted / drafts if drafts else 0.0,
+            "mean_accepted_len": 1 + accepted / rows if rows else 1.0,
+            "token_ids": [o.outputs[0].token_ids for o in outs]}
+
+
+def run(args) -> dict:
+    tok, _ = C.load_tokenizer_for_prompts()
+    loads = workloads(tok, args.num_prompts)
+    max_prompt = max(len(p) for ps in loads.values() for p in ps)
+    configs = [("none", 0)] + [(m, k) for m in args.methods if m != "none" for k in args.ks]
+    engines = {}
+    for batch in args.batches:
+        for method, k in configs:
+            spec = METHODS[method](k, args)
+            if spec is not None and args.disable_by_batch_size is not None:
+                spec["disable_by_batch_size"] = args.disable_by_batch_size
+            engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
+                                                     max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
+    for llm in engines.values():  # warm-up: one-time kernel and step-graph costs off the measurements
+        run_batches(llm, loads["chat"][:1], 1, min(8, args.output_len))
+    runs: dict[tuple, list[dict]] = {}
+    for r in range(args.rounds):
+        for name, prompts in loads.items():
+            for (batch, method, k), llm in engines.items():
+                res = run_batches(llm, prompts, batch, args.output_len)
+                runs.setdefault((name, batch, method, k), []).append(res)
+                print(f"[round {r}] {name} batch {batch} {method} k={k}: {res['tok_s']:.1f} tok/s, TPOT "
+                      f"{res['tpot_ms']:.1f} ms, acceptance {res['acceptance']:.2f}", flush=True)
+    return {"results": summarize(runs)}
+
+
+def summarize(runs: dict[tuple, list[dict]]) -> list[dict]:
+    results = []
+    for (name, batch, method, k), rs in runs.items():
+        base = runs[(name, batch, "none", 0)]
+        ratios = [x["tok_s"] / b["tok_s"] for x, b in zip(rs, base)]  # same round: same machine state
+        same = sum(a == b for x, bx in zip(rs, base) for a, b in zip(x["token_ids"], bx["token_ids"]))
+        results.append({"workload": name, "batch": batch, "method": method, "k": k,
+                        "tok_s": statistics.median(x["tok_s"] for x in rs),
+                        "tpot_ms": statistics.median(x["tpot_ms"] for x in rs), "ratio": statistics.median(ratios),
+                        "acceptance": statistics.median(x["acceptance"] for x in rs),
+                        "mean_accepted_len": statistics.median(x["mean_accepted_len"] for x in rs),
+                        "same_as_none": same / sum(len(x["token_ids"]) for x in rs),
+                        "runs": [{key: v for key, v in x.items() if key != "token_ids"} for x in rs]})
+    return results
+
+
+def render(data: dict) -> str:
+    e, a = data["env"], data["args"]
+    out = [f"# Speculative decoding ({data['tag']})", "",
+           f"{e['time']}, {e['cpu']}, {e['nproc']} cores, torch {e['torch']} ({e['torch_threads']} threads), "
+           f"git {e['git_head']}. Load average before: {tuple(round(x, 2) for x in data['load']['load_at_start'])}, "
+           f"after: {tuple(round(x, 2) for x in data['load_at_end'])}.", "",
+           f"Default model, bf16, greedy, {a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
+           f"workload, {a['rounds']} interleaved rounds, medians; disable_by_batch_size "
+           f"{a['disable_by_batch_size'] or 'per method default'}. 'same as none': share of requests whose tokens "
+           "equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).", ""]
+    rows = [[r["workload"], r["batch"], r["method"], r["k"] or "-", r["tok_s"], r["tpot_ms"], f"{r['ratio']:.2f}x",
+             f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
+             f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
+            for r in sorted(data["results"],
+                            key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
+    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "acceptance",
+                           "mean accepted len", "same as none"], rows))
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", type=lambda s: s.split(","), default=["none", "ngram"],
+                    help=f"comma-separated, from {sorted(METHODS)}")
+    ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt-lookup-min", type=int, default=1)
+    ap.add_argument("--prompt-lookup-max", type=int, default=4)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--threads", default="auto",
+                    help="torch threads; auto: torch's default if the load wait succeeded, else 1")
+    ap.add_argument("--wait-load", type=float, default=2.5)
+    ap.add_argument("--wait-timeout", type=float, default=300)
+    ap.add_argument("--tag", default="full")
+    args = ap.parse_args()
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        ap.error(f"unknown methods {unknown}; known: {sorted(METHODS)}")
+    load = C.wait_for_load(args.wait_load, args.wait_timeout) if args.wait_load > 0 else {
+        "waited_s": 0, "load_ok": None, "load_at_start": C.loadavg()}
+    C.setup_threads(1 if args.threads == "auto" and not load["load_ok"] else
+                    (None if args.threads == "auto" else int(args.threads)))
+    data = {"tag": args.tag, "env": C.env_info(), "load": load, "args": vars(args), **run(args)}
+    data["load_at_end"] = C.loadavg()
+    md = render(data)
+    print("\n" + md, flush=True)
+    C.save_results(f"spec_decode_{args.tag}", md, data)
+
+
+if __name__ == "__main__":
+    main()

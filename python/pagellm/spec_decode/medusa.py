@@ -1,0 +1,145 @@
+"""`medusa`: Medusa heads (medusa_heads.py) draft a chain from the target's own last hidden state.
+
+    LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
+                                   "model": "/path/to/heads"})     # a `pagellm train-medusa` output
+
+Drafts for a sequence whose last token x_{t+1} the target sampled from the hidden state h_t: the top-1
+token of heads 1 .. k on h_t (head i guesses x_{t+1+i}), a chain the engine verifies like any other
+drafts (lossless: greedy rows token-identical, sampled rows identically distributed; greedy drafts are
+a deterministic function of the context, so the one-hot draft distribution is exact).
+
+Hidden states. The proposer declares `needs_hidden_states`; the engine then asks the runner for the final
+hidden states of every sampling row and hands the proposer, per sequence, the one whose logits gave the
+sequence's newest token (a spec row: the last accepted position) with the sequence's length at that
+point (`observe_hidden_states`). A sequence whose stored state is not for its current length (a new
+child of n > 1 sampling, a preempted sequence being recomputed) gets no drafts that step. No KV cache,
+no forward of its own: one [B*k, H] pass through the ResBlocks and the target's LM head per step.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from pagellm.logger import init_logger
+from pagellm.spec_decode.base import BaseProposer, DraftRequest
+from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
+from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
+
+logger = init_logger(__name__)
+
+
+@register_proposer("medusa")
+class MedusaProposer(BaseProposer):
+    """Top-1 chain drafts of Medusa heads. `lm_head`: the target's LM head ([M, H] -> [M, V]), used by
+    heads that share it; `num_speculative_tokens` must not exceed the heads' count."""
+
+    OPTIONS = ("model",)
+    needs_hidden_states = True
+    # like ngram: scoring 1 + k tokens per row is nearly free while CPU decode is weight-bound
+    default_disable_by_batch_size = 4
+
+    def __init__(self, num_speculative_tokens: int, heads: MedusaHeads,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        super().__init__(num_speculative_tokens)
+        if not isinstance(heads, MedusaHeads):
+            raise TypeError(f"heads must be MedusaHeads, got {type(heads).__name__}")
+        if num_speculative_tokens > heads.num_heads:
+            raise ValueError(f"num_speculative_tokens={num_speculative_tokens} exceeds the {heads.num_heads} "
+                             "Medusa heads (one draft per head)")
+        if heads.share_lm_head and lm_head is None:
+            raise ValueError("these Medusa heads share the target's LM head: pass lm_head")
+        self.heads = heads.eval()
+        self.lm_head = lm_head
+        self._dtype = next(heads.parameters()).dtype
+        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # seq_id -> (sequence length, h [H])
+
+    @classmethod
+    def check_options(cls, options: Mapping[str, Any]) -> None:
+        model = options.get("model")
+        if not isinstance(model, (str, PathLike)) or not str(model):
+            raise ValueError("speculative_config: method 'medusa' needs model= the Medusa heads directory, "
+                             f"got {model!r}")
+
+    @classmethod
+    def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "MedusaProposer":
+        """Load the heads (ValueError for a missing directory, another hidden size or vocabulary, or
+        num_speculative_tokens above the number of heads) and reach the target's LM head."""
+        heads = MedusaHeads.load(config.options["model"], dtype=torch.float32)
+        hf_config = context.model_files.hf_config
+        heads.check_target(int(hf_config.hidden_size), int(context.vocab_size))
+        if heads.base_model_hash not in (None, base_model_hash(hf_config)):
+            logger.warning("Medusa heads %s were trained on another base model (%s); drafts may be poor",
+                           config.options["model"], heads.base_model)
+        lm_head = target_lm_head(context) if heads.share_lm_head else None
+        return cls(config.num_speculative_tokens, heads, lm_head)
+
+    # ------------------------------------------------------------------ the engine's hidden states
+    def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden: torch.Tensor) -> None:
+        """hidden [len(seq_ids), H]: row i is the final hidden state whose logits gave the newest token
+        of seq_ids[i], which then had num_tokens[i] tokens (prompt + output)."""
+        hidden = hidden.detach().to(self._dtype)
+        for i, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
+            self._hidden[sid] = (int(n), hidden[i])
+
+    def hidden_state_of(self, seq_id: str) -> tuple[int, torch.Tensor] | None:
+        """(sequence length, h [H]) last observed for a sequence (None: none)."""
+        return self._hidden.get(seq_id)
+
+    @property
+    def num_tracked_seqs(self) -> int:
+        return len(self._hidden)
+
+    # ------------------------------------------------------------------ the proposer contract
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        fresh = []
+        for r in requests:
+            state = self._hidden.get(r.seq_id)
+            if state is not None and state[0] == len(r.prompt_token_ids) + len(r.output_token_ids):
+                fresh.append((r, state[1]))
+        if not fresh:
+            return {}
+        k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
+        hidden = torch.stack([h for _, h in fresh])
+        tokens = self.heads(hidden, self.lm_head, num_heads=k).argmax(dim=-1).tolist()  # [B, k]
+        return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens)}
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        for sid in seq_ids:
+            self._hidden.pop(sid, None)
+
+
+def _target_model(worker):
+    return worker.model, worker.dtype
+
+
+def target_lm_head(context: ProposerContext) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The target's LM head as a function [M, H] fp32 -> [M, V] fp32: the target's own module when its
+    worker runs in this process (any weight format), else the checkpoint's lm_head (or tied embedding)."""
+    model = None
+    if context.executor is not None:
+        try:
+            models = context.executor.collective_rpc(_target_model)
+            model, dtype = models[0] if len(models) == 1 else (None, None)
+        except Exception as e:  # noqa: BLE001 - an out-of-process executor: read the checkpoint
+            logger.info("medusa: target model not reachable in process (%s); loading its LM head", e)
+    if model is not None and hasattr(model, "compute_logits"):  # the activations' dtype, whatever the weights'
+        return lambda x: model.compute_logits(x.to(dtype)).float()
+    weight = load_lm_head_weight(context.model_files)
+    return lambda x: x @ weight.t()
+
+
+def load_lm_head_weight(model_files) -> torch.Tensor:
+    """[V, H] fp32 LM head of a checkpoint (its input embedding when tied). ValueError when absent."""
+    from pagellm.model_loader.files import iter_weights  # noqa: PLC0415
+
+    tied = bool(getattr(model_files.hf_config, "tie_word_embeddings", False))
+    wanted = ("model.embed_tokens.weight",) if tied else ("lm_head.weight", "model.embed_tokens.weight")
+    found = {name: t for name, t in iter_weights(model_files) if name in wanted}
+    for name in wanted:
+        if name in found and found[name].is_floating_point():
+            return found[name].float()
+    raise ValueError(f"no floating-point LM head ({' or '.join(wanted)}) in {model_files.path}")

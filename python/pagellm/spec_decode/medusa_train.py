@@ -1,0 +1,250 @@
+"""Training Medusa heads (medusa_heads.py) on a frozen base model: `pagellm train-medusa`.
+
+    pagellm train-medusa --output /tmp/smollm2-medusa                # default model, self-distillation
+    pagellm train-medusa --output DIR --model ./my-llama --data kjv --num-heads 4 --steps 600
+
+1. Data (token windows of seq_len): `kjv` / `pydoc` are the machine's own texts (quantization/
+   calibration_data.py: Debian bible-kjv, python3.11-doc); `self` is self-distillation (Medusa-2): the
+   base model's own greedy continuations of KJV prompts, so the heads learn what the model will say.
+   Held out for evaluation: Ecclesiastes / the held-out doc page (their continuations for `self`).
+2. The frozen base (HF transformers, float32) computes every window's final normed hidden states once
+   (`model.model(...).last_hidden_state`: what pagellm's ModelRunner returns for the same weights).
+3. Only the heads train: position t's hidden state h_t; head k (0-based) predicts token t + k + 2 (the
+   base's LM head predicts t + 1); loss = sum_k decay^k * CE(head_k(h_t), token_{t+k+2}) (Medusa's
+   decay 0.8), AdamW over random batches of positions, linear warm-up.
+Evaluation prints each head's top-1 accuracy on the held-out positions (the base LM head's too).
+
+Measured on the default model (SmolLM2-135M, 3 heads, shared LM head, 2 busy CPU cores), held-out top-1
+of heads 1/2/3: `--data kjv` 300 steps x 256 positions at lr 1e-3: 0.09 / 0.06 / 0.04 (22 min on loaded
+cores; engine acceptance 2.4 %); `--data self` 250 steps x 128 at lr 5e-3: 0.31 / 0.19 / 0.07 (5 min;
+engine acceptance 3.7 % on mixed prompts, head 1 right 24 % of the time on a KJV prompt); `--data self`
+500 steps x 128 over 128 windows: 0.35 / 0.19 / 0.12 (11.5 min; acceptance 4.1 %). Text labels teach the
+heads the text, not the model: self-distillation is the default. The heads are small and briefly
+trained: useful acceptance needs own LM heads (`--own-lm-heads`) and far more steps than a CPU run.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
+
+DATA_SOURCES = ("kjv", "pydoc", "self")
+MEDUSA_DECAY = 0.8  # Medusa's medusa_decay_coefficient: later heads weigh less
+SELF_PROMPT_LEN = 16  # tokens of text before the base model's own continuation (--data self)
+
+
+@dataclass
+class MedusaTrainConfig:
+    """Hyper-parameters; the defaults take a few minutes on 2 CPU cores for the default model."""
+
+    num_heads: int = 3
+    num_layers: int = 1
+    share_lm_head: bool = True  # False: Medusa's own LM head per head (3x the time and memory)
+    steps: int = 300
+    seq_len: int = 128
+    num_train_seqs: int = 96  # windows of seq_len tokens whose hidden states are precomputed
+    num_eval_seqs: int = 16
+    batch_size: int = 128  # positions per step
+    lr: float = 5e-3  # ResBlocks start at zero: a few hundred steps need a brisk rate
+    weight_decay: float = 0.0
+    warmup_steps: int = 20
+    data: str = "self"  # self-distillation: drafts are judged against the model's outputs, not the text's
+    seed: int = 0
+
+    def check(self) -> None:
+        if self.data not in DATA_SOURCES:
+            raise ValueError(f"data must be one of {DATA_SOURCES}, got {self.data!r}")
+        for name in ("num_heads", "num_layers", "steps", "num_train_seqs", "num_eval_seqs", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        min_len = self.num_heads + 3 + (SELF_PROMPT_LEN if self.data == "self" else 0)
+        if self.seq_len < min_len:
+            raise ValueError(f"seq_len={self.seq_len} is too short for {self.num_heads} heads")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+
+
+# ---------------------------------------------------------------------- data
+def _windows(texts: list[str], tokenizer, count: int, seq_len: int, rng: random.Random) -> list[list[int]]:
+    """`count` windows of seq_len token ids at seeded offsets of seeded documents (BOS first when the
+    tokenizer has one)."""
+    bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
+    docs = [ids for ids in (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)
+            if len(ids) >= seq_len - len(bos)]
+    if not docs:
+        raise ValueError(f"no training document has {seq_len} tokens; use a smaller seq_len")
+    out = []
+    for _ in range(count):
+        ids = docs[rng.randrange(len(docs))]
+        start = rng.randrange(len(ids) - (seq_len - len(bos)) + 1)
+        out.append(bos + ids[start : start + seq_len - len(bos)])
+    return out
+
+
+def _source_texts(source: str, held_out: bool) -> list[str]:
+    """Training (or held-out) documents of a text source."""
+    from pagellm.quantization import calibration_data as cd  # noqa: PLC0415
+
+    if source == "pydoc":
+        pages = cd.doc_pages()
+        if not pages:
+            raise FileNotFoundError("--data pydoc needs python3.11-doc (apt-get install python3.11-doc)")
+        if held_out:  # the page calibration_data holds out (a sibling of the pages it lists)
+            held = {Path(str(p).split("/_sources/")[0]) / "_sources" / cd.HELD_OUT_DOC_PAGES[0] for p in pages}
+            pages = sorted(p for p in held if p.is_file()) or pages[-2:]
+        else:
+            pages = pages[::7][:60]  # a spread of pages; tokenizing them all costs minutes
+        return [p.read_text(errors="replace") for p in pages]
+    if held_out:
+        raw = subprocess.run(["bible", "Eccl1:1-Eccl12:14"], capture_output=True, text=True, timeout=60).stdout
+        return list(cd.parse_bible_output(raw).values())
+    docs = cd.kjv_documents()
+    if not docs:
+        raise FileNotFoundError("--data kjv / self needs Debian's bible-kjv (apt-get install bible-kjv)")
+    return docs
+
+
+def build_windows(tokenizer, config: MedusaTrainConfig, held_out: bool) -> list[list[int]]:
+    """Token windows for training or evaluation (for `self`: the prompts, continued later)."""
+    source = "kjv" if config.data == "self" else config.data
+    rng = random.Random(config.seed + (1 if held_out else 0))
+    count = config.num_eval_seqs if held_out else config.num_train_seqs
+    length = SELF_PROMPT_LEN if config.data == "self" else config.seq_len
+    return _windows(_source_texts(source, held_out), tokenizer, count, length, rng)
+
+
+@torch.no_grad()
+def greedy_continuations(base, prompts: torch.Tensor, total_len: int, batch: int = 32) -> torch.Tensor:
+    """[N, P] equal-length prompts -> [N, total_len]: each continued greedily by the base model."""
+    outs = []
+    for chunk in prompts.split(batch):
+        out = base.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=total_len - chunk.shape[1],
+                            min_new_tokens=total_len - chunk.shape[1], do_sample=False, pad_token_id=0)
+        outs.append(out[:, :total_len])
+    return torch.cat(outs)
+
+
+@torch.no_grad()
+def final_hidden_states(base, token_ids: torch.Tensor, batch: int = 8) -> torch.Tensor:
+    """[N, T] -> [N, T, H] float32: the base's final normed hidden states (its LM head's input)."""
+    return torch.cat([base.model(chunk).last_hidden_state.float() for chunk in token_ids.split(batch)])
+
+
+# ---------------------------------------------------------------------- training
+def head_targets(token_ids: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Usable positions and their labels: [N, T] -> (positions [M] flat index into N*T, labels [M, K]);
+    head k of position t is labelled token t + k + 2 (positions whose labels pass the end are dropped)."""
+    n, t = token_ids.shape
+    last = t - num_heads - 1  # position t needs tokens up to t + num_heads + 1
+    pos = torch.arange(last)
+    labels = torch.stack([token_ids[:, pos + k + 2] for k in range(num_heads)], dim=-1)  # [N, last, K]
+    flat = (torch.arange(n)[:, None] * t + pos[None, :]).reshape(-1)
+    return flat, labels.reshape(-1, num_heads)
+
+
+def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float = MEDUSA_DECAY) -> torch.Tensor:
+    """logits [M, K, V], labels [M, K] -> sum_k decay^k * mean CE of head k."""
+    k = logits.shape[1]
+    return sum(decay**i * F.cross_entropy(logits[:, i].float(), labels[:, i]) for i in range(k))
+
+
+@torch.no_grad()
+def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor) -> dict[str, float]:
+    """Top-1 accuracy per head (and the base LM head's next-token accuracy) on every usable position."""
+    flat, labels = head_targets(token_ids, heads.num_heads)
+    h = hidden.reshape(-1, hidden.shape[-1])[flat]
+    correct = torch.zeros(heads.num_heads)
+    base_correct = 0
+    for i in range(0, len(flat), 512):
+        correct += (heads(h[i : i + 512], lm_head).argmax(-1) == labels[i : i + 512]).sum(0).float()
+        next_tok = token_ids.reshape(-1)[flat[i : i + 512] + 1]
+        base_correct += int((lm_head(h[i : i + 512]).argmax(-1) == next_tok).sum())
+    acc = {f"head{k + 1}": float(c) / len(flat) for k, c in enumerate(correct)}
+    return {"base": base_correct / len(flat), **acc}
+
+
+def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
+                config: MedusaTrainConfig, progress: Callable[[str], None] | None = None) -> list[float]:
+    """AdamW on the heads only, `config.steps` batches of random usable positions. hidden [N, T, H] fp32
+    (precomputed), token_ids [N, T]. Returns the loss of every step."""
+    flat, labels = head_targets(token_ids, heads.num_heads)
+    h_all = hidden.reshape(-1, hidden.shape[-1])
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
+    gen = torch.Generator().manual_seed(config.seed)
+    losses = []
+    heads.train()
+    for step in range(config.steps):
+        pick = torch.randint(len(flat), (min(config.batch_size, len(flat)),), generator=gen)
+        loss = medusa_loss(heads(h_all[flat[pick]], lm_head), labels[pick])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress and (step % 50 == 0 or step == config.steps - 1):
+            progress(f"step {step + 1}/{config.steps} loss {losses[-1]:.3f}")
+    heads.eval()
+    return losses
+
+
+def load_base(model: str | None):
+    """(ModelFiles, HF float32 CausalLM with frozen weights) of an HF dir / .gguf / None (default model)."""
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    from pagellm.model_loader import open_model  # noqa: PLC0415
+
+    files = open_model(model)
+    if files.tokenizer is None:
+        raise ValueError(f"{files.path}: no tokenizer files; training text needs the model's tokenizer")
+    base = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=torch.float32).eval()
+    base.requires_grad_(False)
+    return files, base
+
+
+def frozen_lm_head(base) -> Callable[[torch.Tensor], torch.Tensor]:
+    weight = base.get_output_embeddings().weight.detach().float()
+    return lambda x: F.linear(x, weight)
+
+
+def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
+                 progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, float]]:
+    """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies."""
+    config = config or MedusaTrainConfig()
+    config.check()
+    say = progress or (lambda _msg: None)
+    torch.manual_seed(config.seed)
+    t0 = time.perf_counter()
+    files, base = load_base(model)
+    hf = files.hf_config
+    data = {}
+    for held_out in (False, True):
+        ids = torch.tensor(build_windows(files.tokenizer, config, held_out), dtype=torch.long)
+        if config.data == "self":
+            say(f"self-distillation: continuing {len(ids)} prompts to {config.seq_len} tokens")
+            ids = greedy_continuations(base, ids, config.seq_len)
+        data[held_out] = (ids, final_hidden_states(base, ids))
+    say(f"hidden states of {data[False][0].numel()} train / {data[True][0].numel()} held-out tokens "
+        f"in {time.perf_counter() - t0:.0f}s")
+    heads = MedusaHeads(int(hf.hidden_size), int(hf.vocab_size), config.num_heads, config.num_layers,
+                        config.share_lm_head, base_model=str(files.source), base_model_hash=base_model_hash(hf))
+    lm_head = frozen_lm_head(base)
+    if not config.share_lm_head:
+        heads.init_lm_heads_from(base.get_output_embeddings().weight.detach().float())
+    before = evaluate(heads, lm_head, data[True][1], data[True][0])
+    losses = train_heads(heads, lm_head, data[False][1], data[False][0], config, progress=say)
+    acc = evaluate(heads, lm_head, data[True][1], data[True][0])
+    heads.training_info = {**asdict(config), "final_loss": losses[-1], "held_out_top1": acc,
+                           "held_out_top1_untrained": before, "seconds": round(time.perf_counter() - t0, 1)}
+    say("held-out top-1: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+    return heads.save(output), acc
