@@ -60,7 +60,7 @@ def _run_with_draft(path, prompts, params, k, llm_kw=None, **options):
     llm = _make_llm(path, **(llm_kw or {}))
     eng = llm.llm_engine
     proposer = _proposer(eng, k, **options)
-    eng.set_proposer(proposer)
+    eng.set_proposer(proposer, disable_by_batch_size=64)  # batch 8 here: drafts in every step
     outs = _generate(llm, prompts, params)
     assert eng.spec_stats.num_proposer_errors == 0  # a raising proposer would silently mean "no drafts"
     return outs, eng, proposer
@@ -111,7 +111,7 @@ def test_self_draft_with_prefix_cache_and_preemption(tiny_llama_dir, vocab):
     eng = llm.llm_engine
     eng.scheduler = recorder = RecordingScheduler(eng.scheduler)
     proposer = _proposer(eng, 4, num_layers=1)
-    eng.set_proposer(proposer)
+    eng.set_proposer(proposer, disable_by_batch_size=64)  # batch 8 here: drafts in every step
     assert proposer.runner.num_blocks == 40  # as many blocks as the target's cache
     outs = _generate(llm, prompts, _greedy())
     assert eng.spec_stats.num_proposer_errors == 0
@@ -138,7 +138,7 @@ def test_full_draft_cache_drafts_for_the_sequences_that_fit(tiny_llama_dir, voca
         return drafts
 
     proposer.propose = recording_propose
-    eng.set_proposer(proposer)
+    eng.set_proposer(proposer, disable_by_batch_size=64)  # batch 8 here: drafts in every step
     outs = _generate(llm, prompts, _greedy())
     assert eng.spec_stats.num_proposer_errors == 0
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs]
@@ -189,7 +189,7 @@ def test_sampled_and_n_requests_free_every_draft_block(tiny_llama_dir, vocab):
     llm = _make_llm(tiny_llama_dir)
     eng = llm.llm_engine
     proposer = _proposer(eng, 2, num_layers=1)
-    eng.set_proposer(proposer)
+    eng.set_proposer(proposer, disable_by_batch_size=64)  # batch 8 here: drafts in every step
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert all(len(c.token_ids) == 12 for o in outs for c in o.outputs)
     assert eng.spec_stats.num_proposer_errors == 0 and eng.spec_stats.num_draft_tokens > 0

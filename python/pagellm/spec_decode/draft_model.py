@@ -63,6 +63,9 @@ class DraftModelProposer(BaseProposer):
     """Greedy drafts from a draft model (an external checkpoint or a truncated self-draft)."""
 
     OPTIONS = DRAFT_OPTIONS
+    # k draft steps cost k small forwards per step whatever the batch; at batch 8 on 2 cores a Q4_1 self-draft
+    # was 0.56-0.69x no speculation (benchmarks/results/spec_decode_cpu2-session7.md): off above 4 sequences
+    default_disable_by_batch_size = 4
 
     def __init__(self, num_speculative_tokens: int, runner, max_num_batched_tokens: int) -> None:
         super().__init__(num_speculative_tokens)
