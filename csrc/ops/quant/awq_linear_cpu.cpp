@@ -1,16 +1,13 @@
 // CPU glue for awq_linear: out[M, N] = x[M, K] @ W^T (+ bias), W the 4-bit group-quantized weight of
 // awq_layout.h (qweight, scales, zeros).
 //   M < kGemmMinM: the weight-streaming small-M kernel (awq_cpu_kernels.h), SIMD picked at run time;
-//   larger M (prefill): tiles of weight rows dequantized into x's dtype, then torch's GEMM (oneDNN / MKL)
-//   per tile, so each weight is expanded once per call however many rows x has.
+//   larger M (prefill): dequantized tiles of weight rows and torch's GEMM (dequant_gemm_cpu.h).
 #include <torch/library.h>
-
-#include <cstdlib>
-#include <string>
 
 #include "ops/common/checks.h"
 #include "ops/quant/awq_cpu_kernels.h"
 #include "ops/quant/awq_linear_checks.h"
+#include "ops/quant/dequant_gemm_cpu.h"
 
 namespace pagellm::cpu {
 namespace {
@@ -20,44 +17,20 @@ using awq::Isa;
 // From this many rows on, dequantize-then-GEMM (the threshold gguf_linear measured for its streaming kernel,
 // which does the same work per weight: past M ~ 16 MKL's blocked GEMM wins).
 constexpr int64_t kGemmMinM = 16;
-// Dequantized tile: ~1 MiB, so it is still in L2 when the GEMM reads it.
-constexpr int64_t kTileBytes = 1 << 20;
 
-// The SIMD path, chosen once: the best this CPU runs, or a narrower one named by PAGELLM_AWQ_CPU_ISA
-// (scalar | avx2 | avx512), which the tests use to check the fallbacks on a wide machine.
+// The SIMD path, chosen once: the best this CPU runs, or a narrower one named by PAGELLM_AWQ_CPU_ISA.
 Isa selected_isa() {
-  static const Isa isa = [] {
-    const Isa best = awq::best_isa();
-    const char* env = std::getenv("PAGELLM_AWQ_CPU_ISA");
-    if (env == nullptr || *env == '\0') return best;
-    const std::string s(env);
-    Isa want;
-    if (s == "scalar") want = Isa::kScalar;
-    else if (s == "avx2") want = Isa::kAvx2;
-    else if (s == "avx512") want = Isa::kAvx512;
-    else TORCH_CHECK(false, "PAGELLM_AWQ_CPU_ISA must be scalar, avx2 or avx512, got '", s, "'");
-    TORCH_CHECK(static_cast<int>(want) <= static_cast<int>(best), "PAGELLM_AWQ_CPU_ISA=", s,
-                ", but this CPU runs at most ", awq::isa_name(best));
-    return want;
-  }();
+  static const Isa isa = isa_from_env<Isa>("PAGELLM_AWQ_CPU_ISA", awq::best_isa(),
+                                          {{"scalar", Isa::kScalar}, {"avx2", Isa::kAvx2}, {"avx512", Isa::kAvx512}});
   return isa;
 }
 
 void gemm_path(at::Tensor& out, const awq::AwqLinearInputs& in, const awq::AwqWeightView& w, Isa isa) {
-  const int64_t elem = static_cast<int64_t>(in.x.element_size());
-  int64_t tile_rows = std::max<int64_t>(16, kTileBytes / (in.K * elem)) / 16 * 16;
-  tile_rows = std::min(tile_rows, in.N);
-  at::Tensor tile = at::empty({tile_rows, in.K}, in.x.options());
-  for (int64_t n0 = 0; n0 < in.N; n0 += tile_rows) {
-    const int64_t rows = std::min(tile_rows, in.N - n0);
-    at::Tensor wt = tile.narrow(0, 0, rows);
+  dequantized_gemm(out, in.x, in.bias, in.N, in.K, [&](int64_t n0, int64_t rows, at::Tensor& tile) {
     PAGELLM_DISPATCH_FLOAT_TYPES(in.x.scalar_type(), "awq_linear", [&] {
-      awq::dequantize_rows<scalar_t>(w.from_row(n0), rows, wt.data_ptr<scalar_t>(), in.K, isa);
+      awq::dequantize_rows<scalar_t>(w.from_row(n0), rows, tile.data_ptr<scalar_t>(), in.K, isa);
     });
-    at::Tensor o = out.narrow(1, n0, rows);
-    if (in.bias.defined()) at::addmm_out(o, in.bias.narrow(0, n0, rows), in.x, wt.t());
-    else at::mm_out(o, in.x, wt.t());
-  }
+  });
 }
 
 void awq_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
