@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagellm.ops.paged_context import gather_context
+
 __all__ = [
     "reshape_and_cache",
     "reshape_and_cache_quantized",
@@ -105,18 +107,10 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
 # ---------------------------------------------------------------- attention
 
 
-def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, num_kv_heads, head_dim] of one sequence, read through its block table."""
-    block_size = cache.shape[2]
-    n_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:n_blocks].long()]  # [n, H, bs, D]
-    return blocks.permute(0, 2, 1, 3).reshape(-1, cache.shape[1], cache.shape[3])[:seq_len]
-
-
 def _gather_dequantized(cache: torch.Tensor, scales: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """[seq_len, num_kv_heads, head_dim] float32 = stored * scale of one sequence of a quantized cache."""
-    stored = _gather_context(cache.view(torch.uint8), block_table, seq_len).view(cache.dtype)
-    return stored.float() * _gather_context(scales.unsqueeze(-1), block_table, seq_len)
+    stored = gather_context(cache.view(torch.uint8), block_table, seq_len).view(cache.dtype)
+    return stored.float() * gather_context(scales.unsqueeze(-1), block_table, seq_len)
 
 
 def _attend(
@@ -152,7 +146,7 @@ def paged_attention_decode(
 ) -> None:
     """One query token per sequence, at position seq_len - 1."""
     def context(i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _gather_context(key_cache, block_tables[i], seq_len), _gather_context(value_cache, block_tables[i], seq_len)
+        return gather_context(key_cache, block_tables[i], seq_len), gather_context(value_cache, block_tables[i], seq_len)
 
     _decode(out, query, context, seq_lens, scale, window_size, softcap)
 
@@ -178,7 +172,7 @@ def paged_attention_prefill(
 ) -> None:
     """Chunk i's q_len = qsl[i+1] - qsl[i] queries are the LAST q_len positions of its seq_lens[i] context."""
     def context(i: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _gather_context(key_cache, block_tables[i], seq_len), _gather_context(value_cache, block_tables[i], seq_len)
+        return gather_context(key_cache, block_tables[i], seq_len), gather_context(value_cache, block_tables[i], seq_len)
 
     _prefill(out, query, context, query_start_loc, seq_lens, scale, window_size, softcap)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.ops.paged_context import gather_context
+
 __all__ = ["paged_tree_attention", "tree_attention_mask"]
 
 
@@ -14,13 +16,6 @@ def tree_attention_mask(tree_mask: torch.Tensor, context_len: int) -> torch.Tens
     """bool [T, context_len + T]: every committed position is visible, then the tree tokens tree_mask [T, T] allows."""
     committed = torch.ones(tree_mask.shape[0], context_len, dtype=torch.bool, device=tree_mask.device)
     return torch.cat([committed, tree_mask.bool()], dim=1)
-
-
-def _gather_positions(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """[seq_len, num_kv_heads, head_dim]: position p lives in block block_table[p // bs] at offset p % bs."""
-    pos = torch.arange(seq_len, device=cache.device)
-    block_size = cache.shape[2]
-    return cache[block_table.long()[pos // block_size], :, pos % block_size]
 
 
 def paged_tree_attention(
@@ -43,8 +38,8 @@ def paged_tree_attention(
         if end == start:
             continue
         num_tree = end - start
-        k = _gather_positions(key_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
-        v = _gather_positions(value_cache, block_tables[i], seq_len).float()
+        k = gather_context(key_cache, block_tables[i], seq_len).float()  # [L, Hkv, D]
+        v = gather_context(value_cache, block_tables[i], seq_len).float()
         group = query.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
         scores = torch.einsum("thd,lhd->htl", query[start:end].float(), k) * scale  # [Hq, T, L]
