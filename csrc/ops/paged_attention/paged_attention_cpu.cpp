@@ -20,9 +20,14 @@ struct Scales {
   const at::Tensor* v = nullptr;
 };
 
+// The decode kernel keeps its per-head accumulators in memory, so any multiple of 16 works; 1024 covers MLA's
+// latent rows (DeepSeek: 512 + 64) read as one-head keys and values. Prefill stays at 512.
+constexpr int64_t kMaxPrefillHeadDim = 512;
+constexpr int64_t kMaxDecodeHeadDim = 1024;
+
 Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                    Scales scales = {}) {
+                    Scales scales, int64_t max_head_dim) {
   check_cpu(out, "out");
   check_cpu(query, "query");
   check_cpu(key_cache, "key_cache");
@@ -36,8 +41,8 @@ Common check_common(const at::Tensor& out, const at::Tensor& query, const at::Te
   check_float(query, "query");
   const Common c =
       check_paged_attention_shapes(out, query, key_cache, value_cache, block_tables, seq_lens, scales.k, scales.v);
-  TORCH_CHECK(c.head_dim % 16 == 0 && c.head_dim >= 16 && c.head_dim <= 512,
-              "key_cache: head_dim (dim 3) must be a multiple of 16 in [16, 512], got ", c.head_dim);
+  TORCH_CHECK(c.head_dim % 16 == 0 && c.head_dim >= 16 && c.head_dim <= max_head_dim,
+              "key_cache: head_dim (dim 3) must be a multiple of 16 in [16, ", max_head_dim, "], got ", c.head_dim);
   return c;
 }
 
@@ -102,7 +107,8 @@ void check_scalars(int64_t window_size, double softcap) {
 void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                 const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                 double scale, int64_t window_size, double softcap, Scales scales) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
+  const Common c =
+      check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales, kMaxDecodeHeadDim);
   check_scalars(window_size, softcap);
   TORCH_CHECK(query.size(0) == seq_lens.size(0), "query must have one token per sequence (", seq_lens.size(0),
               " from seq_lens), got shape ", query.sizes());
@@ -130,7 +136,8 @@ void paged_attention_decode_quantized(at::Tensor& out, const at::Tensor& query, 
 void run_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                  const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& query_start_loc,
                  const at::Tensor& seq_lens, double scale, int64_t window_size, double softcap, Scales scales) {
-  const Common c = check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales);
+  const Common c =
+      check_common(out, query, key_cache, value_cache, block_tables, seq_lens, scales, kMaxPrefillHeadDim);
   check_scalars(window_size, softcap);
   check_cpu(query_start_loc, "query_start_loc");
   check_dtype(query_start_loc, at::kInt, "query_start_loc");

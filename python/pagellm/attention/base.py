@@ -57,6 +57,8 @@ class AttentionLayerSpec:
 
     window_size: number of keys a query sees, itself included (Mistral's sliding_window); -1 = full.
     softcap: logits soft-capping, softcap * tanh(s / softcap); 0 = off.
+    kv_source_layer: -1 = the layer writes its own K/V; else the layer (an earlier one) whose cache it reads
+        (cross-layer KV sharing): it writes nothing and the backend gets key = value = None.
     """
 
     layer_idx: int
@@ -66,6 +68,11 @@ class AttentionLayerSpec:
     scale: float
     window_size: int = -1
     softcap: float = 0.0
+    kv_source_layer: int = -1
+
+    @property
+    def writes_kv(self) -> bool:
+        return self.kv_source_layer < 0
 
 
 class BaseAttentionBackend(ABC):
@@ -95,13 +102,15 @@ class BaseAttentionBackend(ABC):
         self,
         layer: AttentionLayerSpec,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         """Write this step's K/V into `kv_cache`, then attend.
 
-        query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim].
+        query: [num_tokens, num_heads, head_dim]; key, value: [num_tokens, num_kv_heads, head_dim], or both
+        None for a layer that shares another layer's cache (`layer.writes_kv` False): nothing is written and
+        attention reads what the target layer wrote earlier in this step.
         kv_cache: this layer's PagedKVCache (a shared layer gets its target layer's object).
         Returns [num_tokens, num_heads, head_dim]: causal attention of each token over its request's
         cached context plus the chunk's earlier tokens (and itself).

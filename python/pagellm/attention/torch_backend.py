@@ -45,8 +45,8 @@ class PagedBackendBase(BaseAttentionBackend):
         self,
         layer: AttentionLayerSpec,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: PagedKVCache,
     ) -> torch.Tensor:
         if self.metadata is None:
@@ -64,9 +64,12 @@ class PagedBackendBase(BaseAttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         o = out
         if query.shape[0] > n:
-            key, value, query, o = key[:n], value[:n], query[:n], out[:n]
+            query, o = query[:n], out[:n]
             out[n:].zero_()  # padded tokens
-        write(*caches, key, value, md.slot_mapping)
+        if key is not None:  # None: a layer sharing another layer's cache, which wrote it already
+            if key.shape[0] > n:
+                key, value = key[:n], value[:n]
+            write(*caches, key, value, md.slot_mapping)
         args = (layer.scale, layer.window_size, layer.softcap)
         nd = sp.num_decode
         if nd == n:  # decodes only, the common step: no slicing

@@ -21,6 +21,7 @@ class EngineStats:
     num_steps: int = 0
     timestamp: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # a copy of LLMEngine.spec_stats (None: no proposer)
+    kv_cache_bytes_per_token: int | None = None  # KV bytes one token of context takes, all layers (None: unknown)
 
     @staticmethod
     def spec_snapshot(engine) -> SpecDecodeStats | None:

@@ -12,8 +12,10 @@ from pagellm.kv_cache.groups import (
     available_memory_bytes,
     bytes_per_block,
     check_one_block_table,
+    count_layer_kinds,
     determine_num_blocks,
     group_kv_cache_specs,
+    kv_bytes_per_token,
     make_kv_cache_config,
 )
 from pagellm.kv_cache.spec import (
@@ -46,7 +48,9 @@ __all__ = [
     "available_memory_bytes",
     "bytes_per_block",
     "check_one_block_table",
+    "count_layer_kinds",
     "determine_num_blocks",
     "group_kv_cache_specs",
+    "kv_bytes_per_token",
     "make_kv_cache_config",
 ]

@@ -12,6 +12,21 @@ today. Groups that need their own block tables (a different block_size, or a sli
 that frees blocks that left its window) will need one table per group there; until then
 `make_kv_cache_config` refuses them (`KVCacheConfig.num_block_tables` > 1) with a ValueError.
 
+Freeing a sliding layer's blocks once they leave its window (Gemma 2/3, Mistral) needs, in order:
+1. storage: a block id indexes a page in EVERY layer here, so freeing it for the sliding layers would
+   free it for the full ones too. Sliding and full layers need separate block ids: per-group pools
+   (own tensors, own free queues), or one pool whose ids each hold a page of one group only.
+2. C++ BlockManager: one block table per (request, group); after each step a sliding group replaces the
+   entries of blocks entirely before position `num_computed_tokens - window + 1` by a reserved null id (the
+   table keeps its length, so slot = table[pos / block_size] still holds) and drops their references
+   (into the prefix cache's free queue, still hashed). `can_allocate` / the watermark count per group: a
+   sliding group needs at most ceil(window / block_size) + 1 live blocks per request.
+3. prefix cache: a sliding group hits when the last `window` tokens' blocks of the prefix are cached
+   (scan from the right, as vLLM's SlidingWindowManager); the hit length is the minimum over groups.
+4. SchedulerOutput carries one block-table array per group, AttentionMetadata one per group, and each
+   layer's backend call reads its group's table. Kernels need nothing new: null entries are masked.
+Until then the window is a mask and a sliding layer's blocks live as long as the request.
+
 Budget (`determine_num_blocks`): `kv_cache_memory_gb` when given, else `kv_cache_fraction` of the
 memory still free after the weights were loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable in
 /proc/meminfo, capped at CPU_DEFAULT_MAX_GB), or exactly `num_kv_blocks` when set.
@@ -31,6 +46,7 @@ from pagellm.kv_cache.spec import (
     KVCacheSpec,
     MLAAttentionSpec,
     SharedKVSpec,
+    SlidingWindowSpec,
 )
 from pagellm.logger import init_logger
 
@@ -104,6 +120,30 @@ class KVCacheConfig:
     @property
     def total_bytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV-cache bytes one token of context takes over every layer (scales included): bytes_per_block /
+        block_size."""
+        return self.bytes_per_block // self.block_size
+
+    def describe_bytes_per_token(self) -> str:
+        """'N bytes per token (layers: x full, y sliding, z MLA, w shared)', for start-up logs."""
+        counts = count_layer_kinds(self.layer_specs)
+        kinds = ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        return f"{self.bytes_per_token} bytes per token (layers: {kinds})"
+
+
+def count_layer_kinds(layer_specs: Mapping[int, KVCacheSpec]) -> dict[str, int]:
+    """Layers per kind of cache: {"full", "sliding", "MLA", "shared"} -> count."""
+    kinds = {"full": FullAttentionSpec, "sliding": SlidingWindowSpec, "MLA": MLAAttentionSpec, "shared": SharedKVSpec}
+    return {kind: sum(type(s) is cls for s in layer_specs.values()) for kind, cls in kinds.items()}
+
+
+def kv_bytes_per_token(layer_specs: Mapping[int, KVCacheSpec]) -> int:
+    """KV-cache bytes per token of context for these layer specs (no sizing, no memory needed)."""
+    groups = group_kv_cache_specs(layer_specs)
+    return bytes_per_block(groups) // groups[0].block_size
 
 
 def group_kv_cache_specs(layer_specs: Mapping[int, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:

@@ -13,11 +13,15 @@ class Attention(nn.Module):
     (`ctx.kv_caches[layer_idx]`, a PagedKVCache) come from `ctx`.
 
     forward(q [T, Hq*D], k [T, Hkv*D], v [T, Hkv*D], ctx) -> [T, Hq*D]
+    kv_source_layer >= 0 (cross-layer KV sharing): k and v are None; attention reads that earlier layer's cache.
     """
 
     def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float | None = None,
-                 window_size: int = -1, softcap: float = 0.0) -> None:
+                 window_size: int = -1, softcap: float = 0.0, kv_source_layer: int = -1) -> None:
         super().__init__()
+        if kv_source_layer >= layer_idx:
+            raise ValueError(f"layer {layer_idx}: kv_source_layer must be an earlier layer or -1, "
+                             f"got {kv_source_layer}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
         self.spec = AttentionLayerSpec(
@@ -28,15 +32,18 @@ class Attention(nn.Module):
             scale=float(head_dim**-0.5 if scale is None else scale),
             window_size=int(window_size) if window_size and window_size > 0 else -1,
             softcap=float(softcap or 0.0),
+            kv_source_layer=int(kv_source_layer) if kv_source_layer >= 0 else -1,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx) -> torch.Tensor:
         s = self.spec
         T = q.shape[0]
         # views (the rows may be strided slices of a merged qkv output; the heads inside a row are not)
         query = q.view(T, s.num_heads, s.head_dim)
-        key = k.view(T, s.num_kv_heads, s.head_dim)
-        value = v.view(T, s.num_kv_heads, s.head_dim)
+        if s.writes_kv:
+            key, value = k.view(T, s.num_kv_heads, s.head_dim), v.view(T, s.num_kv_heads, s.head_dim)
+        else:
+            key = value = None
         out = ctx.attn_backend.forward(s, query, key, value, ctx.kv_caches[s.layer_idx])
         return out.view(T, s.num_heads * s.head_dim)
 

@@ -5,7 +5,8 @@ float32 exactly as transformers does (inv_freq, then `position.float() * inv_fre
 the attention scaling) and then cast to the model dtype -- HF also casts cos/sin to the activation
 dtype before rotating, so rotation happens in the model dtype in both.
 
-Supported `rope_type`s: default, linear, dynamic (NTK; see _dynamic_freqs), llama3.
+Supported `rope_type`s: default, linear, dynamic (NTK; see _dynamic_freqs), llama3, yarn (DeepSeek's
+mscale / mscale_all_dim included; see _yarn_inv_freq).
 """
 
 from __future__ import annotations
@@ -39,6 +40,42 @@ def _llama3_inv_freq(base: float, rotary_dim: int, params: dict) -> torch.Tensor
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(base: float, rotary_dim: int, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention_factor) of YaRN as transformers computes it: extrapolated frequencies above
+    beta_fast rotations, interpolated (/ factor) below beta_slow, a linear ramp between; the cos/sin scale
+    is attention_factor, else mscale / mscale_all_dim (DeepSeek), else get_mscale(factor)."""
+    original = params.get("original_max_position_embeddings") or max_position
+    factor = params.get("factor") or max_position / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = yarn_get_mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (rotary_dim * math.log(original / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, rotary_dim, 2).to(dtype=torch.float) / rotary_dim)
+    extrapolation_factor = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_factor) + (1.0 / pos_freqs) * extrapolation_factor
+    return inv_freq, float(attention_factor)
+
+
 def _dynamic_freqs(base: float, rotary_dim: int, max_position: int, factor: float, cache_len: int) -> torch.Tensor:
     """Angles [cache_len, rotary_dim // 2] for dynamic NTK. transformers recomputes one base from the batch's
     longest sequence at run time; a paged cache needs fixed per-position angles, so position p uses the base
@@ -65,7 +102,10 @@ def compute_inv_freq(rope_parameters: dict[str, Any], rotary_dim: int, max_posit
     if rope_type == "dynamic":
         # Per-position inverse frequencies are built in RotaryEmbedding (see _dynamic_freqs).
         return _base_inv_freq(base, rotary_dim), 1.0, int(max_position * rope_parameters["factor"])
-    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, dynamic, llama3")
+    if rope_type == "yarn":
+        inv_freq, attention_factor = _yarn_inv_freq(base, rotary_dim, rope_parameters, max_position)
+        return inv_freq, attention_factor, max_position
+    raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, linear, dynamic, llama3, yarn")
 
 
 class RotaryEmbedding(nn.Module):

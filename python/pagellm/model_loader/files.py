@@ -78,7 +78,12 @@ def open_hf_dir(path: Path, source: Path | None = None) -> ModelFiles:
     cfg_file = path / CONFIG_NAME
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{cfg_file}: missing config file (not an HF-format model directory)")
-    hf_config = AutoConfig.from_pretrained(str(path))
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers 5.x type-checks config fields (huggingface_hub's StrictDataclassError)
+        if type(e).__name__.startswith("StrictDataclass"):
+            raise ValueError(f"{cfg_file}: {e}") from e  # its message names the field
+        raise
     if not (path / SAFE_WEIGHTS_INDEX_NAME).is_file() and not list(path.glob("*.safetensors")):
         raise FileNotFoundError(
             f"{path}: no weights files ({SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} or *.safetensors)"

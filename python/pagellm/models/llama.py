@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.distributed import get_tp_state
+from pagellm.distributed.sharding import partition_heads
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import LMHead, VocabEmbedding
@@ -15,6 +17,7 @@ from pagellm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import get_rope_from_config
 from pagellm.models.base import CausalLMBase
+from pagellm.models.kv_sharing import resolve_kv_sharing
 from pagellm.models.registry import register_model
 
 
@@ -49,9 +52,9 @@ class LlamaMLP(nn.Module):
         bias = bool(getattr(config, "mlp_bias", False))
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=bias, dtype=dtype,
-                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", tp_mode="column")
         self.down_proj = Linear(inter, config.hidden_size, bias=bias, dtype=dtype, quant_config=quant_config,
-                                prefix=f"{prefix}.down_proj")
+                                prefix=f"{prefix}.down_proj", tp_mode="row")
         self.act_fn = get_act_and_mul(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,26 +73,37 @@ class LlamaAttention(nn.Module):
         return bool(getattr(config, "attention_bias", False))
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1, quant_config=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", kv_source_layer: int = -1) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        tp = get_tp_state()  # this rank's heads (all of them on a single rank)
+        heads = partition_heads(total_heads, total_kv_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = config_head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads,
-                                  bias=self.qkv_bias(config), dtype=dtype, quant_config=quant_config,
-                                  prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=self.o_bias(config), dtype=dtype,
-                             quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.writes_kv = kv_source_layer < 0
+        if self.writes_kv:
+            self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads,
+                                      bias=self.qkv_bias(config), dtype=dtype, quant_config=quant_config,
+                                      prefix=f"{prefix}.qkv_proj", tp_mode="column")
+        else:  # reads layer kv_source_layer's cache: no k/v projections (HF name q_proj, nothing merged)
+            self.q_proj = Linear(config.hidden_size, total_heads * self.head_dim, bias=self.qkv_bias(config),
+                                 dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.q_proj", tp_mode="column")
+        self.o_proj = Linear(total_heads * self.head_dim, config.hidden_size, bias=self.o_bias(config), dtype=dtype,
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj", tp_mode="row")
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
+            if self.writes_kv:
+                self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
         self.rotary_emb = get_rope_from_config(config, self.head_dim, dtype=dtype)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim**-0.5, window_size=window_size)
+                              scale=self.head_dim**-0.5, window_size=window_size, kv_source_layer=kv_source_layer)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        if not self.writes_kv:
+            return self._forward_shared_kv(positions, hidden, ctx)
         # q, k, v are strided views of the merged output: rope, the cache write and attention take
         # row strides, so nothing is copied.
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -100,16 +114,26 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, ctx))
 
+    def _forward_shared_kv(self, positions: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+        q = self.q_proj(hidden)
+        T = hidden.shape[0]
+        if self.qk_norm:
+            q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, self.q_size)
+        # the rope op rotates a query and a key together: a one-head scratch key stands in for the missing one
+        q, _ = self.rotary_emb(positions, q, q.new_empty(T, self.head_dim))
+        return self.o_proj(self.attn(q, None, None, ctx))
+
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
     mlp_cls = LlamaMLP
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1, quant_config=None,
-                 prefix: str = "") -> None:
+                 prefix: str = "", kv_source_layer: int = -1) -> None:
         super().__init__()
+        shared = {"kv_source_layer": kv_source_layer} if kv_source_layer >= 0 else {}
         self.self_attn = self.attention_cls(config, layer_idx, dtype, window_size, quant_config=quant_config,
-                                            prefix=f"{prefix}.self_attn")
+                                            prefix=f"{prefix}.self_attn", **shared)
         self.mlp = self.mlp_cls(config, dtype, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
@@ -127,12 +151,14 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, dtype: torch.dtype, layer_cls: type[LlamaDecoderLayer], window_fn, quant_config=None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", kv_sharing: dict[int, int] | None = None) -> None:
         super().__init__()
+        kv_sharing = kv_sharing or {}
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, quant_config=quant_config,
                                            prefix=f"{prefix}.embed_tokens")
         self.layers = nn.ModuleList(
-            [layer_cls(config, i, dtype, window_fn(config, i), quant_config=quant_config, prefix=f"{prefix}.layers.{i}")
+            [layer_cls(config, i, dtype, window_fn(config, i), quant_config=quant_config,
+                       prefix=f"{prefix}.layers.{i}", **({"kv_source_layer": kv_sharing[i]} if i in kv_sharing else {}))
              for i in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
@@ -156,7 +182,10 @@ class LlamaForCausalLM(CausalLMBase):
         self.dtype = dtype
         self.quant_config = quant_config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer, quant_config=quant_config)
+        # sharing layer -> target (kv_sharing.py), checked before anything is allocated
+        self.kv_sharing = resolve_kv_sharing(config, config.num_hidden_layers, self._kv_cache_kind)
+        self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer, quant_config=quant_config,
+                                kv_sharing=self.kv_sharing)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
                               tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
                               quant_config=quant_config, prefix="lm_head")
@@ -164,6 +193,12 @@ class LlamaForCausalLM(CausalLMBase):
     @staticmethod
     def window_size_for_layer(config, layer_idx: int) -> int:
         return layer_window_size(config, layer_idx)
+
+    def _kv_cache_kind(self, layer_idx: int) -> tuple[int, int, int]:
+        """What a layer's cache must match to be shared: (num_kv_heads, head_dim, window)."""
+        c = self.config
+        num_kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return num_kv_heads, config_head_dim(c), self.window_size_for_layer(c, layer_idx)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

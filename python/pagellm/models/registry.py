@@ -17,6 +17,12 @@ _BUILTIN_MODULES = [
     "pagellm.models.llama",
     "pagellm.models.qwen2",
     "pagellm.models.qwen3",
+    "pagellm.models.mixtral",
+    "pagellm.models.qwen2_moe",
+    "pagellm.models.qwen3_moe",
+    "pagellm.models.deepseek_v2",
+    "pagellm.models.gemma2",
+    "pagellm.models.gemma3",
 ]
 _imported = False
 

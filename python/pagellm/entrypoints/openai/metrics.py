@@ -55,6 +55,9 @@ class ServerMetrics:
                                     labels, registry=r)
         self.prefix_hits = Gauge("pagellm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", labels,
                                  registry=r)
+        self.kv_bytes_per_token = Gauge("pagellm:kv_cache_bytes_per_token",
+                                        "KV-cache bytes one token of context takes over all layers (scales "
+                                        "included; shared layers add none).", labels, registry=r)
         self.spec = SpecDecodeCounters(r, labels)
         self.model_name = model_name
         self._l = {"model_name": model_name}
@@ -72,6 +75,8 @@ class ServerMetrics:
             self.prefix_hit_rate.labels(**self._l).set(stats.prefix_cache_hit_rate)
             self.prefix_queries.labels(**self._l).set(stats.prefix_cache_queries)
             self.prefix_hits.labels(**self._l).set(stats.prefix_cache_hits)
+            if getattr(stats, "kv_cache_bytes_per_token", None) is not None:
+                self.kv_bytes_per_token.labels(**self._l).set(stats.kv_cache_bytes_per_token)
             if getattr(stats, "spec_decode", None) is not None:
                 self.spec.advance(stats.spec_decode, self._l)
         return generate_latest(self.registry)

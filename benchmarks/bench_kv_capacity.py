@@ -1,0 +1,191 @@
+#!/usr/bin/env python
+"""KV capacity: how many 2048-token sequences fit one fixed KV budget, for attention variants of one small model.
+
+    python benchmarks/bench_kv_capacity.py                 # computed + measured, 64 MiB, bf16
+    python benchmarks/bench_kv_capacity.py --no-measure    # computed only (seconds)
+    python benchmarks/bench_kv_capacity.py --docs-table    # the KV-bytes-per-token table of docs/kv_cache_layout.md
+
+Model shape: hidden 512, 8 layers, 8 query heads of 64 (random bf16 weights, vocab 512). Variants:
+
+    MHA          8 kv heads
+    GQA          2 kv heads
+    MLA          DeepSeek-V2 attention, dense MLP, kv_lora_rank 64 + rope 16 (one 80-wide latent row per token)
+    MHA/GQA + shared-KV   layers 4-7 read the cache of layers 0-3 (kv_sharing_layers), allocating nothing
+
+Computed: the engine's own KV-cache config for the budget (kv_cache_memory_gb): blocks, bytes per token
+(KVCacheConfig.bytes_per_token), sequences = blocks // blocks per 2048-token sequence, and how many of them the
+block manager admits at once (it keeps a 1 % watermark of blocks free). Measured: the engine
+run with more 2048-token requests (2040 random prompt tokens + 8 decoded, prefix caching off) than fit, the
+peak number running together read between steps. Writes benchmarks/results/kv_capacity.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SEQ_LEN, DECODE_TOKENS, BLOCK_SIZE = 2048, 8, 16
+SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, head_dim=64, intermediate_size=512,
+             vocab_size=512, max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=True)
+SHARE_HALF = {str(i): i - 4 for i in range(4, 8)}
+# dense: a layer's MLP is MoE only from first_k_dense_replace on (the expert fields are then unused)
+MLA_FIELDS = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, q_lora_rank=None,
+                  n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=8,
+                  num_key_value_heads=8)
+VARIANTS = {  # name -> (architecture, extra config fields)
+    "MHA": ("llama", {"num_key_value_heads": 8}),
+    "GQA": ("llama", {"num_key_value_heads": 2}),
+    "MLA": ("deepseek_v2", MLA_FIELDS),
+    "MHA + shared-KV (4 of 8)": ("llama", {"num_key_value_heads": 8, "kv_sharing_layers": SHARE_HALF}),
+    "GQA + shared-KV (4 of 8)": ("llama", {"num_key_value_heads": 2, "kv_sharing_layers": SHARE_HALF}),
+}
+
+
+def write_model(arch: str, extra: dict, path: Path) -> Path:
+    """Random bf16 weights saved with save_pretrained; a sharing layer's k_proj / v_proj dropped."""
+    from safetensors.torch import load_file, save_file
+
+    if arch == "llama":
+        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+    else:
+        from transformers import DeepseekV2Config as Config, DeepseekV2ForCausalLM as Model
+    torch.manual_seed(0)
+    shape = {k: v for k, v in SHAPE.items() if arch == "llama" or k != "head_dim"}  # MLA: its own head dims
+    cfg = Config(**{**shape, **extra})
+    Model(cfg).to(torch.bfloat16).save_pretrained(str(path))
+    shared = extra.get("kv_sharing_layers", {})
+    if shared:
+        f = path / "model.safetensors"
+        drop = {f"model.layers.{i}.self_attn.{p}_proj.weight" for i in shared for p in "kv"}
+        save_file({k: v for k, v in load_file(f).items() if k not in drop}, f)
+    return path
+
+
+def make_llm(path: Path, budget_mib: int, max_num_seqs: int):
+    from pagellm import LLM
+
+    # a token budget for every prompt at once: admission is limited by KV blocks alone, not by one prefill
+    # per step against sequences that finish after DECODE_TOKENS steps
+    return LLM(str(path), dtype="bfloat16", max_model_len=SEQ_LEN, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
+               kv_cache_memory_gb=budget_mib / 1024, enable_prefix_caching=False, seed=0,
+               max_num_batched_tokens=SEQ_LEN * max_num_seqs)
+
+
+def measure_peak_running(llm, num_requests: int) -> dict:
+    from pagellm import SamplingParams
+
+    engine, rng = llm.llm_engine, random.Random(0)
+    params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=0, detokenize=False)
+    for i in range(num_requests):
+        ids = [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(SEQ_LEN - DECODE_TOKENS)]
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+    t, peak, done = time.perf_counter(), 0, 0
+    while engine.has_unfinished_requests():
+        done += sum(o.finished for o in engine.step())
+        peak = max(peak, engine.get_stats().num_running)
+    assert done == num_requests
+    return {"peak_running": peak, "run_s": round(time.perf_counter() - t, 1)}
+
+
+def admitted_under_watermark(num_blocks: int) -> int:
+    """Sequences the block manager admits at once: it keeps `watermark` (CacheConfig, 1 %) of the blocks free."""
+    from pagellm.config import CacheConfig
+
+    reserve = int(CacheConfig().watermark * num_blocks)
+    return (num_blocks - reserve) // -(-SEQ_LEN // BLOCK_SIZE)
+
+
+def run_variant(name: str, args, workdir: Path) -> dict:
+    arch, extra = VARIANTS[name]
+    path = write_model(arch, extra, workdir / "".join(c if c.isalnum() else "_" for c in name))
+    llm = make_llm(path, args.budget_mib, max_num_seqs=64)
+    cfg = llm.llm_engine.kv_cache_config
+    blocks_per_seq = -(-SEQ_LEN // BLOCK_SIZE)
+    row = {"variant": name, "blocks": cfg.num_blocks, "bytes_per_token": cfg.bytes_per_token,
+           "layers": cfg.describe_bytes_per_token().partition("(layers: ")[2].rstrip(")"),
+           "computed_seqs": cfg.num_blocks // blocks_per_seq,
+           "computed_admitted": admitted_under_watermark(cfg.num_blocks)}
+    if args.measure:
+        row.update(measure_peak_running(llm, row["computed_seqs"] + args.extra_requests))
+    print(row, flush=True)
+    return row
+
+
+def markdown(rows: list[dict], args) -> str:
+    lines = [f"KV budget {args.budget_mib} MiB (bf16 cache, block size {BLOCK_SIZE}), sequences of {SEQ_LEN} "
+             f"tokens; model hidden 512, 8 layers, 8 query heads x 64.", "",
+             "| variant | KV layers | KV bytes / token | blocks | seqs that fit (computed) "
+             "| admitted with the 1 % watermark (computed) | peak running (measured) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['layers']} | {r['bytes_per_token']} | {r['blocks']} "
+                     f"| {r['computed_seqs']} | {r['computed_admitted']} | {r.get('peak_running', 'not run')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- the docs table (specs only, no model)
+def docs_rows() -> list[tuple[str, str, dict]]:
+    """(model, shape, layer id -> spec for a given dtype) of well-known shapes."""
+    from pagellm.kv_cache import FullAttentionSpec as Full, MLAAttentionSpec as MLA, SharedKVSpec as Shared
+    from pagellm.kv_cache import SlidingWindowSpec as Sliding
+
+    def full(n, kv, hd):
+        return lambda dt: {i: Full(16, kv, hd, dt) for i in range(n)}
+
+    return [
+        ("Llama-2-7B (MHA)", "32 layers x 32 kv heads x 128", full(32, 32, 128)),
+        ("Llama-3-8B (GQA)", "32 layers x 8 kv heads x 128", full(32, 8, 128)),
+        ("SmolLM2-135M (default model, GQA)", "30 layers x 3 kv heads x 64", full(30, 3, 64)),
+        ("DeepSeek-V2-Lite-like (MLA)", "27 layers x latent 512 + rope 64",
+         lambda dt: {i: MLA(16, 576, dt) for i in range(27)}),
+        ("Gemma-2-2B-like (sliding / global)", "26 layers x 4 kv heads x 256, every other layer window 4096",
+         lambda dt: {i: (Sliding(16, 4, 256, dt, 4096) if i % 2 == 0 else Full(16, 4, 256, dt)) for i in range(26)}),
+        ("SmolLM2-135M + shared-KV (num_kv_shared_layers=15)", "15 of 30 layers read layer 14's cache",
+         lambda dt: {i: (Full(16, 3, 64, dt) if i < 15 else Shared(14)) for i in range(30)}),
+    ]
+
+
+def docs_table() -> str:
+    from pagellm.kv_cache import kv_bytes_per_token
+
+    lines = ["| model | KV layout | bf16 bytes / token | int8 bytes / token |", "|---|---|---:|---:|"]
+    for name, shape, specs in docs_rows():
+        bf16, int8 = kv_bytes_per_token(specs(torch.bfloat16)), kv_bytes_per_token(specs("int8"))
+        lines.append(f"| {name} | {shape} | {bf16:,} | {int8:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-mib", type=int, default=64)
+    ap.add_argument("--no-measure", dest="measure", action="store_false", help="computed figures only")
+    ap.add_argument("--extra-requests", type=int, default=2, help="requests beyond the computed capacity")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of: " + ", ".join(VARIANTS))
+    ap.add_argument("--docs-table", action="store_true", help="print the docs/kv_cache_layout.md table and exit")
+    args = ap.parse_args()
+    if args.docs_table:
+        print(docs_table())
+        return
+    names = [n.strip() for n in args.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    with tempfile.TemporaryDirectory(prefix="kv-capacity-") as tmp:
+        rows = [run_variant(n, args, Path(tmp)) for n in names]
+    md = markdown(rows, args)
+    print(md)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "kv_capacity.md").write_text(md)
+    (RESULTS / "kv_capacity.json").write_text(json.dumps({"budget_mib": args.budget_mib, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
