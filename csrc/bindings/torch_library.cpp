@@ -1,7 +1,7 @@
 // Every torch.ops.pagellm.* schema, in one place. Device kernels register themselves with
 // TORCH_LIBRARY_IMPL(pagellm, CPU|CUDA, m) in csrc/ops/<family>/*_cpu.cpp / *_cuda.cpp.
-// Conventions: outputs first, mutated tensors annotated Tensor(x!), every op returns (), no stream
-// arguments (the CUDA side uses the current stream). The KV-cache layout is docs/kv_cache_layout.md.
+// Conventions: outputs first, mutated tensors annotated Tensor(x!), every op returns () (fused_moe: its output),
+// no stream arguments (the CUDA side uses the current stream). The KV-cache layout is docs/kv_cache_layout.md.
 #include <torch/library.h>
 
 TORCH_LIBRARY(pagellm, m) {
@@ -54,11 +54,24 @@ TORCH_LIBRARY(pagellm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("gelu_and_mul(Tensor(a!) out, Tensor input, str approximate=\"none\") -> ()");
 
+  // ---- lora ----
+  // y[t] += scales[s] * lora_b[s] @ (lora_a[s] @ x[t]) for s = token_slots[t] >= 0 (-1: none); y [T, N], x [T, K],
+  // lora_a [S, R, K], lora_b [S, N, R] (x's dtype, ranks < R zero-padded), scales float32 [S], token_slots int32 [T].
+  m.def("lora_apply(Tensor(a!) y, Tensor x, Tensor lora_a, Tensor lora_b, Tensor scales, Tensor token_slots) -> ()");
+
   // ---- linear ----
   // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); weight-streaming kernel for small M (decode).
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
   m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+
+  // ---- moe: the routed experts of a mixture-of-experts MLP (contract: python/pagellm/ops/moe_reference.py) ----
+  // out[T, H] = sum_j topk_weights[t, j] * w2[e] @ (act(w13[e, :I] @ x_t) * (w13[e, I:] @ x_t)), e = topk_ids[t, j];
+  // hidden [T, H], w13 [E, 2I, H], w2 [E, H, I] float32 / bfloat16 / float16; topk_weights float32 / topk_ids
+  // int32 [T, k]; activation "silu" or "gelu_tanh". fp32 math, one rounding. Returns a new tensor.
+  m.def(
+      "fused_moe(Tensor hidden, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, str activation) "
+      "-> Tensor");
 
   // ---- quant: int8 (LLM.int8()) ----
   // out[M, N] = x[M, K] @ (weight_int8[N, K] * weight_scale[N, None])^T (+ bias[N]): columns of x with

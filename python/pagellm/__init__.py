@@ -17,6 +17,7 @@ _LAZY = {
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
     "Logprob": "pagellm.outputs",
+    "LoRARequest": "pagellm.lora.request",
 }
 
 

@@ -15,6 +15,8 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Mapping
 
+from pagellm.lora.config import LoRAConfig
+from pagellm.sampling_params import LOGPROBS_MODES
 from pagellm.spec_decode.registry import SpeculativeConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "fp32", "fp16", "bf16")
@@ -50,6 +52,7 @@ class ModelConfig:
     quantization: str | None = None  # a registered weight format; None = the checkpoint's, if any
     enforce_eager: bool = False  # True: every step runs the module forward (no step-graph replay)
     max_logprobs: int = 20  # most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary size
+    logprobs_mode: str = "raw_logprobs"  # requests' default (SamplingParams.logprobs_mode: vLLM's four names)
 
     def __post_init__(self) -> None:
         _require(self.model is None or isinstance(self.model, str), "model", "a path or name (str) or None", self.model)
@@ -62,6 +65,7 @@ class ModelConfig:
         _require(isinstance(self.enforce_eager, bool), "enforce_eager", "True or False", self.enforce_eager)
         _require(_is_int(self.max_logprobs) and self.max_logprobs >= -1, "max_logprobs",
                  "an integer >= 0 or -1 (the vocabulary size)", self.max_logprobs)
+        _require(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {LOGPROBS_MODES}", self.logprobs_mode)
         if self.quantization is not None:
             from pagellm.quantization import list_quantization_methods  # noqa: PLC0415 (torch; only when asked)
 
@@ -165,6 +169,7 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=lambda: ParallelConfig())
     # speculative decoding (vLLM's speculative_config dict, or a SpeculativeConfig); None: off
     speculative_config: SpeculativeConfig | None = None
+    lora_config: LoRAConfig | None = None  # None: LoRA off (pagellm.lora)
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # ValueError naming the allowed methods / keys / ranges
@@ -177,14 +182,26 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Where the model runs: which executor reaches the workers (pagellm.engine.executor registry)."""
+    """Where the model runs: which executor reaches the workers (pagellm.engine.executor registry) and over
+    how many tensor-parallel ranks. None picks as vLLM does: "uni" for one rank, "mp" (worker processes on
+    this host) for more; "uni" with more than one rank is refused. Model-dependent checks (heads divisible,
+    ranks <= CPUs) run when the executor starts (pagellm.distributed.validation)."""
 
-    distributed_executor_backend: str = "uni"  # "uni": one worker in this process
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uni": one worker in this process; "mp": worker processes
 
     def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(_is_int(tp) and tp >= 1, "tensor_parallel_size", "an integer >= 1", tp)
+        backend = self.distributed_executor_backend
+        if backend is None:
+            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
         _require(isinstance(self.distributed_executor_backend, str) and bool(self.distributed_executor_backend),
-                 "distributed_executor_backend", "a registered executor name such as 'uni'",
+                 "distributed_executor_backend", "None or a registered executor name such as 'uni' or 'mp'",
                  self.distributed_executor_backend)
+        if tp > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={tp} needs one process per rank: distributed_executor_backend "
+                             f"must be 'mp' (or None), got 'uni'")
 
 
 @dataclass
@@ -210,16 +227,32 @@ class EngineArgs:
     attention_backend: str | None = None
     quantization: str | None = None
     enforce_eager: bool = False
-    distributed_executor_backend: str = "uni"
+    distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more (vLLM's rule)
+    tensor_parallel_size: int = 1
     seed: int = 0
     device: str = "cpu"
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"  # raw_logprobs | raw_logits | processed_logprobs | processed_logits
     # e.g. {"method": "ngram", "num_speculative_tokens": 4}; methods: pagellm.spec_decode.list_proposers()
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = None
+    # LoRA adapters (pagellm.lora): off unless enable_lora; vLLM's names and defaults
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # refused here, before any model is opened
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        self.lora_config()  # ValueError for bad LoRA limits, before any model is opened
+        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)  # likewise
+
+    def lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineArgs":
@@ -235,7 +268,7 @@ class EngineArgs:
             tokenizer=None if self.tokenizer is None else str(self.tokenizer),
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
             device=str(self.device), attention_backend=self.attention_backend, quantization=self.quantization,
-            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs,
+            enforce_eager=self.enforce_eager, max_logprobs=self.max_logprobs, logprobs_mode=self.logprobs_mode,
         )
 
     def create_engine_config(self, model_max_len: int | None = None) -> EngineConfig:
@@ -257,9 +290,10 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
         )
-        pc = ParallelConfig(distributed_executor_backend=self.distributed_executor_backend)
+        pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
+                            distributed_executor_backend=self.distributed_executor_backend)
         return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
-                            speculative_config=self.speculative_config)
+                            speculative_config=self.speculative_config, lora_config=self.lora_config())
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

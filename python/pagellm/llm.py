@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from pagellm.config import EngineArgs
 from pagellm.engine.llm_engine import LLMEngine
 from pagellm.inputs import InputProcessor, PromptType, chat_prompt
+from pagellm.lora.request import LoRARequest, lora_requests_per_prompt
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -76,6 +77,60 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         return self.llm_engine.reset_prefix_cache()
 
+    def shutdown(self) -> None:
+        """Release the engine's workers (tensor_parallel_size > 1: stop and reap the worker processes)."""
+        self.llm_engine.shutdown()
+
+    # ------------------------------------------------------------------ weights and memory
+    def update_weights(self, named_tensors, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Replace weights in place from an iterable of (hf_name, tensor), the checkpoint's names, each through
+        its layer's weight_loader (merged / quantize-on-load layouts handled). Every name, shape and dtype (and
+        with `check_finite` NaN/Inf) is checked before anything changes: WeightUpdateError (a ValueError) leaves
+        the old weights intact. The prefix cache is reset by default (its KV came from the old weights).
+        Returns {"num_tensors", "prefix_cache_reset"}."""
+        return self.llm_engine.update_weights(named_tensors, check_finite=check_finite,
+                                              reset_prefix_cache=reset_prefix_cache)
+
+    def update_weights_from_disk(self, path, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """update_weights with every tensor of a .safetensors file or an HF directory's safetensors files."""
+        return self.llm_engine.update_weights_from_disk(path, check_finite=check_finite,
+                                                        reset_prefix_cache=reset_prefix_cache)
+
+    def update_weights_from_distributed(self, group, names, dtypes, shapes, *, src: int = 0,
+                                        check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Receive len(names) tensors by torch.distributed.broadcast from rank `src` of `group` (the trainer
+        broadcasts them in this order; gloo on CPU, NCCL on GPU), then update_weights with them."""
+        return self.llm_engine.update_weights_from_distributed(group, names, dtypes, shapes, src=src,
+                                                               check_finite=check_finite,
+                                                               reset_prefix_cache=reset_prefix_cache)
+
+    def sleep(self, level: int = 1) -> dict:
+        """Free the KV cache (level 2: the weights too, saved to a temporary file on CPU, to pinned host memory
+        on a GPU). No request may be unfinished. generate() raises EngineSleepingError until wake_up().
+        Returns {"level", "freed_bytes"}: the measured drop in RSS (CPU) or reserved GPU memory."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed (a zeroed KV cache, the saved weights); outputs are as before sleeping."""
+        self.llm_engine.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.llm_engine.is_sleeping
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora(self, name: str, path: str, lora_int_id: int | None = None) -> dict:
+        """Load a PEFT adapter (adapter_config.json + adapter_model.safetensors) as `name`, or replace the
+        adapter of that name in place. Checked in full first (rank <= max_lora_rank, target modules, shapes):
+        on ValueError the loaded adapters and the weights are as before. Returns {"rank", "scale", "path"}."""
+        return self.llm_engine.add_lora(name, path, lora_int_id)
+
+    def remove_lora(self, name: str) -> None:
+        self.llm_engine.remove_lora(name)
+
+    def list_loras(self) -> list[str]:
+        return self.llm_engine.list_loras()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the model's generation_config (temperature, top_k, top_p, ...)."""
         gen = self.llm_engine.generation_config
@@ -88,14 +143,16 @@ class LLM:
         return self.llm_engine.collective_rpc(method, args, kwargs)
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns RequestOutputs in input order.
 
         A prompt is a str, a list of token ids, {"prompt": str} or {"prompt_token_ids": [...]}
         (pagellm.inputs); a list of those is a batch. Every prompt is checked (TypeError /
         ValueError) before any is queued. A request whose engine step failed comes back finished with
         RequestOutput.error set (finish_reason "error"); the rest of the batch is unaffected. An
-        interrupt (Ctrl-C) aborts this call's requests and leaves the LLM usable.
+        interrupt (Ctrl-C) aborts this call's requests and leaves the LLM usable. `lora_request`: one
+        LoRARequest for every prompt or a list with one (or None) per prompt (needs enable_lora=True).
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
@@ -109,13 +166,17 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
         engine = self.llm_engine
+        lora_requests = lora_requests_per_prompt(lora_request, len(prompts))
+        for lr in {lr for lr in lora_requests if lr is not None}:
+            engine._resolve_lora(lr)  # an unknown adapter refuses the whole batch before anything is queued
         # tokenized and checked once, all of them before any is queued: a bad batch queues nothing
         processed = [self.input_processor.process(p, sp) for p, sp in zip(prompts, params_list)]
         ids = []
         try:
             for i, req in enumerate(processed):
                 rid = str(next(self._counter))
-                engine.add_request(rid, req.as_prompt(), req.params, priority=0 if priority is None else priority[i])
+                engine.add_request(rid, req.as_prompt(), req.params, priority=0 if priority is None else priority[i],
+                                   lora_request=lora_requests[i])
                 ids.append(rid)
         except BaseException:
             engine.abort_request(ids)
@@ -155,7 +216,8 @@ class LLM:
     # ------------------------------------------------------------------ chat
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate replies for one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered by pagellm.inputs.apply_chat_template (as the server's chat route does)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -165,7 +227,7 @@ class LLM:
                         chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
             for c in convs
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(self, conversation, add_generation_prompt: bool = True, chat_template: str | None = None,
                             chat_template_kwargs: dict[str, Any] | None = None,

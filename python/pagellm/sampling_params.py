@@ -14,7 +14,12 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
-_LOGPROBS_MODES = ("raw", "processed")
+# vLLM's logprobs_mode names: values from the model's logits (raw) or from the logits the token is drawn
+# from (processed: after bias, min_tokens, penalties, temperature, min-p, top-k, top-p), as log-probabilities
+# or as the logits themselves. "raw" / "processed" are this engine's older names for the *_logprobs ones.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+LOGPROBS_MODE_ALIASES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+_LOGPROBS_MODES = LOGPROBS_MODES + tuple(LOGPROBS_MODE_ALIASES)
 MAX_SEED = 2**64 - 1  # torch.Generator seeds are unsigned 64-bit
 MAX_INT64 = 2**63 - 1  # counts the C++ scheduler and torch index tensors hold
 MAX_NUM_STOP_STRINGS = 64  # each generated token is checked against every stop string
@@ -96,8 +101,11 @@ class SamplingParams:
     logprobs: number of top logprobs per generated token (the sampled token is always included);
         at most the engine's max_logprobs (default 20).
     prompt_logprobs: number of top logprobs per prompt token; at most max_logprobs.
-    logprobs_mode: "raw" (log_softmax of the model's logits) or "processed" (after logit bias,
-        penalties, temperature and top-k/top-p/min-p masking).
+    logprobs_mode: what `logprobs` report for generated tokens (prompt logprobs are always raw):
+        "raw_logprobs" (log_softmax of the model's logits), "raw_logits" (the logits themselves),
+        "processed_logprobs" / "processed_logits" (after logit bias, min_tokens, penalties, temperature
+        and min-p/top-k/top-p masking: what the token was drawn from; greedy rows have no temperature);
+        "raw" / "processed" = the *_logprobs ones; None = the engine's logprobs_mode (default raw_logprobs).
     """
 
     n: int = 1
@@ -121,7 +129,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    logprobs_mode: str = "raw"
+    logprobs_mode: str | None = None
     # Filled in by the engine (EOS ids of the model, unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -192,8 +200,8 @@ class SamplingParams:
             raise _bad("logprobs", self.logprobs, "an integer >= 0 or None")
         if self.prompt_logprobs is not None and not _int_in(self.prompt_logprobs, 0, MAX_INT64):
             raise _bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0 or None")
-        if self.logprobs_mode not in _LOGPROBS_MODES:
-            raise _bad("logprobs_mode", self.logprobs_mode, f"one of {_LOGPROBS_MODES}")
+        if self.logprobs_mode is not None and self.logprobs_mode not in _LOGPROBS_MODES:
+            raise _bad("logprobs_mode", self.logprobs_mode, f"None or one of {_LOGPROBS_MODES}")
 
     def _verify_stops_and_flags(self) -> None:
         if not all(isinstance(s, str) for s in self.stop):
@@ -239,3 +247,12 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def resolve_logprobs_mode(mode: str | None, default: str = "raw_logprobs") -> str:
+    """One of LOGPROBS_MODES for a request's (or the engine's) logprobs_mode; None -> `default`."""
+    mode = default if mode is None else mode
+    mode = LOGPROBS_MODE_ALIASES.get(mode, mode)
+    if mode not in LOGPROBS_MODES:
+        raise _bad("logprobs_mode", mode, f"one of {_LOGPROBS_MODES}")
+    return mode

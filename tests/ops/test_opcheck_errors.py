@@ -57,6 +57,11 @@ def _cases():
     # AWQ: N = 24, K = 128 (uint8 [N, K / 2]), two groups of 64 per row
     yield "awq_linear", (torch.empty(5, 24), x, torch.randint(0, 256, (24, 64), dtype=torch.uint8),
                          torch.rand(24, 2) / 100, torch.randint(0, 16, (24, 2), dtype=torch.uint8), 64, torch.randn(24))
+    yield "lora_apply", (torch.randn(5, 24), x, torch.randn(3, 4, 128), torch.randn(3, 24, 4), torch.rand(3),
+                         torch.tensor([0, -1, 2, 2, 1], dtype=torch.int32))
+    # MoE: T = 5, H = 128, E = 4 experts of I = 24, k = 2 distinct experts per token
+    yield "fused_moe", (x, torch.randn(4, 48, 128) / 10, torch.randn(4, 128, 24) / 10, torch.rand(5, 2),
+                        torch.tensor([[0, 1], [2, 0], [3, 1], [1, 2], [0, 3]], dtype=torch.int32), "silu")
 
 
 @pytest.mark.parametrize("name,args", list(_cases()), ids=[n for n, _ in _cases()])

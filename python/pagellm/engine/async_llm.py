@@ -39,6 +39,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
+from pagellm.engine.engine_calls import EngineCallQueue
+from pagellm.engine.maintenance import EngineSleepingError
 from pagellm.engine.stats import EngineStats
 from pagellm.inputs import InputProcessor, ProcessedRequest, PromptType
 from pagellm.inputs import PromptTooLongError  # noqa: F401  (re-exported: raised by generate/submit)
@@ -117,9 +119,10 @@ class AsyncLLM:
 
         # Inbox (any thread -> engine thread).
         self._inbox_lock = threading.Lock()
-        self._pending_adds: list[tuple[str, ProcessedRequest, float, int]] = []
+        self._pending_adds: list[tuple[str, ProcessedRequest, float, int, object]] = []  # + LoRARequest | None
         self._pending_aborts: list[str] = []
         self._wake = threading.Event()
+        self._engine_calls = EngineCallQueue()  # admin calls (weights, sleep) run between steps
 
         # Event-loop side state (only touched on the loop thread).
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -166,6 +169,9 @@ class AsyncLLM:
         self._wake.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        release_workers = getattr(self.engine, "shutdown", None)  # worker processes of the "mp" executor
+        if callable(release_workers) and (self._thread is None or not self._thread.is_alive()):
+            release_workers()
         self._tok_executor.shutdown(wait=False, cancel_futures=True)
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -194,6 +200,9 @@ class AsyncLLM:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
         if self._stopped.is_set() or (self._thread is not None and not self._thread.is_alive()):
             raise EngineDeadError("engine loop is not running")
+        workers_gone = getattr(getattr(self.engine, "executor", None), "broken_error", None)  # e.g. a dead TP rank
+        if isinstance(workers_gone, BaseException):
+            raise EngineDeadError(f"engine workers are gone: {workers_gone}")
 
     def _make_input_processor(self, engine, tokenizer) -> InputProcessor:
         own = getattr(engine, "input_processor", None)
@@ -202,6 +211,7 @@ class AsyncLLM:
         return InputProcessor(self.tokenizer, engine.vocab_size, self.max_model_len,
                               eos_token_ids=getattr(engine, "eos_token_ids", ()),
                               max_logprobs=getattr(engine, "max_logprobs", DEFAULT_MAX_LOGPROBS),
+                              logprobs_mode=getattr(engine, "logprobs_mode", "raw_logprobs"),
                               max_num_seqs=self.max_num_seqs)
 
     # ------------------------------------------------------------------ stage 1: input processing
@@ -227,27 +237,27 @@ class AsyncLLM:
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None,
-                       request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None
-                       ) -> AsyncGenerator[RequestOutput, None]:
+                       request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None,
+                       lora_request=None) -> AsyncGenerator[RequestOutput, None]:
         """Submit a request and yield its (cumulative) RequestOutputs until it finishes.
 
         prompt: a string, {"prompt": str}, {"prompt_token_ids": [...]} or a list of token ids; or a
         ProcessedRequest from `process_inputs` (then sampling_params must be None: it carries its own).
-        Closing / cancelling the generator aborts the request in the engine.
+        Closing / cancelling the generator aborts the request in the engine. `lora_request`: a LoRARequest.
         """
         stream = await self.add_request(request_id, prompt, sampling_params, arrival_time=arrival_time,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
         async for out in self.iterate(stream):
             yield out
 
     async def submit(self, prompt: PromptType | ProcessedRequest, sampling_params: SamplingParams | None,
-                     request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None
-                     ) -> AsyncGenerator[RequestOutput, None]:
+                     request_id: str | None = None, *, priority: int = 0, arrival_time: float | None = None,
+                     lora_request=None) -> AsyncGenerator[RequestOutput, None]:
         """Like generate, but the request is admitted (or rejected: QueueFullError,
         PromptTooLongError, ...) before this returns; iterate the returned generator for outputs.
         The caller must iterate it to the end, close it, or call abort(request_id)."""
         stream = await self.add_request(request_id, prompt, sampling_params, arrival_time=arrival_time,
-                                        priority=priority)
+                                        priority=priority, lora_request=lora_request)
         return self.iterate(stream)
 
     async def iterate(self, stream: "_Stream") -> AsyncGenerator[RequestOutput, None]:
@@ -265,7 +275,7 @@ class AsyncLLM:
 
     async def add_request(self, request_id: str | None, prompt: PromptType | ProcessedRequest,
                           sampling_params: SamplingParams | None, *, arrival_time: float | None = None,
-                          priority: int = 0) -> _Stream:
+                          priority: int = 0, lora_request=None) -> _Stream:
         self._ensure_started()
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         arrival_time = time.time() if arrival_time is None else arrival_time
@@ -283,10 +293,12 @@ class AsyncLLM:
             processed = await self.process_inputs(prompt, sampling_params)
         if self._dead is not None:
             raise EngineDeadError(f"engine loop died: {self._dead!r}")
+        if getattr(self.engine, "sleep_level", None) is not None:
+            raise EngineSleepingError("the engine is asleep (its KV cache is released); POST /wake_up first")
         stream = _Stream(request_id, num_seqs=processed.params.n)
         self._streams[request_id] = stream
         with self._inbox_lock:
-            self._pending_adds.append((request_id, processed, arrival_time, priority))
+            self._pending_adds.append((request_id, processed, arrival_time, priority, lora_request))
         self._wake.set()
         return stream
 
@@ -316,6 +328,28 @@ class AsyncLLM:
         with self._inbox_lock:
             self._pending_aborts.append(request_id)
         self._wake.set()
+
+    # weights and memory (engine/maintenance.py), run on the engine thread between steps ------------------
+    async def run_engine_call(self, fn):
+        """`fn(engine)` on the engine thread between steps; returns its result or raises its exception."""
+        self._ensure_started()
+        fut = self._engine_calls.post(fn)
+        self._wake.set()
+        return await fut
+
+    async def update_weights_from_disk(self, path: str, *, check_finite: bool = False,
+                                       reset_prefix_cache: bool = True) -> dict:
+        return await self.run_engine_call(lambda e: e.update_weights_from_disk(
+            path, check_finite=check_finite, reset_prefix_cache=reset_prefix_cache))
+
+    async def sleep(self, level: int = 1) -> dict:
+        return await self.run_engine_call(lambda e: e.sleep(level))
+
+    async def wake_up(self) -> None:
+        await self.run_engine_call(lambda e: e.wake_up())
+
+    def is_sleeping(self) -> bool:
+        return getattr(self.engine, "sleep_level", None) is not None
 
     # stats accessors ----------------------------------------------------------
     def get_stats(self) -> EngineStats:
@@ -367,17 +401,19 @@ class AsyncLLM:
             adds, self._pending_adds = self._pending_adds, []
             aborts, self._pending_aborts = self._pending_aborts, []
         failed: list[tuple[str, BaseException]] = []
-        for rid, req, arrival, prio in adds:
+        for rid, req, arrival, prio, lora_request in adds:
             if rid in aborts:
                 continue  # cancelled before it ever reached the engine
             try:
-                engine.add_request(rid, req.as_prompt(), req.params, arrival_time=arrival, priority=prio)
+                engine.add_request(rid, req.as_prompt(), req.params, arrival_time=arrival, priority=prio,
+                                   **({"lora_request": lora_request} if lora_request is not None else {}))
             except Exception as e:  # bad request: the engine is unchanged, fail that stream only
                 failed.append((rid, e))
         if aborts:
             engine.abort_request(aborts)
         if failed:
             loop.call_soon_threadsafe(self._fail_some, failed)
+        self._engine_calls.run_pending(engine)  # after the adds: sleep() sees every admitted request
 
     def _step_once(self, loop: asyncio.AbstractEventLoop) -> None:
         t0 = time.perf_counter()
@@ -421,6 +457,7 @@ class AsyncLLM:
                 stream.event.set()
 
     def _fail_all(self, err: BaseException) -> None:
+        self._engine_calls.fail_pending(err)
         for stream in list(self._streams.values()):
             stream.error = err
             stream.event.set()

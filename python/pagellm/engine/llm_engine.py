@@ -26,7 +26,9 @@ import numpy as np
 import torch
 
 from pagellm.config import EngineArgs, EngineConfig
+from pagellm.engine import maintenance
 from pagellm.engine.executor import get_executor_cls
+from pagellm.engine import mp_executor  # noqa: F401 (registers the "mp" executor)
 from pagellm.engine.spec_step import SpecDecodeStep
 from pagellm.engine.step_recovery import StepRecovery
 from pagellm.engine.step_update import SampleTarget, StepUpdate, finished_status
@@ -34,6 +36,7 @@ from pagellm.engine.stats import EngineStats
 from pagellm.engine.output_processor import OutputProcessor, RequestState, child_seq_id
 from pagellm.inputs import InputProcessor, PromptType
 from pagellm.logger import init_logger
+from pagellm.lora.engine_lora import EngineLoRA, LoRAEngineMethods
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
 from pagellm.spec_decode import BaseProposer, SpecDecodeStats
@@ -54,7 +57,7 @@ def _eos_ids(files, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-class LLMEngine(SpecDecodeStep, StepRecovery):
+class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods):
     def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True,
                  proposer: BaseProposer | None = None) -> None:
         from pagellm import _C  # noqa: PLC0415
@@ -76,11 +79,15 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         self.max_model_len = sc.max_model_len
         self.max_num_seqs = sc.max_num_seqs
         self.max_logprobs = mc.max_logprobs
+        self.logprobs_mode = mc.logprobs_mode
 
         # the workers own the device, the model, the KV cache and the runner; the engine reaches them
         # through the executor only (execute_model once per step, collective_rpc for everything else)
         self.executor = get_executor_cls(config.parallel_config.distributed_executor_backend)(config, files)
         self.num_blocks = self.executor.num_kv_blocks
+        kv_info = self.executor.collective_rpc("describe")[0]
+        self.kv_cache_bytes_per_token: int = kv_info["kv_cache_bytes_per_token"]  # /metrics, capacity planning
+        logger.info("KV cache: %s", kv_info["kv_cache_summary"])
         self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks))
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
@@ -88,9 +95,13 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         # seq id -> torch.Generator for seeded sequences
         self._generators: dict[str, torch.Generator] = {}
         self._rng = random.Random(mc.seed)
+        # adapters, their slots, and the max_loras admission limit (pagellm.lora.engine_lora); None: LoRA off
+        self.lora = None if config.lora_config is None else EngineLoRA(config.lora_config, self.collective_rpc,
+                                                                       random.Random(mc.seed + 1))
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
         self._init_speculation(proposer)  # the given proposer, else config.speculative_config's (spec_step.py)
+        self.sleep_level: int | None = None  # set while asleep (engine/maintenance.py)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -114,15 +125,18 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         """The engine's InputProcessor (pagellm.inputs): every add_request goes through it, and front ends
         (LLM, AsyncLLM, the server) use it to validate and tokenize before they submit."""
         return InputProcessor(self.tokenizer, self.vocab_size, self.max_model_len, eos_token_ids=self.eos_token_ids,
-                              max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs)
+                              max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs,
+                              logprobs_mode=self.logprobs_mode)
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
         """Queue a request. The input processor checks everything before anything is registered, so on
         TypeError/ValueError the engine is unchanged and usable: a prompt of the wrong type, an empty
         prompt, token ids outside the vocabulary, prompt + max_tokens > max_model_len, invalid sampling
         parameters, or a duplicate request id. Any later failure (or an interrupt) undoes the
-        registration: a request is either fully added or not at all."""
+        registration: a request is either fully added or not at all. `lora_request` (a LoRARequest) names
+        the adapter the request runs with: ValueError for an unknown one or when LoRA is off."""
+        maintenance.check_awake(self, "add requests")
         request_id = str(request_id)
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -133,14 +147,25 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         arrival = time.time() if arrival_time is None else float(arrival_time)
         # prompt logprobs need every prompt position computed: keep such requests off the prefix
         # cache with a private hash salt
+        adapter = self._resolve_lora(lora_request)
         extra_key = self._rng.getrandbits(63) + 1 if params.prompt_logprobs is not None else 0
+        if adapter is not None and not extra_key:
+            extra_key = adapter.extra_key  # blocks are shared only among requests of the same adapter version
         generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
         # ValueError on invalid; the scheduler knows max_tokens (it never schedules drafts past it)
-        self.scheduler.add_request(request_id, ids, arrival, priority, extra_key, max_tokens=params.max_tokens)
+        def hand_to_scheduler() -> None:
+            self.scheduler.add_request(request_id, ids, arrival, priority, extra_key, max_tokens=params.max_tokens)
+
+        if adapter is None:
+            hand_to_scheduler()
+        else:  # at most max_loras adapters in the scheduler: others wait in self.lora
+            self.lora.submit(request_id, adapter.name, hand_to_scheduler)
         try:
             self.output_processor.add_request(request_id, req.prompt, ids, params, arrival)
         except BaseException:
             self.scheduler.abort(request_id)
+            if self.lora is not None:
+                self.lora.release(request_id)
             raise
         if generator is not None:
             self._generators[request_id] = generator
@@ -159,6 +184,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
 
     def _forget(self, st: RequestState) -> None:
         self.output_processor.remove(st)
+        if self.lora is not None:
+            self.lora.release(st.request_id)
         for s in st.seqs:
             self._generators.pop(s.seq_id, None)
         if self.proposer is not None:  # e.g. a draft model's KV blocks of these sequences
@@ -197,6 +224,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         if self.proposer is not None:
             self._propose_drafts(in_step)
         in_step.clear()  # a failure inside schedule() leaves nothing known: it fails every request
+        if self.lora is not None:
+            self.lora.admit_waiting()
         sched_out = self.scheduler.schedule()
         seq_ids = list(sched_out.request_ids)
         in_step.extend(seq_ids)
@@ -205,6 +234,9 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
         hidden_rows = self._hidden_state_rows(sched_out)  # none unless the proposer reads hidden states
         extra = {"hidden_state_rows": hidden_rows} if hidden_rows else {}
+        lora_slots = None if self.lora is None else self.lora.row_slots(seq_ids)
+        if lora_slots is not None:
+            extra["lora_slots"] = lora_slots
         result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
         if len(sched_out.draft_token_ids):
@@ -369,10 +401,39 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
         return time.perf_counter() - t0
 
     # ------------------------------------------------------------------ workers
+    def shutdown(self) -> None:
+        """Release the workers (an out-of-process executor stops and reaps its processes). Idempotent."""
+        self.executor.shutdown()
+
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every worker; results in rank
         order. Call between steps (an RL trainer's weight update, a kernel swap, a memory probe)."""
         return self.executor.collective_rpc(method, args, kwargs)
+
+    # weights and memory (engine/maintenance.py): between steps, from a trainer or an admin route
+    def update_weights(self, named_tensors, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Replace weights in place from (hf_name, tensor) pairs, all checked before any changes."""
+        return maintenance.update_weights(self, "update_weights", (list(named_tensors), check_finite), {},
+                                          reset_prefix_cache)
+
+    def update_weights_from_disk(self, path, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        return maintenance.update_weights(self, "update_weights_from_disk", (str(path), check_finite), {},
+                                          reset_prefix_cache)
+
+    def update_weights_from_distributed(self, group, names, dtypes, shapes, *, src: int = 0,
+                                        check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        return maintenance.update_weights(self, "update_weights_from_distributed",
+                                          (group, names, dtypes, shapes, src, check_finite), {}, reset_prefix_cache)
+
+    def sleep(self, level: int = 1) -> dict:
+        return maintenance.sleep(self, level)
+
+    def wake_up(self) -> None:
+        maintenance.wake_up(self)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
 
     @property
     def _driver_worker(self):
@@ -402,4 +463,5 @@ class LLMEngine(SpecDecodeStep, StepRecovery):
             num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_steps=s.num_steps, timestamp=time.time(), spec_decode=EngineStats.spec_snapshot(self),
+            kv_cache_bytes_per_token=self.kv_cache_bytes_per_token,
         )  # fmt: skip

@@ -58,6 +58,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.kv_caches = kv_caches
         self.device = torch.device(device)
+        self.lora_state = None  # a LoRAStepState when LoRA is on (set by the Worker)
         if use_step_graph is None:
             use_step_graph = os.environ.get(STEP_GRAPH_ENV, "1") != "0"
         # Decode-only steps on CPU are captured once per (batch size, block-table width) and replayed from
@@ -112,17 +113,31 @@ class ModelRunner:
 
         return self.step_graphs.run((md.num_reqs, padded), inputs, step)
 
+    def _lora_token_slots(self, sched_out, lora_slots: np.ndarray | None) -> torch.Tensor | None:
+        """Each scheduled token's adapter slot (int32 [num_tokens]), from the rows' slots."""
+        if lora_slots is None:
+            return None
+        if self.lora_state is None:
+            raise ValueError("lora_slots given but LoRA is not enabled on this worker")
+        return self._to_device(np.repeat(np.asarray(lora_slots, dtype=np.int32), sched_out.num_scheduled_tokens))
+
     @torch.inference_mode()
     def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None,
-                hidden_state_rows: list[int] | None = None) -> ModelRunnerOutput:
+                hidden_state_rows: list[int] | None = None, lora_slots: np.ndarray | None = None) -> ModelRunnerOutput:
+        """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter."""
         cow_copies = sched_out.cow_copies
         if len(cow_copies):
             self.kv_caches.copy_blocks(self._to_device(cow_copies))
 
         metadata = self.build_metadata(sched_out)
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
-        if self.step_graphs is not None and 0 < metadata.num_reqs == metadata.num_decode_reqs == metadata.num_tokens:
+        token_slots = self._lora_token_slots(sched_out, lora_slots)
+        if (token_slots is None and self.step_graphs is not None
+                and 0 < metadata.num_reqs == metadata.num_decode_reqs == metadata.num_tokens):
             hidden = self._decode_with_graph(metadata, input_ids, positions)
+        elif token_slots is not None:  # LoRA steps run eagerly: their hooks read the slots (pagellm.lora.layers)
+            with self.lora_state.step(token_slots):
+                hidden = self._forward(metadata, input_ids, positions)
         else:
             hidden = self._forward(metadata, input_ids, positions)
 

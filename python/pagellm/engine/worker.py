@@ -12,15 +12,17 @@ from typing import Any
 import torch
 
 from pagellm.config import EngineConfig
+from pagellm.distributed import get_tp_size
 from pagellm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, make_kv_cache_config
 from pagellm.logger import init_logger
+from pagellm.lora.worker_lora import WorkerLoRAMixin
 from pagellm.threading_config import ThreadingConfig, apply_threading
 
 logger = init_logger(__name__)
 
 
-class Worker:
+class Worker(WorkerLoRAMixin):
     """One model replica (the only one, in process, for now). `rank` is its index among the executor's workers."""
 
     def __init__(self, config: EngineConfig, model_files, rank: int = 0) -> None:
@@ -29,6 +31,7 @@ class Worker:
 
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.rank = rank
+        self._sleep_state = None  # engine/sleep.py's SleepingState while asleep
         self.device = torch.device(mc.device)
         self.threading = apply_threading(ThreadingConfig.from_env()) if self.device.type == "cpu" else None
         self.dtype = mc.torch_dtype(resolve_dtype("auto", model_files.hf_config))
@@ -43,8 +46,15 @@ class Worker:
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
         self.attn_backend = select_attention_backend(mc.attention_backend, self.device)
+        # step graphs replay pagellm ops only; a tensor-parallel forward has collectives between them
+        eager = mc.enforce_eager or get_tp_size() > 1
         self.runner = ModelRunner(self.model, self.attn_backend, self.kv_caches, self.device,
-                                  use_step_graph=False if mc.enforce_eager else None)
+                                  use_step_graph=False if eager else None)
+        if config.lora_config is not None:  # hooks on every Linear + the adapter slots (pagellm.lora)
+            from pagellm.lora.manager import LoRAModelManager  # noqa: PLC0415
+
+            self.lora_manager = LoRAModelManager(self.model, config.lora_config, self.dtype, self.device)
+            self.runner.lora_state = self.lora_manager.step_state
 
     @property
     def num_kv_blocks(self) -> int:
@@ -58,9 +68,66 @@ class Worker:
         """Forget captured step graphs (after weight or KV-cache tensors were replaced, not copied into)."""
         self.runner.invalidate_step_graphs()
 
+    # ---- weights and memory (reached through collective_rpc) --------------------------------------------
+    def update_weights(self, named_tensors, check_finite: bool = False) -> int:
+        """Load (hf_name, tensor) pairs in place, all checked first (engine/weight_update.py); returns how many."""
+        from pagellm.engine.weight_update import update_model_weights  # noqa: PLC0415
+
+        self._check_awake("update weights")
+        num_loaded = update_model_weights(self.model, named_tensors, check_finite)
+        self.invalidate_step_graphs()  # a method's post-processing may have replaced tensors
+        return num_loaded
+
+    def update_weights_from_disk(self, path: str, check_finite: bool = False) -> int:
+        """update_weights with every tensor of a .safetensors file or a directory of them."""
+        from pagellm.engine.weight_update import read_weights_from_disk  # noqa: PLC0415
+
+        self._check_awake("update weights")
+        return self.update_weights(read_weights_from_disk(path), check_finite)
+
+    def update_weights_from_distributed(self, group, names, dtypes, shapes, src: int = 0,
+                                        check_finite: bool = False) -> int:
+        """Receive the tensors by broadcast from rank `src` of `group` (all of them, so the trainer never
+        blocks), then update_weights with them (checked as a whole: refused ones change nothing)."""
+        from pagellm.engine.weight_update import receive_weights_broadcast  # noqa: PLC0415
+
+        self._check_awake("update weights")
+        received = receive_weights_broadcast(group, names, dtypes, shapes, src, device=self.device)
+        return self.update_weights(received, check_finite)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._sleep_state is not None
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Free the KV cache (level 2: the weights too, saved first; engine/sleep.py). Returns
+        {"level", "freed_bytes"}: the measured drop of RSS (CPU) or reserved device memory."""
+        from pagellm.engine.sleep import put_to_sleep  # noqa: PLC0415
+
+        if self.is_sleeping:
+            raise RuntimeError(f"worker {self.rank} is already asleep (level {self._sleep_state.level})")
+        weights = list(self.model.parameters()) + list(self.model.buffers()) if level == 2 else []
+        self._sleep_state = put_to_sleep(level, self.kv_caches.tensors(), weights, self.device)
+        return {"level": level, "freed_bytes": self._sleep_state.freed_bytes}
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed: a zeroed KV cache, the saved weights. A no-op when awake."""
+        from pagellm.engine.sleep import wake_from_sleep  # noqa: PLC0415
+
+        if self._sleep_state is not None:
+            wake_from_sleep(self._sleep_state)
+            self._sleep_state = None
+            self.invalidate_step_graphs()  # storages were reallocated
+
+    def _check_awake(self, action: str) -> None:
+        if self.is_sleeping:
+            raise RuntimeError(f"cannot {action} while asleep; call wake_up() first")
+
     def describe(self) -> dict[str, Any]:
         """What this worker holds (for logs, tests and `collective_rpc` smoke checks)."""
         return {"rank": self.rank, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch."),
                 "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.attn_backend.name,
+                "kv_cache_bytes_per_token": self.kv_cache_config.bytes_per_token,
+                "kv_cache_summary": self.kv_cache_config.describe_bytes_per_token(),
                 "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "step_graphs": self.runner.step_graphs is not None}

@@ -6,6 +6,8 @@ import argparse
 import sys
 import time
 
+from pagellm.lora.cli_args import add_lora_args, load_lora_modules, lora_engine_kwargs
+from pagellm.distributed.cli_args import add_parallel_args, parallel_engine_kwargs
 from pagellm.threading_config import add_threading_args, export_threading_args
 
 
@@ -27,23 +29,26 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPECULATIVE_CONFIG_HELP)
     p.add_argument("--quantization", default=None, help=QUANTIZATION_HELP)
     add_threading_args(p)
+    add_parallel_args(p)
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, tokenizer=a.tokenizer, dtype=a.dtype, device=a.device, max_model_len=a.max_model_len,
                 block_size=a.block_size, kv_cache_memory_gb=a.kv_cache_memory_gb, kv_cache_dtype=a.kv_cache_dtype,
                 attention_backend=a.attention_backend, quantization=a.quantization, seed=a.seed,
-                speculative_config=a.speculative_config)
+                speculative_config=a.speculative_config, **lora_engine_kwargs(a), **parallel_engine_kwargs(a))
 
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pagellm.config import EngineArgs
     from pagellm.engine.llm_engine import LLMEngine
     from pagellm.inputs import chat_prompt
+    from pagellm.lora.request import LoRARequest
     from pagellm.sampling_params import SamplingParams
 
     export_threading_args(a)
     engine = LLMEngine.from_engine_args(EngineArgs(**_engine_kwargs(a)))
+    lora_names = load_lora_modules(engine, a)  # the prompt runs with the first one
     tok = engine.get_tokenizer()
     if a.no_chat_template or getattr(tok, "chat_template", None) is None:
         prompt = a.prompt
@@ -58,7 +63,8 @@ def cmd_generate(a: argparse.Namespace) -> int:
         seed=a.sampling_seed, stop=a.stop or None, ignore_eos=a.ignore_eos,
     )
     start = time.time()
-    engine.add_request("cli-0", prompt, params, arrival_time=start)
+    lora_request = LoRARequest(lora_names[0], 1) if lora_names else None
+    engine.add_request("cli-0", prompt, params, arrival_time=start, lora_request=lora_request)
     shown = 0
     final = None
     while engine.has_unfinished_requests():
@@ -97,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[])
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+    add_lora_args(g)  # --lora-modules NAME=PATH: the prompt runs with the first adapter
     g.set_defaults(func=cmd_generate)
     from pagellm.entrypoints import bench, quantize, serve, train_medusa  # their heavy imports (fastapi, ...) stay lazy
 

@@ -11,6 +11,8 @@ import argparse
 import os
 
 from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
+from pagellm.distributed.cli_args import add_parallel_args, parallel_engine_kwargs
+from pagellm.lora.cli_args import add_lora_args, load_lora_modules, lora_engine_kwargs
 from pagellm.threading_config import add_threading_args, export_threading_args
 
 
@@ -87,7 +89,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="skip the throwaway requests run before serving (they take the one-time costs of the "
                         "first kernel calls off the first clients' latency)")
     p.add_argument("--uvicorn-log-level", default="warning")
+    p.add_argument("--enable-admin-routes", action="store_true",
+                   help="also serve /update_weights_from_disk, /sleep, /wake_up and /is_sleeping (off by default: "
+                        "they let any API-key holder put the server to sleep or replace its weights)")
+    add_lora_args(p)
     add_threading_args(p)
+    add_parallel_args(p)
     return p
 
 
@@ -105,7 +112,8 @@ _ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtyp
 
 
 def engine_kwargs(args) -> dict:
-    return {k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None}
+    return {**{k: getattr(args, k) for k in _ENGINE_ARGS if getattr(args, k, None) is not None},
+            **lora_engine_kwargs(args), **parallel_engine_kwargs(args)}
 
 
 def default_served_name(model: str | None) -> str:
@@ -128,12 +136,14 @@ def run(args) -> int:
     api_key = args.api_key or os.environ.get("PAGELLM_API_KEY") or None
     export_threading_args(args)
     llm = AsyncLLM.from_engine_args(args.model, max_queue_len=args.max_queue_len, **engine_kwargs(args))
+    load_lora_modules(llm.engine, args)  # before serving: each adapter's name is a model name clients may use
     if getattr(args, "warmup", True):
         logger.info("warm-up done in %.1f s", llm.engine.warmup())
     name = args.served_model_name or default_served_name(args.model)
     names = [name] + ([args.model] if args.model and args.model != name else [])
     app = build_app(llm, names, api_key=api_key, max_queue_len=args.max_queue_len,
-                    max_request_bytes=args.max_request_bytes, metrics_require_auth=args.metrics_require_auth)
+                    max_request_bytes=args.max_request_bytes, metrics_require_auth=args.metrics_require_auth,
+                    enable_admin_routes=getattr(args, "enable_admin_routes", False))
     logger.info("serving %s on http://%s:%d/v1 (max_model_len=%s, api key %s)", name, args.host, args.port,
                 llm.max_model_len, "on" if api_key else "off")
     # uvicorn's own grace period only follows our drain (GracefulServer), which has ended every request.

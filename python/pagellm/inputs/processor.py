@@ -12,7 +12,7 @@ import numbers
 from typing import Sequence
 
 from pagellm.inputs.data import ProcessedRequest, PromptType
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, resolve_logprobs_mode
 
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 _PROMPT_FORMS = "a str, a list of token ids, {'prompt': str} or {'prompt_token_ids': [...]}"
@@ -49,10 +49,14 @@ class InputProcessor:
     max_logprobs: the most logprobs / prompt_logprobs a request may ask for (vLLM's engine argument;
         -1 = the vocabulary size).
     max_num_seqs: the most sequences (n) one request may have; None = no limit.
+    logprobs_mode: the engine's default for requests whose SamplingParams.logprobs_mode is None
+        (vLLM's names: raw_logprobs, raw_logits, processed_logprobs, processed_logits).
     """
 
     def __init__(self, tokenizer, vocab_size: int, max_model_len: int, *, eos_token_ids: Sequence[int] = (),
-                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, max_num_seqs: int | None = None) -> None:
+                 max_logprobs: int = DEFAULT_MAX_LOGPROBS, max_num_seqs: int | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        logprobs_mode = resolve_logprobs_mode(logprobs_mode)  # ValueError naming the allowed modes
         if not _is_token_id(vocab_size) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
         if not _is_token_id(max_model_len) or max_model_len < 1:
@@ -67,6 +71,7 @@ class InputProcessor:
         self.eos_token_ids = [int(t) for t in eos_token_ids]
         self.max_logprobs = self.vocab_size if max_logprobs == -1 else min(int(max_logprobs), self.vocab_size)
         self.max_num_seqs = max_num_seqs
+        self.logprobs_mode = logprobs_mode
 
     # ------------------------------------------------------------------ the one entry point
     def process(self, prompt: PromptType, params: SamplingParams | None = None) -> ProcessedRequest:
@@ -165,3 +170,5 @@ class InputProcessor:
                 f"{num_prompt_tokens + params.max_tokens} exceeds max_model_len={self.max_model_len}; "
                 f"lower max_tokens to <= {room}")
         params.update_from_generation_config(self.eos_token_ids)
+        if params.logprobs_mode is None:
+            params.logprobs_mode = self.logprobs_mode

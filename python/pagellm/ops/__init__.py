@@ -41,6 +41,8 @@ __all__ = [
     "int8_linear",
     "gguf_linear",
     "awq_linear",
+    "lora_apply",
+    "fused_moe",
 ]
 
 from pagellm.ops.arg_checks import _check_attention, _check_quantized_cache, _dtype, _float, _ndim, _same, _tensor  # noqa: E402
@@ -269,4 +271,6 @@ def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
 
 
 from pagellm.ops.quant import awq_linear, gguf_linear, int8_linear  # noqa: E402,F401
+from pagellm.ops.moe import fused_moe  # noqa: E402,F401  (issue 18: MoE)
+from pagellm.ops.lora import lora_apply  # noqa: E402,F401  (issue 19: LoRA)
 from pagellm.ops.tree import paged_tree_attention, tree_depths, tree_mask_from_parents  # noqa: E402,F401  (issue 17)

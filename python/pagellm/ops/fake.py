@@ -1,6 +1,7 @@
 """Fake (meta) implementations of every torch.ops.pagellm op, for torch.compile and opcheck.
 
-Every op writes into tensors it is given and returns nothing, so each fake is a no-op.
+Every op but fused_moe writes into tensors it is given and returns nothing, so its fake is a no-op;
+fused_moe returns a new [T, H] tensor in hidden's dtype.
 Imported by pagellm.ops once the ops are registered.
 """
 
@@ -18,6 +19,14 @@ def _noop(*args, **kwargs) -> None:
     return None
 
 
+def _fused_moe_fake(hidden, w13, w2, topk_weights, topk_ids, activation):
+    return hidden.new_empty(hidden.shape)
+
+
+# ops that return tensors: their own fakes
+_RETURNING_FAKES = {"fused_moe": _fused_moe_fake}
+
+
 _registered = False
 
 
@@ -26,5 +35,5 @@ def register_fakes() -> None:
     if _registered:
         return
     for name in pagellm_op_names():
-        torch.library.register_fake(f"pagellm::{name}", _noop)
+        torch.library.register_fake(f"pagellm::{name}", _RETURNING_FAKES.get(name, _noop))
     _registered = True

@@ -36,6 +36,7 @@ __all__ = [
     "gguf_linear",
     "awq_dequantize",
     "awq_linear",
+    "fused_moe",
 ]
 
 
@@ -396,3 +397,5 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         y = y + bias.float()
     out.copy_(y)
 from pagellm.ops.tree_reference import paged_tree_attention, tree_attention_mask  # noqa: E402,F401  (re-export)
+from pagellm.ops.lora_reference import lora_apply  # noqa: E402,F401  (re-export)
+from pagellm.ops.moe_reference import fused_moe  # noqa: E402,F401  (re-export)

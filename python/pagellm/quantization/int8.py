@@ -92,7 +92,8 @@ class Int8LinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
         layer.register_parameter("weight", new_linear_param(
-            (output_size, input_size), torch.int8, extra, shard_loader=_quantizing_shard_loader(layer)))
+            (output_size, input_size), torch.int8, dict(extra, quantizes_on_load=True),  # takes float tensors
+            shard_loader=_quantizing_shard_loader(layer)))
         layer.register_buffer("weight_scale", torch.zeros(output_size, dtype=torch.float32))
         if bias:
             layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import torch
 
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, resolve_logprobs_mode
 
 
 @dataclass
@@ -48,8 +48,10 @@ class SamplingMetadata:
     min_tok_tokens: torch.Tensor | None = None
     # logprobs
     max_num_logprobs: int | None = None  # max over rows requesting logprobs
-    processed_logprobs_rows: torch.Tensor | None = None  # bool [N]: rows in "processed" mode
+    processed_logprobs_rows: torch.Tensor | None = None  # bool [N]: rows in a processed_* logprobs_mode
     any_processed: bool = False
+    logits_rows: torch.Tensor | None = None  # bool [N]: rows in a *_logits logprobs_mode
+    any_logits: bool = False
 
 
 def _pad(rows: list[Sequence[int]], pad: int, device) -> torch.Tensor:
@@ -129,8 +131,13 @@ def build_sampling_metadata(rows: list[SamplingRow], vocab_size: int, device: to
     lp = [p.logprobs for p in ps if p.logprobs is not None]
     if lp:
         md.max_num_logprobs = max(lp)
-        proc = [p.logprobs is not None and p.logprobs_mode == "processed" for p in ps]
+        modes = [resolve_logprobs_mode(p.logprobs_mode) if p.logprobs is not None else "raw_logprobs" for p in ps]
+        proc = [m.startswith("processed") for m in modes]
         if any(proc):
             md.any_processed = True
             md.processed_logprobs_rows = torch.tensor(proc, dtype=torch.bool, device=device)
+        as_logits = [m.endswith("logits") for m in modes]
+        if any(as_logits):
+            md.any_logits = True
+            md.logits_rows = torch.tensor(as_logits, dtype=torch.bool, device=device)
     return md

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from pagellm.sampling.logprobs_mode import logprob_values
 from pagellm.sampling.metadata import SamplingMetadata, SamplingRow
 from pagellm.sampling.processors import (
     LogprobsTensors,
@@ -98,10 +99,7 @@ class _Targets:
         """Logprobs of `tokens` [T] (raw, or processed for rows in processed mode), as the sampler's."""
         if md.max_num_logprobs is None:
             return None
-        lps = torch.log_softmax(self.logits, dim=-1)
-        if md.any_processed:
-            lps = torch.where(md.processed_logprobs_rows.unsqueeze(1), torch.log_softmax(self.final, dim=-1), lps)
-        return compute_logprobs_tensors(lps, tokens, md.max_num_logprobs)
+        return compute_logprobs_tensors(logprob_values(self.logits, self.final, md), tokens, md.max_num_logprobs)
 
 
 def _sample_row(t: _Targets, start: int, drafts: Sequence[int], draft_start: int, draft_probs: torch.Tensor | None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.sampling.logprobs_mode import logprob_values
 from pagellm.sampling.metadata import SamplingMetadata
 from pagellm.sampling.processors import (  # noqa: F401 (re-exported)
     LogprobsTensors,
@@ -45,10 +46,6 @@ class Sampler(torch.nn.Module):
         if md.all_greedy and md.max_num_logprobs is None and not has_logit_processors(md):
             return SamplerOutput(sampled_token_ids=argmax_rows(logits))  # exact in any dtype: no widening
         logits = logits.to(torch.float32)
-        raw_logprobs = None
-        if md.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
-
         processed = apply_logit_processors(logits, md)
         greedy_tokens = argmax_rows(processed) if not md.all_random else None
         if md.all_greedy:
@@ -61,12 +58,8 @@ class Sampler(torch.nn.Module):
             sampled = random_tokens if greedy_tokens is None else torch.where(md.greedy_mask, greedy_tokens, random_tokens)
 
         lp_out = None
-        if md.max_num_logprobs is not None:
-            lps = raw_logprobs
-            if md.any_processed:
-                proc_lp = torch.log_softmax(final, dim=-1)
-                lps = torch.where(md.processed_logprobs_rows.unsqueeze(1), proc_lp, raw_logprobs)
-            lp_out = compute_logprobs_tensors(lps, sampled, md.max_num_logprobs)
+        if md.max_num_logprobs is not None:  # processors and filters made new tensors: `logits` is raw
+            lp_out = compute_logprobs_tensors(logprob_values(logits, final, md), sampled, md.max_num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=lp_out)
 
     def verify(self, target_logits: torch.Tensor, draft_token_ids, md: SamplingMetadata,

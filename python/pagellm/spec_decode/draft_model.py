@@ -129,6 +129,13 @@ class DraftModelProposer(BaseProposer):
             if self._seqs.pop(sid, None) is not None:
                 self.runner.block_manager.free(sid)
 
+    def reset_state(self) -> None:
+        """Forget every cached draft position and captured step (after the weights or the cache changed
+        underneath, e.g. an in-place weight update of a self-draft's shared modules)."""
+        self.release(list(self._seqs))
+        self.runner.block_manager.reset_prefix_cache()
+        self.runner.runner.invalidate_step_graphs()
+
     @property
     def num_tracked_seqs(self) -> int:
         return len(self._seqs)

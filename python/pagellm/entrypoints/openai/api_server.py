@@ -19,9 +19,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.entrypoints.openai.admin_routes import admin_router
 from pagellm.entrypoints.openai.drain import DrainMiddleware, ServerDrain
 from pagellm.entrypoints.openai.errors import install_error_handlers
 from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
+from pagellm.entrypoints.openai.lora_routes import lora_router
 from pagellm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from pagellm.entrypoints.openai.middleware import AuthMiddleware, RequestSizeLimitMiddleware
 from pagellm.entrypoints.openai.openapi import responses, schema_without_422
@@ -29,9 +31,10 @@ from pagellm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatComp
                                                  CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                  HealthResponse, ModelCard, ModelList, TokenizeChatRequest,
                                                  TokenizeCompletionRequest, TokenizeResponse, VersionResponse)
-from pagellm.entrypoints.openai.serving_base import OpenAIError
+from pagellm.entrypoints.openai.serving_base import OpenAIError, lora_names
 from pagellm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagellm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagellm.entrypoints.openai.tokenizer_routes import tokenizer_router
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 HEALTH_PATH, METRICS_PATH = "/health", "/metrics"
@@ -57,8 +60,10 @@ def _json_or_stream(result) -> Response:
 
 def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: str | None = None,
               max_queue_len: int | None = None, root_path: str = "", *,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_require_auth: bool = False) -> FastAPI:
-    """The app; `app.state.drain` is its ServerDrain (a SIGTERM handler awaits `drain.drain(timeout_s)`)."""
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, metrics_require_auth: bool = False,
+              enable_admin_routes: bool = False) -> FastAPI:
+    """The app; `app.state.drain` is its ServerDrain (a SIGTERM handler awaits `drain.drain(timeout_s)`).
+    `enable_admin_routes`: also /update_weights_from_disk, /sleep, /wake_up, /is_sleeping (admin_routes.py)."""
     names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
     if max_queue_len is not None:
         async_llm.max_queue_len = max_queue_len
@@ -78,6 +83,11 @@ def build_app(async_llm: AsyncLLM, served_model_name: str | list[str], api_key: 
     install_error_handlers(app)
     _add_status_routes(app, async_llm, names, metrics, drain, metrics_auth=bool(api_key and metrics_require_auth))
     _add_model_routes(app, async_llm, names, metrics)
+    app.include_router(tokenizer_router(async_llm))  # GET /tokenizer_info (lm-eval's remote tokenizer)
+    if enable_admin_routes:
+        app.include_router(admin_router(async_llm))
+        if getattr(getattr(async_llm, "engine", None), "lora", None) is not None:  # LoRA on: adapter routes too
+            app.include_router(lora_router(async_llm, names))
     app.openapi = schema_without_422(app)
 
     # add_middleware wraps what is there: the last added runs first. Drain (refuse while shutting down,
@@ -110,7 +120,8 @@ def _add_status_routes(app: FastAPI, async_llm: AsyncLLM, names: list[str], metr
 
     @app.get("/v1/models", response_model=None, responses=responses(ModelList))
     async def models():
-        cards = [ModelCard(id=n, root=names[0], max_model_len=async_llm.max_model_len) for n in names]
+        cards = [ModelCard(id=n, root=names[0], max_model_len=async_llm.max_model_len)
+                 for n in names + lora_names(async_llm)]  # LoRA adapters: their own model names
         return JSONResponse(ModelList(data=cards).model_dump())
 
     @app.get("/version", response_model=None, responses=responses(VersionResponse))

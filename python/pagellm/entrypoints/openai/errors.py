@@ -8,7 +8,8 @@
     405 MethodNotAllowedError  with an Allow header
     413 RequestTooLargeError   body over --max-request-bytes (middleware.RequestSizeLimitMiddleware)
     429 RateLimitError         more than max_queue_len requests waiting for a batch slot (Retry-After)
-    503 ServiceUnavailableError  the engine loop died, or the server is shutting down (drain.py)
+    503 ServiceUnavailableError  the engine loop died, the engine is asleep (admin_routes.py), or the server
+                                 is shutting down (drain.py)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.engine.async_llm import EngineDeadError, QueueFullError
+from pagellm.engine.maintenance import EngineSleepingError
 from pagellm.entrypoints.openai.input_checks import quote_input
 from pagellm.entrypoints.openai.serving_base import OpenAIError, error_body
 from pagellm.inputs import PromptTooLongError
@@ -79,6 +81,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_req, exc: EngineDeadError):
+        return error_response(503, str(exc), "ServiceUnavailableError", code=503)
+
+    @app.exception_handler(EngineSleepingError)
+    async def _on_sleeping(_req, exc: EngineSleepingError):
         return error_response(503, str(exc), "ServiceUnavailableError", code=503)
 
     @app.exception_handler(StarletteHTTPException)

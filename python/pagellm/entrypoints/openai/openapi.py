@@ -27,6 +27,16 @@ _ERROR_DESCRIPTIONS = {
 _ALWAYS = (401, 503)  # every route behind the key can answer these (auth; shutdown drain)
 
 
+_SSE_EVENT = {
+    "type": "object",
+    "description": "One server-sent event: `data` is a chunk's JSON, an error object if the request fails midway, "
+                   "or `[DONE]` at the end",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+    "required": ["data"],
+}
+
+
 def responses(model=None, *error_codes: int, stream: bool = False, auth: bool = True,
               media_type: str | None = None) -> dict[int | str, dict[str, Any]]:
     """FastAPI `responses=`: 200 with `model` (or a plain-text `media_type`), SSE when `stream`, and the
@@ -38,9 +48,8 @@ def responses(model=None, *error_codes: int, stream: bool = False, auth: bool = 
     if media_type is not None:
         content[media_type] = {"schema": {"type": "string"}}
     if stream:
-        content["text/event-stream"] = {
-            "schema": {"type": "string", "description": "Server-sent events: `data: <chunk JSON>` lines, an "
-                                                        "error event if the request fails midway, `data: [DONE]`"}}
+        # Before OpenAPI 3.2 (no `itemSchema`), an event stream's `schema` describes one event.
+        content["text/event-stream"] = {"schema": _SSE_EVENT}
     if content:
         ok["content"] = content
     out: dict[int | str, dict[str, Any]] = {200: ok}

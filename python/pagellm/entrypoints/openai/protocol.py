@@ -96,6 +96,8 @@ class _SamplingFields(RequestModel):
     seed: int | None = None
     user: str | None = None
     # vLLM extras
+    # keep the last k prompt tokens; -1: as many as fit next to max_tokens (prompt_truncation.py)
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | Literal[-1] | None = None
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)

@@ -17,6 +17,7 @@ from pagellm.engine.async_llm import AsyncLLM
 from pagellm.entrypoints.openai.input_checks import prompt_chars_message, quote_input, safe_message
 from pagellm.entrypoints.openai.metrics import ServerMetrics
 from pagellm.inputs import ProcessedRequest
+from pagellm.lora.request import LoRARequest
 from pagellm.sampling_params import SamplingParams
 
 
@@ -116,6 +117,12 @@ async def run_until_disconnect(coro, raw_request: Request | None, poll_s: float 
             task.cancel()
 
 
+def lora_names(llm: AsyncLLM) -> list[str]:
+    """The LoRA adapters the engine has loaded (served under their own names as `model`)."""
+    list_loras = getattr(getattr(llm, "engine", None), "list_loras", None)
+    return list_loras() if callable(list_loras) else []
+
+
 class ServingBase:
     def __init__(self, llm: AsyncLLM, served_model_names: list[str], metrics: ServerMetrics | None) -> None:
         self.llm = llm
@@ -131,8 +138,12 @@ class ServingBase:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def response_model(self, model: str | None) -> str:
+        """The `model` a response names: the adapter's name for a LoRA request, else the served model's."""
+        return model if self.lora_request(model) is not None else self.model_name
+
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and model not in lora_names(self.llm):
             raise OpenAIError(f"The model {quote_input(model)} does not exist.", 404, "NotFoundError", "model",
                               "model_not_found")
 
@@ -184,15 +195,23 @@ class ServingBase:
                 self._tok_text_cache[token_id] = t
         return t
 
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRARequest of a `model` naming a loaded adapter (None for the base model's names)."""
+        if model is None or model in self.served_model_names or model not in lora_names(self.llm):
+            return None
+        return LoRARequest(model, self.llm.engine.lora.adapters[model].int_id)
+
     async def admit(self, request_id: str, processed: list[ProcessedRequest], priority: int = 0,
-                    arrival_time: float | None = None) -> tuple[list[AsyncIterator], list[str]]:
+                    arrival_time: float | None = None, lora_request: LoRARequest | None = None,
+                    ) -> tuple[list[AsyncIterator], list[str]]:
         """Admit every processed prompt of a request (all or none); return their output iterators and ids."""
+        extra = {} if lora_request is None else {"lora_request": lora_request}
         gens: list[AsyncIterator] = []
         ids = []
         try:
             for i, req in enumerate(processed):
                 rid = request_id if len(processed) == 1 else f"{request_id}-{i}"
-                gens.append(await self.llm.submit(req, None, rid, priority=priority, arrival_time=arrival_time))
+                gens.append(await self.llm.submit(req, None, rid, priority=priority, arrival_time=arrival_time, **extra))
                 ids.append(rid)
         except BaseException:
             await self.llm.abort(ids)

@@ -9,6 +9,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from pagellm.entrypoints.openai.prompt_truncation import truncate_prompt
 from pagellm.entrypoints.openai.protocol import ChatCompletionRequest, random_id
 from pagellm.entrypoints.openai.input_checks import safe_message
 from pagellm.entrypoints.openai.serving_base import (MIN_LOGPROB, SSE_DONE, OpenAIError, ServingBase, error_body,
@@ -39,7 +40,9 @@ class OpenAIServingChat(ServingBase):
 
     async def process_chat(self, req: ChatCompletionRequest) -> ProcessedRequest:
         """The request's rendered, tokenized and validated input: what is sent to the engine."""
-        return await self.process_prompt(await self.render_prompt(req), self.sampling_params(req))
+        sp = self.sampling_params(req)
+        prompt = await truncate_prompt(self, await self.render_prompt(req), sp, req.truncate_prompt_tokens)
+        return await self.process_prompt(prompt, sp)
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw_request: Request | None = None):
         self.check_model(req.model)
@@ -47,7 +50,7 @@ class OpenAIServingChat(ServingBase):
         request_id = random_id("chatcmpl")
         processed = await self.process_chat(req)
         ids, text = processed.prompt_token_ids, processed.prompt
-        (gen,), rids = await self.admit(request_id, [processed], req.priority, arrival)
+        (gen,), rids = await self.admit(request_id, [processed], req.priority, arrival, self.lora_request(req.model))
         tracker = self.metrics.tracker(arrival) if self.metrics else None
         if req.stream:
             return self._stream(req, request_id, ids, text, gen, tracker, rids)
@@ -98,7 +101,8 @@ class OpenAIServingChat(ServingBase):
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
             })
         return {
-            "id": request_id, "object": "chat.completion", "created": int(time.time()), "model": self.model_name,
+            "id": request_id, "object": "chat.completion", "created": int(time.time()),
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": completion_tokens,
                       "total_tokens": len(prompt_ids) + completion_tokens},
@@ -107,7 +111,7 @@ class OpenAIServingChat(ServingBase):
     # ------------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, prompt_ids, prompt_text, gen, tracker, rids) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.model_name
+        model = self.response_model(req.model)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         sent_text = [0] * req.n
         sent_toks = [0] * req.n

@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from pagellm.entrypoints.openai.prompt_truncation import truncate_prompt
 from pagellm.entrypoints.openai.protocol import CompletionRequest, random_id
 from pagellm.entrypoints.openai.serving_base import (SSE_DONE, OpenAIError, ServingBase, error_body, finite_logprob,
                                                      merge_async_iterators, run_until_disconnect, sse)
@@ -69,7 +70,7 @@ class OpenAIServingCompletion(ServingBase):
         request_id = random_id("cmpl")
         sp = self.sampling_params(req)
         processed = [await self._process(req, p, sp) for p in req.prompts()]
-        gens, ids = await self.admit(request_id, processed, req.priority, arrival)
+        gens, ids = await self.admit(request_id, processed, req.priority, arrival, self.lora_request(req.model))
         trackers = [self.metrics.tracker(arrival) if self.metrics else None for _ in gens]
         if req.stream:
             return self._stream(req, request_id, processed, gens, trackers, ids)
@@ -79,6 +80,7 @@ class OpenAIServingCompletion(ServingBase):
         """One prompt through the input processor; a token-id prompt echoed back gets its decoded text."""
         if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
             raise OpenAIError("prompt must be a string, a list of strings, or token ids", param="prompt")
+        prompt = await truncate_prompt(self, prompt, sp, req.truncate_prompt_tokens)
         processed = await self.process_prompt(prompt, sp)
         if processed.prompt is None and req.echo:
             processed = replace(processed, prompt=self.tokenizer.decode(processed.prompt_token_ids))
@@ -125,7 +127,8 @@ class OpenAIServingCompletion(ServingBase):
                 })
         choices.sort(key=lambda ch: ch["index"])
         return {
-            "id": request_id, "object": "text_completion", "created": int(time.time()), "model": self.model_name,
+            "id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": self.response_model(req.model),
             "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens},
@@ -134,7 +137,7 @@ class OpenAIServingCompletion(ServingBase):
     # ------------------------------------------------------------------ streaming
     async def _stream(self, req, request_id, processed, gens, trackers, ids) -> AsyncIterator[str]:
         created = int(time.time())
-        model = self.model_name
+        model = self.response_model(req.model)
         n = req.n
         echo_only = req.echo and req.max_tokens == 0
         include_usage = bool(req.stream_options and req.stream_options.include_usage)

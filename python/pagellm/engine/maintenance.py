@@ -1,0 +1,68 @@
+"""Between-steps operations on a whole engine: in-place weight updates and sleep / wake.
+
+`LLMEngine`, `LLM` and `AsyncLLM` expose these as thin methods; the work on the model and the KV cache is
+Worker methods reached through `collective_rpc` (engine/weight_update.py, engine/sleep.py). What belongs to
+the engine is done here: refusing while asleep or busy, the prefix cache (its entries hold KV computed by
+the old weights, or KV that sleep threw away), and a proposer's own state (a self-draft shares the
+target's modules; its cache and captured steps are stale after an update).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pagellm.engine.sleep import SLEEP_LEVELS
+
+
+class EngineSleepingError(RuntimeError):
+    """The engine is asleep (its KV cache, maybe its weights, are released): wake_up() before generating."""
+
+
+def check_awake(engine, action: str) -> None:
+    level = getattr(engine, "sleep_level", None)
+    if level is not None:
+        raise EngineSleepingError(f"cannot {action}: the engine is asleep (level {level}); call wake_up() first")
+
+
+def _after_state_change(engine, reset_prefix_cache: bool) -> bool:
+    """Forget what depended on the old weights / cache contents; True when the prefix cache was reset."""
+    reset_proposer = getattr(engine.proposer, "reset_state", None)
+    if reset_proposer is not None:
+        reset_proposer()
+    return bool(engine.reset_prefix_cache()) if reset_prefix_cache else False
+
+
+def update_weights(engine, rpc_method: str, args: tuple, kwargs: dict[str, Any],
+                   reset_prefix_cache: bool = True) -> dict[str, Any]:
+    """Run one of the Worker's update_weights* methods on every worker, then reset what the old weights
+    computed. Returns {"num_tensors", "prefix_cache_reset"}. Any refusal (WeightUpdateError, TypeError)
+    happens before a parameter changes."""
+    check_awake(engine, "update weights")
+    if not isinstance(reset_prefix_cache, bool):
+        raise TypeError(f"reset_prefix_cache must be a bool, got {type(reset_prefix_cache).__name__}")
+    counts = engine.collective_rpc(rpc_method, args, kwargs)
+    return {"num_tensors": int(counts[0]), "prefix_cache_reset": _after_state_change(engine, reset_prefix_cache)}
+
+
+def sleep(engine, level: int = 1) -> dict[str, Any]:
+    """Release the KV cache on every worker (level 2: the weights too). Refused (RuntimeError) with requests
+    unfinished or when already asleep; ValueError for a level not in SLEEP_LEVELS. Returns {"level",
+    "freed_bytes"} (freed_bytes: the driver worker's measured drop)."""
+    if isinstance(level, bool) or level not in SLEEP_LEVELS:
+        raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+    check_awake(engine, "sleep")
+    if engine.has_unfinished_requests():
+        raise RuntimeError(f"cannot sleep with {engine.get_num_unfinished_requests()} requests unfinished; "
+                           "wait for them or abort them first")
+    _after_state_change(engine, reset_prefix_cache=True)  # the cache contents are about to be dropped
+    results = engine.collective_rpc("sleep", (level,))
+    engine.sleep_level = level
+    return {"level": level, "freed_bytes": int(results[0]["freed_bytes"])}
+
+
+def wake_up(engine) -> None:
+    """Restore what sleep released (zeroed KV cache, saved weights); a no-op when awake."""
+    if getattr(engine, "sleep_level", None) is None:
+        return
+    engine.collective_rpc("wake_up")
+    engine.sleep_level = None
