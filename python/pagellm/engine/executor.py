@@ -5,8 +5,8 @@
 
 `method` is the name of a `Worker` method or a callable `fn(worker, *args, **kwargs)`: the seam that
 weight updates from an RL trainer, sleep/wake, tensor-parallel set-up and kernel-swap experiments use.
-Only the in-process executor ("uni") exists today; multi-process ("mp") and Ray executors register
-here next, behind the same interface.
+"uni" runs the one worker in process; "mp" (mp_executor.py) runs tensor_parallel_size workers in
+processes on this host; a Ray executor would register here next, behind the same interface.
 """
 
 from __future__ import annotations

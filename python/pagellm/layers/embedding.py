@@ -14,6 +14,12 @@ import contextlib
 import torch
 from torch import nn
 
+from pagellm.distributed.vocab_parallel import (
+    VocabShard,
+    plan_vocab,
+    vocab_parallel_embedding,
+    vocab_parallel_logits,
+)
 from pagellm.quantization.base import EmbeddingMethodBase, QuantizationConfig
 from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod
 from pagellm.weight_utils import load_output_slice
@@ -27,7 +33,11 @@ def _load_whole(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None)
 
 
 class _VocabWeight(nn.Module):
-    """W [num_embeddings, embedding_dim], its parameters registered by the method the config picks."""
+    """W [num_embeddings, embedding_dim], its parameters registered by the method the config picks. Under
+    tensor parallelism (`vocab_shard` set) this rank holds its block of rows (pagellm.distributed.vocab_parallel):
+    out_features is then the block's padded row count, num_embeddings stays the vocabulary size."""
+
+    vocab_shard: VocabShard | None = None
 
     def _create_weights(self, num_embeddings: int, embedding_dim: int, dtype, device,
                         quant_config: QuantizationConfig | None, prefix: str) -> None:
@@ -37,10 +47,15 @@ class _VocabWeight(nn.Module):
         self.prefix = prefix
         method = None if quant_config is None else quant_config.get_embedding_method(self, prefix)
         self.linear_method: EmbeddingMethodBase = UnquantizedEmbeddingMethod() if method is None else method
+        self.vocab_shard = plan_vocab(num_embeddings, quant_config, method, prefix)
+        rows, loader = num_embeddings, _load_whole
+        if self.vocab_shard is not None:
+            rows, loader = self.vocab_shard.padded, self.vocab_shard.load
+            self.out_features = rows
         params_dtype = dtype if dtype is not None else torch.get_default_dtype()
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            self.linear_method.create_weights(self, embedding_dim, [num_embeddings], num_embeddings, params_dtype,
-                                              False, weight_loader=_load_whole)
+            self.linear_method.create_weights(self, embedding_dim, [rows], rows, params_dtype,
+                                              False, weight_loader=loader)
         for name, p in self._parameters.items():
             if p is not None and not hasattr(p, "weight_loader"):
                 raise TypeError(f"{type(self.linear_method).__name__}.create_weights registered {name!r} "
@@ -60,6 +75,8 @@ class VocabEmbedding(_VocabWeight):
         self._create_weights(num_embeddings, embedding_dim, dtype, device, quant_config, prefix)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_shard is not None:
+            return vocab_parallel_embedding(self, self.vocab_shard, input_ids)
         return self.linear_method.embedding(self, input_ids)
 
 
@@ -80,14 +97,17 @@ class LMHead(_VocabWeight):
             raise ValueError(f"tied LM head [{num_embeddings}, {embedding_dim}] differs from its embedding "
                              f"[{tied_to.num_embeddings}, {tied_to.embedding_dim}]")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.in_features, self.out_features = embedding_dim, num_embeddings
+        self.in_features, self.out_features = embedding_dim, tied_to.out_features
         self.prefix = prefix
+        self.vocab_shard = tied_to.vocab_shard  # the embedding's rows of W: the same shard
         self.linear_method = tied_to.linear_method
         for name, p in tied_to.named_parameters(recurse=False):
             self.register_parameter(name, p)  # the same Parameter objects: one copy, loaded once
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., embedding_dim] -> logits [..., num_embeddings] in hidden's dtype."""
+        if self.vocab_shard is not None:
+            return vocab_parallel_logits(self, self.vocab_shard, hidden)
         return self.linear_method.apply(self, hidden)
 
     def extra_repr(self) -> str:

@@ -8,7 +8,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file, tensor_headers
+from pagellm.distributed import get_tp_size
+from pagellm.distributed.weight_slices import iter_mmap_weights_with_file
+from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file, tensor_headers, weight_files
 from pagellm.model_loader.gguf_native import NativeGGUFPlan, plan_native_gguf
 from pagellm.models.base import WeightLoadError
 from pagellm.models.registry import get_model_cls
@@ -132,7 +134,10 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
             where["file"] = native.path
             yield from native.weights()
             return
-        for f, name, tensor in iter_weights_with_file(files):
+        # a tensor-parallel rank reads only its slices: views of the mapped files, narrowed before the copy
+        source = (iter_weights_with_file(files) if get_tp_size() == 1
+                  else iter_mmap_weights_with_file(weight_files(Path(files.path))))
+        for f, name, tensor in source:
             where["file"] = f
             yield name, tensor
 

@@ -1,0 +1,53 @@
+"""This process's place in the tensor-parallel group.
+
+One value per process, set once by the worker process before it builds its model
+(`pagellm.engine.mp_executor`), read by the layers while they are constructed and run. The default is a
+single rank with no process group, so in-process (TP=1) code paths never change. It is the one piece of
+process state here on purpose: a rank is a property of the process (as the torch.distributed default
+group is), and threading it through every model constructor would touch every model file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TensorParallelState:
+    """rank in [0, size); `group`: the torch.distributed process group of the ranks (None when size == 1)."""
+
+    rank: int = 0
+    size: int = 1
+    group: Any = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"tensor parallel size must be an integer >= 1, got {self.size!r}")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor parallel rank must be an integer in [0, {self.size}), got {self.rank!r}")
+
+
+_SINGLE_RANK = TensorParallelState()
+_state: list[TensorParallelState] = [_SINGLE_RANK]  # one slot: this process's state
+
+
+def get_tp_state() -> TensorParallelState:
+    return _state[0]
+
+
+def set_tp_state(state: TensorParallelState | None) -> TensorParallelState:
+    """Set this process's tensor-parallel state (None: back to a single rank); returns the previous one."""
+    if state is not None and not isinstance(state, TensorParallelState):
+        raise TypeError(f"state must be a TensorParallelState or None, got {type(state).__name__}")
+    previous = _state[0]
+    _state[0] = _SINGLE_RANK if state is None else state
+    return previous
+
+
+def get_tp_size() -> int:
+    return _state[0].size
+
+
+def get_tp_rank() -> int:
+    return _state[0].rank

@@ -1,0 +1,206 @@
+"""The "mp" executor: tensor_parallel_size worker processes on this host, started and supervised here.
+
+    driver (engine, scheduler, block manager)
+       │ one pickled message per call, written to every rank's pipe: the step's SchedulerOutput (a
+       │ SchedulerOutputSnapshot) + the same kwargs UniProcExecutor passes; replies read back
+       ▼
+    rank 0 … rank tp-1  (mp_worker.py: a Worker each, one gloo group, all-reduces inside the forward)
+
+Supervision: every wait has a deadline (PAGELLM_MP_STEP_TIMEOUT_S, default 300 s; start-up 2x) and
+watches the processes' sentinels. A rank that dies fails the call with `WorkerDiedError` naming the rank,
+its pid and exit code; the executor is then broken (every later call raises the same error at once), the
+other ranks are stopped, and the engine's step recovery fails the step's requests. `shutdown()` (also run
+when the executor is collected or the interpreter exits) stops and reaps every process.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import weakref
+from dataclasses import replace
+from multiprocessing import connection
+from typing import Any, Callable
+
+import torch.multiprocessing as torch_mp
+
+from pagellm.config import EngineConfig
+from pagellm.distributed.validation import check_tensor_parallel, cpu_slices
+from pagellm.engine.executor import ExecutorBase, register_executor
+from pagellm.engine.model_runner import ModelRunnerOutput
+from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, worker_main
+from pagellm.engine.worker import Worker
+from pagellm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process exited (or stopped answering) while the executor needed it; the executor is unusable."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_processes(procs: list, conns: list, grace_s: float = 5.0) -> None:
+    """Ask, then terminate, then kill; join every process (no zombies left behind)."""
+    for c in conns:
+        try:
+            c.send_bytes(pickle.dumps(None))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join(2.0)
+        if p.is_alive():
+            p.kill()
+            p.join(2.0)
+    for c in conns:
+        c.close()
+
+
+def per_rank_config(config: EngineConfig, tp_size: int) -> EngineConfig:
+    """The ranks share this host's memory: each sizes its KV cache (1/tp of the heads) from 1/tp of the
+    budget (kv_cache_memory_gb, or the free-memory fraction), so TP=2 holds as many tokens as TP=1 in the
+    same memory. An explicit num_kv_blocks is every rank's."""
+    cc = config.cache_config
+    if tp_size == 1 or cc.num_kv_blocks is not None:
+        return config
+    gb = None if cc.kv_cache_memory_gb is None else cc.kv_cache_memory_gb / tp_size
+    return replace(config, cache_config=replace(cc, kv_cache_memory_gb=gb, kv_cache_fraction=cc.kv_cache_fraction / tp_size))
+
+
+@register_executor("mp")
+class MultiprocExecutor(ExecutorBase):
+    """tensor_parallel_size ranks in worker processes; rank 0's output is the step's output."""
+
+    def __init__(self, config: EngineConfig, model_files) -> None:
+        super().__init__(config, model_files)
+        pc, mc = config.parallel_config, config.model_config
+        self.tp_size = pc.tensor_parallel_size
+        allowed = sorted(os.sched_getaffinity(0))
+        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
+                              lora_enabled=config.lora_config is not None, allowed_cpus=len(allowed))
+        self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
+        self._broken: WorkerDiedError | None = None
+        ctx = torch_mp.get_context("spawn")
+        files = replace(model_files, tokenizer=None)  # the ranks never tokenize
+        rank_config = per_rank_config(config, self.tp_size)
+        port, slices = _free_port(), cpu_slices(allowed, self.tp_size)
+        self.procs, self.conns = [], []
+        for rank in range(self.tp_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=worker_main, name=f"pagellm-tp{rank}", daemon=True,
+                               args=(rank, self.tp_size, port, slices[rank], rank_config, files, child))
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
+        try:
+            blocks = self._gather(range(self.tp_size), 2 * self.step_timeout_s, "start-up")
+        except BaseException:
+            self.shutdown()
+            raise
+        self._num_kv_blocks = min(blocks)  # every rank holds the same geometry; the scheduler's budget is one number
+        logger.info("mp executor: %d ranks (pids %s), %d KV blocks each", self.tp_size,
+                    [p.pid for p in self.procs], self._num_kv_blocks)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def broken_error(self) -> WorkerDiedError | None:
+        """Why the executor cannot run calls any more (a rank died or stopped answering); None while healthy."""
+        return self._broken
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    # ---- calls -----------------------------------------------------------------------------------------
+    def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
+        snapshot = sched_out if isinstance(sched_out, SchedulerOutputSnapshot) else SchedulerOutputSnapshot.of(sched_out)
+        return self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)[0]
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if isinstance(method, str):
+            if method.startswith("_") or not callable(getattr(Worker, method, None)):
+                raise AttributeError(f"Worker has no public method {method!r}")
+        elif not callable(method):
+            raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
+        return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
+
+    def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:
+        if self._broken is not None:
+            raise self._broken
+        try:
+            payload = pickle.dumps((method, args, kwargs, reply_with_result))
+        except Exception as e:  # noqa: BLE001 - e.g. a lambda: nothing was sent
+            raise TypeError(f"the mp executor sends calls to worker processes by pickle; {method!r} with its "
+                            f"arguments does not pickle ({e}); use a module-level function") from None
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(payload)
+            except OSError:
+                raise self._mark_broken(rank, "while receiving a call") from None
+        return self._gather(range(self.tp_size), self.step_timeout_s, f"call {getattr(method, '__name__', method)!r}")
+
+    def _gather(self, ranks, timeout_s: float, what: str) -> list[Any]:
+        """Every rank's reply, in rank order; raises a rank's exception after all replied, WorkerDiedError
+        when one dies or the deadline passes (then the executor is broken)."""
+        pending, replies = set(ranks), {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._mark_broken(min(pending), f"during {what}: no reply within {timeout_s:.0f} s "
+                                        f"({STEP_TIMEOUT_ENV})")
+            # a rank that answered with an error may exit (a failed start-up): only the others' exits count
+            watched = [r for r in range(self.tp_size) if replies.get(r, ("ok",))[0] != "error"]
+            waitables = {self.conns[r]: r for r in pending} | {self.procs[r].sentinel: r for r in watched}
+            for ready in connection.wait(list(waitables), timeout=min(remaining, 1.0)):
+                rank = waitables[ready]
+                if ready is self.procs[rank].sentinel:
+                    if rank not in pending:  # it answered, then died
+                        raise self._mark_broken(rank, f"during {what}")
+                    continue  # its pipe is readable too: a last reply, or EOF (read below / next round)
+                try:
+                    replies[rank] = pickle.loads(ready.recv_bytes())
+                except (EOFError, OSError):
+                    self.procs[rank].join(1.0)
+                    raise self._mark_broken(rank, f"during {what}") from None
+                pending.discard(rank)
+                if replies[rank][0] == "error":  # the others may wait in a collective for this rank: bound it
+                    deadline = min(deadline, time.monotonic() + 30.0)
+        for rank in sorted(replies):
+            status, value, *text = replies[rank]
+            if status == "error":
+                logger.error("rank %d failed during %s:\n%s", rank, what, text[0] if text else "")
+                raise value
+        return [replies[r][1] for r in sorted(replies)]
+
+    def _mark_broken(self, rank: int, when: str) -> WorkerDiedError:
+        proc = self.procs[rank]
+        code = proc.exitcode
+        state = f"exited with code {code}" if code is not None else "stopped answering"
+        self._broken = WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {state} {when}; "
+                                       f"the mp executor is unusable (its other ranks were stopped)")
+        logger.error("%s", self._broken)
+        self.shutdown()
+        return self._broken
+
+    def shutdown(self) -> None:
+        """Stop and reap every worker process (idempotent)."""
+        self._finalizer()

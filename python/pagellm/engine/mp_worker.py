@@ -1,0 +1,110 @@
+"""The worker-process side of the "mp" executor (mp_executor.py): one process per tensor-parallel rank.
+
+A rank pins itself to its slice of the CPUs, joins the gloo group, sets its TensorParallelState, builds a
+`Worker`, reports ("ready", num_kv_blocks) and then serves requests from the driver over its pipe:
+pickled (method, args, kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback
+text) out. A None message ends it. Only rank 0 returns step outputs (the other ranks' are identical
+copies the driver does not need).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+STEP_TIMEOUT_ENV = "PAGELLM_MP_STEP_TIMEOUT_S"  # the longest one call may take before the driver gives up
+
+
+@dataclass
+class SchedulerOutputSnapshot:
+    """A picklable copy of the C++ SchedulerOutput (what the model runner reads), sent to every rank."""
+
+    step_id: int
+    request_ids: list
+    num_decode_reqs: int
+    total_num_scheduled_tokens: int
+    max_blocks_in_batch: int
+    num_reqs: int
+    arrays: dict[str, np.ndarray]
+
+    ARRAY_FIELDS = ("num_scheduled_tokens", "query_start_loc", "num_computed_tokens", "seq_lens", "input_ids",
+                    "positions", "slot_mapping", "block_tables", "do_sample", "num_draft_tokens", "draft_token_ids",
+                    "logits_indices", "cow_copies")
+
+    @classmethod
+    def of(cls, so) -> "SchedulerOutputSnapshot":
+        return cls(int(so.step_id), list(so.request_ids), int(so.num_decode_reqs), int(so.total_num_scheduled_tokens),
+                   int(so.max_blocks_in_batch), int(so.num_reqs),
+                   {name: np.array(getattr(so, name), copy=True) for name in cls.ARRAY_FIELDS})
+
+    def __getattr__(self, name: str):
+        arrays = self.__dict__.get("arrays")
+        if arrays is not None and name in arrays:
+            return arrays[name]
+        raise AttributeError(name)
+
+    def __len__(self) -> int:
+        return self.num_reqs
+
+
+def _call(worker, method, args: tuple, kwargs: dict) -> Any:
+    fn = getattr(worker, method) if isinstance(method, str) else (lambda *a, **k: method(worker, *a, **k))
+    return fn(*args, **kwargs)
+
+
+def _error_reply(exc: BaseException) -> bytes:
+    text = traceback.format_exc()
+    try:
+        reply = pickle.dumps(("error", exc, text))
+        pickle.loads(reply)  # an exception whose __init__ takes other arguments pickles but does not load
+        return reply
+    except Exception:  # noqa: BLE001 - then its type name and text are enough
+        return pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), text))
+
+
+def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, config, model_files, conn) -> None:
+    """Entry point of rank `rank` (spawned). Never returns normally while the driver keeps the pipe open."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)  # this rank's CPUs: its kernels' pool sizes and pins itself to them
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from pagellm.distributed import TensorParallelState, set_tp_state  # noqa: PLC0415
+        from pagellm.engine.worker import Worker  # noqa: PLC0415
+
+        timeout = timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, "300")))
+        if tp_size > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size,
+                                    timeout=timeout)
+            set_tp_state(TensorParallelState(rank, tp_size, dist.group.WORLD))
+        worker = Worker(config, model_files, rank=rank)
+        conn.send_bytes(pickle.dumps(("ok", worker.num_kv_blocks)))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send_bytes(_error_reply(e))
+        return
+    _serve(worker, rank, conn)
+
+
+def _serve(worker, rank: int, conn) -> None:
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except (EOFError, OSError):  # the driver is gone
+            return
+        request = pickle.loads(message)
+        if request is None:
+            return
+        method, args, kwargs, reply_with_result = request
+        try:
+            result = _call(worker, method, args, kwargs)
+            reply = pickle.dumps(("ok", result if reply_with_result or rank == 0 else None))
+        except BaseException as e:  # noqa: BLE001
+            reply = _error_reply(e)
+        conn.send_bytes(reply)
