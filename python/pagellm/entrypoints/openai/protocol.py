@@ -239,7 +239,7 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(_SamplingFields):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(..., min_length=1)  # documented as minItems 1 (and still checked below)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = False
