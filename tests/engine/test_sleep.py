@@ -88,3 +88,71 @@ def test_bad_level(llm, level):
     with pytest.raises(ValueError, match="one of"):
         llm.sleep(level=level)
     assert not llm.is_sleeping
+
+
+# ---------------------------------------------------------------- a draft model's own KV cache
+def _draft_kv_bytes(llm: LLM) -> int:
+    return sum(t.untyped_storage().nbytes() for t in llm.llm_engine.proposer.runner.kv_caches.tensors())
+
+
+def _draft_weight_bytes(llm: LLM) -> int:
+    return _storage_bytes(llm.llm_engine.proposer.runner.model)
+
+
+def _storage_bytes(model) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in tensors}.values())
+
+
+@pytest.fixture(scope="module")
+def draft_llm(tiny_llama_dir):
+    """The tiny model drafting for itself from its own checkpoint (its own weights): every draft is accepted
+    while the draft's weights and cache are intact. The draft's cache is the big one here."""
+    return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=128, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama_dir),
+        "num_kv_blocks": NUM_KV_BLOCKS, "disable_by_batch_size": 64})
+
+
+def _accepted_fraction(llm: LLM) -> float:
+    stats = llm.llm_engine.spec_stats
+    drafts0, accepted0 = stats.num_draft_tokens, stats.num_accepted_draft_tokens
+    _outputs(llm)
+    drafts, accepted = stats.num_draft_tokens - drafts0, stats.num_accepted_draft_tokens - accepted0
+    assert drafts > 0
+    return accepted / drafts
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_sleep_frees_the_draft_models_kv_cache(draft_llm, level):
+    llm = draft_llm
+    before = _outputs(llm)
+    assert _accepted_fraction(llm) > 0.8  # all, but for a near-tie argmax between batch shapes
+    draft_kv, draft_weights = _draft_kv_bytes(llm), _draft_weight_bytes(llm)
+    assert draft_kv > 80 * 2**20 and draft_kv > 20 * _kv_bytes(llm)  # most of what sleep frees is the draft's
+    rss0 = rss_bytes()
+    result = llm.sleep(level=level)
+    assert rss0 - rss_bytes() > 0.8 * draft_kv and result["freed_bytes"] > 0.8 * draft_kv
+    assert _draft_kv_bytes(llm) == 0 and _kv_bytes(llm) == 0
+    if level == 2:
+        assert _draft_weight_bytes(llm) < 0.05 * draft_weights
+    llm.wake_up()
+    assert _draft_kv_bytes(llm) == draft_kv and _draft_weight_bytes(llm) == draft_weights
+    assert _outputs(llm) == before
+    assert _accepted_fraction(llm) > 0.8  # the draft's weights and cache work again (outputs are lossless anyway)
+
+
+def test_self_draft_shares_the_targets_weights_through_level_2(tiny_llama_dir):
+    """A self-draft's layers are the target's modules: level 2 saves and frees them once (the target's worker),
+    the draft frees its own KV cache, and after wake both work: same outputs, same drafts accepted."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=128, speculative_config={
+        "method": "draft_model", "num_speculative_tokens": 3, "num_layers": 1, "num_kv_blocks": 256,
+        "disable_by_batch_size": 64})
+    assert llm.llm_engine.proposer.runner.model.model.embed_tokens is llm.llm_engine.model.model.embed_tokens
+    before, accepted = _outputs(llm), _accepted_fraction(llm)
+    draft_kv, weights = _draft_kv_bytes(llm), _weight_bytes(llm)
+    llm.sleep(level=2)
+    assert _draft_kv_bytes(llm) == 0 and _weight_bytes(llm) < 0.05 * weights
+    assert _draft_weight_bytes(llm) < 0.05 * weights  # the shared modules: freed by the target's worker
+    llm.wake_up()
+    assert _draft_kv_bytes(llm) == draft_kv and _weight_bytes(llm) == weights
+    assert _outputs(llm) == before and _accepted_fraction(llm) == accepted

@@ -102,8 +102,8 @@ def test_over_long_prompts_400_or_left_truncated(server):
 def test_lm_eval_generation_over_the_server_context(server, tiny_tokenizer):
     """lm-eval's default max_length (2048) is over this server's 128: with truncate_prompt_tokens=-1 in the
     task's gen_kwargs (lm-eval sends them in the payload) a long context is left-truncated, not refused.
-    (Its remote tokenizer sends whole contexts to /tokenize, which refuses texts over 8 characters per token
-    of max_model_len: this context is under that and far over 128 tokens.)"""
+    (Its remote tokenizer sends whole contexts to /tokenize; this one is also under /v1/completions' cap of
+    8 characters per token of max_model_len, and far over 128 tokens.)"""
     remote = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", tokenizer_backend="remote",
                                  max_gen_toks=8, num_concurrent=1)
     context = "Count: " + " ".join(str(i) for i in range(150))
@@ -113,3 +113,25 @@ def test_lm_eval_generation_over_the_server_context(server, tiny_tokenizer):
     kept = tiny_tokenizer.encode(context, add_special_tokens=False)[-(MAX_MODEL_LEN - 8):]
     direct = _completion(server, prompt=kept, max_tokens=8, temperature=0, stop=["\n\n", "</s>"]).json()
     assert text == direct["choices"][0]["text"]
+
+
+def test_perplexity_of_a_long_document_over_the_server(server, tiny_llama_dir, tiny_tokenizer):
+    """lm-eval reads no length from the server (0.4.13: TemplateAPI's max_length model arg, default 2048), so
+    its default flow needs `max_length=<max_model_len>`; with it, loglikelihood_rolling of a document far
+    longer than the context (its remote tokenizer sends the whole text to /tokenize, over the 8 characters per
+    token cap of /v1/completions) equals the offline model type's windows."""
+    document = " ".join(f"Line {i}: the sea is wide, the sky is blue." for i in range(40))
+    assert len(document) > 8 * MAX_MODEL_LEN and len(tiny_tokenizer.encode(document)) > 3 * MAX_MODEL_LEN
+    remote = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="tiny", tokenizer_backend="auto",
+                                 max_length=MAX_MODEL_LEN, num_concurrent=1,
+                                 custom_prefix_token_id=tiny_tokenizer.bos_token_id)
+    offline = PagellmLM(pretrained=str(tiny_llama_dir), dtype="float32", max_model_len=MAX_MODEL_LEN)
+    request = [Instance("loglikelihood_rolling", {}, (document,), 0)]
+    (got_remote,) = remote.loglikelihood_rolling(request, disable_tqdm=True)
+    (got_offline,) = offline.loglikelihood_rolling(request, disable_tqdm=True)
+    assert math.isclose(got_remote, got_offline, rel_tol=1e-5, abs_tol=1e-4), (got_remote, got_offline)
+
+    # without max_length the harness sends windows of up to 2047 tokens: a clean 400 naming max_model_len
+    ids = tiny_tokenizer.encode(document, add_special_tokens=False)[:2047]
+    r = _completion(server, prompt=ids, max_tokens=1, echo=True, logprobs=1)
+    assert r.status_code == 400 and str(MAX_MODEL_LEN) in r.json()["error"]["message"]

@@ -172,7 +172,10 @@ def test_4_body_cap_with_an_ordinary_client(capped_server):
 
 def test_4_prompt_length_checked_before_tokenizing(monkeypatch):
     """A prompt over 8 characters per token of max_model_len is refused before the tokenizer sees it, on
-    every route that tokenizes; one at the limit is tokenized (and then refused for its token count)."""
+    every route that sends it to the engine; one at the limit is tokenized (and then refused for its token
+    count). /tokenize only tokenizes: its cap is the larger input_checks.max_tokenize_chars."""
+    from pagellm.entrypoints.openai.input_checks import max_tokenize_chars
+
     eng = FakeEngine(max_model_len=64)
     h = ServerHandle(eng)
     encoded: list[int] = []
@@ -186,11 +189,17 @@ def test_4_prompt_length_checked_before_tokenizing(monkeypatch):
                            (CHAT, {"messages": [{"role": "user", "content": over}]}),
                            (CHAT, {"messages": [{"role": "user", "content": "y" * 300},
                                                 {"role": "user", "content": "y" * 300}]}),
-                           ("/tokenize", {"prompt": over}),
-                           ("/tokenize", {"messages": [{"role": "user", "content": over}]})]:
+                           ("/tokenize", {"prompt": "y" * (max_tokenize_chars(64) + 1)}),
+                           ("/tokenize", {"messages": [{"role": "user", "content": "y" * max_tokenize_chars(64)},
+                                                       {"role": "user", "content": "y"}]})]:
             err = assert_error(httpx.post(h.url + path, json=body, timeout=30), 400)
             assert err["code"] == "context_length_exceeded" and "characters" in err["message"], (path, err)
         assert all(n <= limit for n in encoded), encoded
+        for body in ({"prompt": over}, {"messages": [{"role": "user", "content": over}]}):
+            r = httpx.post(h.url + "/tokenize", json=body, timeout=30)
+            assert r.status_code == 200 and r.json()["count"] >= len(over), r.text  # one id per character
+            assert encoded[-1] >= len(over)  # tokenized, though no completion could take it
+        encoded.clear()
         r = httpx.post(h.url + COMPLETIONS, json={"prompt": "y" * limit}, timeout=30)
         assert r.status_code == 400 and "characters" not in r.json()["error"]["message"]
         assert encoded[-1] == limit  # this one was tokenized: the token count refused it
@@ -210,7 +219,7 @@ HUGE = "Z" * 200_000
     (COMPLETIONS, {"prompt": "x", "temperature": HUGE}, 400),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": HUGE, "text": "x"}]}]}, 400),
     (CHAT, {"messages": [{"role": HUGE, "content": 5}]}, 400),
-    ("/tokenize", {"prompt": HUGE}, 400),
+    ("/tokenize", {"prompt": HUGE * 6}, 400),  # over /tokenize's own cap (input_checks.TOKENIZE_MAX_CHARS)
     ("/detokenize", {"tokens": [1, 2, HUGE]}, 400),
 ], ids=range(9))
 def test_5_error_bodies_quote_a_short_prefix_at_most(fake_server, path, body, status):

@@ -45,9 +45,9 @@ def update_weights(engine, rpc_method: str, args: tuple, kwargs: dict[str, Any],
 
 
 def sleep(engine, level: int = 1) -> dict[str, Any]:
-    """Release the KV cache on every worker (level 2: the weights too). Refused (RuntimeError) with requests
-    unfinished or when already asleep; ValueError for a level not in SLEEP_LEVELS. Returns {"level",
-    "freed_bytes"} (freed_bytes: the driver worker's measured drop)."""
+    """Release the KV cache on every worker and the proposer's own (a draft model's; level 2: the weights
+    too). Refused (RuntimeError) with requests unfinished or when already asleep; ValueError for a level not
+    in SLEEP_LEVELS. Returns {"level", "freed_bytes"} (the driver worker's measured drop plus the proposer's)."""
     if isinstance(level, bool) or level not in SLEEP_LEVELS:
         raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
     check_awake(engine, "sleep")
@@ -56,8 +56,10 @@ def sleep(engine, level: int = 1) -> dict[str, Any]:
                            "wait for them or abort them first")
     _after_state_change(engine, reset_prefix_cache=True)  # the cache contents are about to be dropped
     results = engine.collective_rpc("sleep", (level,))
-    engine.sleep_level = level
-    return {"level": level, "freed_bytes": int(results[0]["freed_bytes"])}
+    engine.sleep_level = level  # before the proposer: if it fails, wake_up still restores the workers
+    proposer_sleep = getattr(engine.proposer, "sleep", None)  # a draft model's own KV cache (and weights)
+    proposer_freed = proposer_sleep(level) if proposer_sleep is not None else 0
+    return {"level": level, "freed_bytes": int(results[0]["freed_bytes"]) + int(proposer_freed)}
 
 
 def wake_up(engine) -> None:
@@ -65,4 +67,7 @@ def wake_up(engine) -> None:
     if getattr(engine, "sleep_level", None) is None:
         return
     engine.collective_rpc("wake_up")
+    proposer_wake_up = getattr(engine.proposer, "wake_up", None)
+    if proposer_wake_up is not None:  # after the workers: a self-draft's shared weights are theirs
+        proposer_wake_up()
     engine.sleep_level = None

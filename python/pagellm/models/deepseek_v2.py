@@ -28,11 +28,9 @@ from pagellm.layers.mla import MultiHeadLatentAttention
 from pagellm.layers.moe import FusedMoE, check_routing, select_experts
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import compute_inv_freq, rope_parameters_from_config
-from pagellm.models.base import WeightLoadError
 from pagellm.models.llama import LlamaForCausalLM
 from pagellm.models.registry import register_model
 
-_EXPERT_WEIGHT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 
@@ -180,6 +178,7 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     layer_cls = DeepseekDecoderLayer
     stacked_params_mapping = [("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1)]
+    expert_params_mapping = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
     def __init__(self, config, dtype: torch.dtype = torch.float32, quant_config=None) -> None:
         if quant_config is not None:
@@ -219,40 +218,19 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
                              f"{type(self).__name__}; use 'auto' or a float dtype")
         return {m.spec.layer_idx: MLAAttentionSpec(block_size, m.spec.latent_dim, dtype) for m in self.mla_layers()}
 
-    # ---- weights: HF per-expert tensors into the stacked FusedMoE parameters -----------------------
-    def expected_weight_names(self) -> set[str]:
-        names = {n for n in super().expected_weight_names() if not n.endswith((".w13_weight", ".w2_weight"))}
-        for mod_name, mod in self.named_modules():
-            if isinstance(mod, FusedMoE):
-                names |= {f"{mod_name}.{e}.{p}_proj.weight" for e in range(mod.num_experts)
-                          for p in ("gate", "up", "down")}
-        return names
-
+    # ---- weights: HF per-expert tensors load into FusedMoE through base's expert_params_mapping -------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        """base.load_weights, skipping V3's multi-token-prediction layers (num_nextn_predict_layers: tensors
+        of layer indices past num_hidden_layers), which are unused, as in HF."""
+        num_layers = self.config.num_hidden_layers
 
-        def others():
+        def decoder_weights():
             for name, tensor in weights:
                 layer = _LAYER_INDEX.match(name)
-                if layer is not None and int(layer.group(1)) >= self.config.num_hidden_layers:
-                    continue  # V3's multi-token-prediction layers (num_nextn_predict_layers): unused, as in HF
-                m = _EXPERT_WEIGHT.match(name)
-                if m is None:
+                if layer is None or int(layer.group(1)) < num_layers:
                     yield name, tensor
-                    continue
-                prefix, expert, shard = m.group(1), int(m.group(2)), m.group(3)
-                param = params.get(f"{prefix}.{'w2_weight' if shard == 'down' else 'w13_weight'}")
-                if param is None:
-                    raise WeightLoadError(name, f"unexpected tensor: {type(self).__name__} has no experts there")
-                try:
-                    param.weight_loader(param, tensor, expert, shard)
-                except ValueError as e:
-                    raise WeightLoadError(name, str(e)) from None
-                loaded.add(name)
 
-        loaded |= super().load_weights(others())
-        return loaded
+        return super().load_weights(decoder_weights())
 
 
 @register_model("DeepseekV3ForCausalLM")

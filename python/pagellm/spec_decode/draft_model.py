@@ -136,6 +136,16 @@ class DraftModelProposer(BaseProposer):
         self.runner.block_manager.reset_prefix_cache()
         self.runner.runner.invalidate_step_graphs()
 
+    def sleep(self, level: int) -> int:
+        """Free the draft's own KV cache (level 2: its weights too) while the engine sleeps (engine/maintenance.py);
+        every cached position is forgotten first. Returns the measured bytes freed."""
+        self.reset_state()
+        return self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed; a no-op when awake."""
+        self.runner.wake_up()
+
     @property
     def num_tracked_seqs(self) -> int:
         return len(self._seqs)

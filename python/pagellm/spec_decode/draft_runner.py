@@ -112,6 +112,28 @@ class DraftRunner:
         self.attn_backend = select_attention_backend(attention_backend, self.device)
         self.runner = ModelRunner(model, self.attn_backend, self.kv_caches, self.device,
                                   use_step_graph=False if enforce_eager else None)
+        self._sleep_state = None  # engine/sleep.py's SleepingState while the engine sleeps
+
+    def sleep(self, level: int) -> int:
+        """Free the draft's KV cache (level 2: its own weights too, saved first; storages a self-draft shares
+        with the target are already freed by the target's worker and skipped). Returns the measured bytes."""
+        from pagellm.engine.sleep import put_to_sleep  # noqa: PLC0415
+
+        if self._sleep_state is not None:
+            raise RuntimeError(f"the draft is already asleep (level {self._sleep_state.level})")
+        weights = list(self.model.parameters()) + list(self.model.buffers()) if level == 2 else []
+        self._sleep_state = put_to_sleep(level, self.kv_caches.tensors(), weights, self.device)
+        return self._sleep_state.freed_bytes
+
+    def wake_up(self) -> None:
+        """Restore what sleep freed (a zeroed KV cache, the saved weights); a no-op when awake. Call it after
+        the target's workers woke: a self-draft's shared weights are theirs to restore."""
+        from pagellm.engine.sleep import wake_from_sleep  # noqa: PLC0415
+
+        if self._sleep_state is not None:
+            wake_from_sleep(self._sleep_state)
+            self._sleep_state = None
+            self.runner.invalidate_step_graphs()  # storages were reallocated
 
     @property
     def num_blocks(self) -> int:

@@ -150,9 +150,9 @@ def _add_model_routes(app: FastAPI, async_llm: AsyncLLM, names: list[str], metri
         completion.check_model(req.model)
         await async_llm.check_health()  # its tokenizer thread is gone with the engine (503)
         if isinstance(req, TokenizeChatRequest):
-            prompt = {**await chat.render_prompt(req), "add_special_tokens": req.add_special_tokens}
+            prompt = {**await chat.render_prompt(req, tokenize_only=True), "add_special_tokens": req.add_special_tokens}
         else:
-            completion.check_prompt_chars(len(req.prompt))
+            completion.check_prompt_chars(len(req.prompt), tokenize_only=True)  # only tokenized: a larger cap
             prompt = {"prompt": req.prompt, "add_special_tokens": req.add_special_tokens}
         _, ids = await async_llm.run_in_tokenizer_thread(async_llm.input_processor.tokenize, prompt)
         return JSONResponse({"count": len(ids), "max_model_len": async_llm.max_model_len, "tokens": ids})

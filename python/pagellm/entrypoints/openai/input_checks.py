@@ -3,6 +3,8 @@ chat template, admitting a request), and the rule for quoting input back in erro
 
     find_lone_surrogate({"prompt": "a\\ud800"})    -> ("prompt", 1)   (JSON "\\ud800" decodes to one)
     prompt_chars_message(len(text), max_model_len) -> the 400 message beyond MAX_CHARS_PER_TOKEN x max_model_len
+    prompt_chars_message(len(text), max_model_len, tokenize_only=True)
+                                                   -> the same beyond max_tokenize_chars(max_model_len) (/tokenize)
     quote_input("x" * 10_000)                      -> "'xxxx…' (10000 chars)"
 """
 
@@ -14,6 +16,11 @@ from typing import Any
 # longer than this many characters per max_model_len token cannot fit: it is refused before the tokenizer
 # spends seconds on it (a 10 MB prompt held the one tokenizer thread, and so every client, for 16 s).
 MAX_CHARS_PER_TOKEN = 8
+# POST /tokenize only tokenizes (nothing reaches the engine, so max_model_len does not bound what is useful):
+# lm-eval's remote tokenizer sends whole documents there for perplexity (wikitext pages run to ~100k
+# characters). Its cap bounds only tokenizer time, ~0.2 s per 100k characters on one thread: 1M characters
+# hold one tokenizer thread ~2 s, and the body stays under the 4 MiB request cap.
+TOKENIZE_MAX_CHARS = 1_000_000
 # The request-body cap (--max-request-bytes): 4 MiB holds the longest prompt accepted for a 128k-token
 # context (8 characters per token: ~1 MB of text) with room for JSON escapes, and bounds what one request
 # can make the server read, parse and hold.
@@ -97,8 +104,20 @@ def max_prompt_chars(max_model_len: int) -> int:
     return MAX_CHARS_PER_TOKEN * int(max_model_len)
 
 
-def prompt_chars_message(num_chars: int, max_model_len: int, param: str = "prompt") -> str | None:
-    """The error for a prompt too long to tokenize, or None when num_chars is acceptable."""
+def max_tokenize_chars(max_model_len: int) -> int:
+    """/tokenize's character cap: TOKENIZE_MAX_CHARS, or the prompt cap when a huge context makes that larger."""
+    return max(TOKENIZE_MAX_CHARS, max_prompt_chars(max_model_len))
+
+
+def prompt_chars_message(num_chars: int, max_model_len: int, param: str = "prompt",
+                         tokenize_only: bool = False) -> str | None:
+    """The error for a prompt too long to tokenize, or None when num_chars is acceptable. tokenize_only:
+    the text is only tokenized (/tokenize), under max_tokenize_chars instead of the prompt cap."""
+    if tokenize_only:
+        limit = max_tokenize_chars(max_model_len)
+        if num_chars <= limit:
+            return None
+        return f"{param} has {num_chars} characters; /tokenize accepts at most {limit}"
     limit = max_prompt_chars(max_model_len)
     if num_chars <= limit:
         return None

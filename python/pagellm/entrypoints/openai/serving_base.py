@@ -147,9 +147,10 @@ class ServingBase:
             raise OpenAIError(f"The model {quote_input(model)} does not exist.", 404, "NotFoundError", "model",
                               "model_not_found")
 
-    def check_prompt_chars(self, num_chars: int, param: str = "prompt") -> None:
-        """Refuse a prompt too long to fit before anything tokenizes it (400)."""
-        message = prompt_chars_message(num_chars, self.llm.max_model_len, param)
+    def check_prompt_chars(self, num_chars: int, param: str = "prompt", tokenize_only: bool = False) -> None:
+        """Refuse a prompt too long to fit before anything tokenizes it (400); tokenize_only: /tokenize's
+        larger cap (input_checks.max_tokenize_chars)."""
+        message = prompt_chars_message(num_chars, self.llm.max_model_len, param, tokenize_only)
         if message is not None:
             raise OpenAIError(message, param=param, code="context_length_exceeded")
 

@@ -18,15 +18,16 @@ from pagellm.inputs import ProcessedRequest, TextPrompt, chat_prompt
 
 
 class OpenAIServingChat(ServingBase):
-    async def render_prompt(self, req) -> TextPrompt:
-        """The request's conversation as a TextPrompt (rendered on the tokenizer thread)."""
+    async def render_prompt(self, req, tokenize_only: bool = False) -> TextPrompt:
+        """The request's conversation as a TextPrompt (rendered on the tokenizer thread). tokenize_only: for
+        /tokenize, under its larger character cap."""
         messages = []
         for m in req.messages:
             try:
                 messages.append({"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})})
             except ValueError as e:
                 raise OpenAIError(str(e), param="messages") from e
-        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages", tokenize_only)
         if req.continue_final_message and req.add_generation_prompt:
             raise OpenAIError("continue_final_message and add_generation_prompt cannot both be true",
                               param="continue_final_message")

@@ -8,7 +8,9 @@ vLLM's route name. lm-eval's `tokenizer_backend="remote"` (lm_eval.utils.RemoteT
 auto-detection of local-completions) reads `eos_token`, `bos_token`, `pad_token` and `chat_template` here,
 then tokenizes through POST /tokenize {"prompt", "add_special_tokens": false} -> {"tokens"} and decodes
 through POST /detokenize {"tokens"} -> {"prompt"} (api_server.py). Special tokens are the tokenizer's text
-forms: /tokenize of `eos_token` gives back `[eos_token_id]`.
+forms: /tokenize of `eos_token` gives back `[eos_token_id]`. /tokenize takes whole documents (perplexity
+tasks): up to input_checks.max_tokenize_chars (1M characters), not the completions' 8 per max_model_len token.
+lm-eval (0.4.13) reads no length from here: its `max_length` model arg (default 2048) must be set to fit.
 """
 
 from __future__ import annotations
