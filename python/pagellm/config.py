@@ -174,34 +174,62 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # ValueError naming the allowed methods / keys / ranges
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+            if self.parallel_config.tensor_parallel_size > 1:  # methods that need the target in the driver
+                from pagellm.distributed.validation import check_speculative_tensor_parallel  # noqa: PLC0415
+
+                check_speculative_tensor_parallel(self.parallel_config.tensor_parallel_size, self.speculative_config)
 
     @property
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
 
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")  # Ray's placement-group strategies
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Where the model runs: which executor reaches the workers (pagellm.engine.executor registry) and over
-    how many tensor-parallel ranks. None picks as vLLM does: "uni" for one rank, "mp" (worker processes on
-    this host) for more; "uni" with more than one rank is refused. Model-dependent checks (heads divisible,
+    how many tensor-parallel ranks x pipeline stages. None picks as vLLM does: "uni" for one rank, "mp"
+    (worker processes on this host) for more; "uni" with more than one rank is refused. Model-dependent checks (heads divisible,
     ranks <= CPUs) run when the executor starts (pagellm.distributed.validation)."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni": one worker in this process; "mp": worker processes
+    pipeline_parallel_size: int = 1  # contiguous stages of decoder layers (pagellm.distributed.pipeline)
+    # "ray" only: the cluster ("host:port", "ray://host:port", "auto"; None: RAY_ADDRESS, else a local Ray)
+    # and how the ranks' placement-group bundles spread over its nodes
+    ray_address: str | None = None
+    ray_placement_strategy: str = "PACK"
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         _require(_is_int(tp) and tp >= 1, "tensor_parallel_size", "an integer >= 1", tp)
+        _require(_is_int(pp) and pp >= 1, "pipeline_parallel_size", "an integer >= 1", pp)
         backend = self.distributed_executor_backend
         if backend is None:
-            object.__setattr__(self, "distributed_executor_backend", "uni" if tp == 1 else "mp")
+            object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
         _require(isinstance(self.distributed_executor_backend, str) and bool(self.distributed_executor_backend),
                  "distributed_executor_backend", "None or a registered executor name such as 'uni' or 'mp'",
                  self.distributed_executor_backend)
-        if tp > 1 and self.distributed_executor_backend == "uni":
-            raise ValueError(f"tensor_parallel_size={tp} needs one process per rank: distributed_executor_backend "
-                             f"must be 'mp' (or None), got 'uni'")
+        if self.world_size > 1 and self.distributed_executor_backend == "uni":
+            raise ValueError(f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs one process per rank: "
+                             f"distributed_executor_backend must be 'mp' (or None), got 'uni'")
+        self._check_ray_options()
+
+    def _check_ray_options(self) -> None:
+        _require(self.ray_placement_strategy in RAY_PLACEMENT_STRATEGIES, "ray_placement_strategy",
+                 f"one of {RAY_PLACEMENT_STRATEGIES}", self.ray_placement_strategy)
+        _require(self.ray_address is None or (isinstance(self.ray_address, str) and bool(self.ray_address.strip())),
+                 "ray_address", "None or a non-empty 'host:port' / 'ray://host:port' / 'auto'", self.ray_address)
+        if self.ray_address is not None and self.distributed_executor_backend != "ray":
+            raise ValueError(f"ray_address is used by distributed_executor_backend='ray' only, got "
+                             f"{self.distributed_executor_backend!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass
@@ -229,6 +257,9 @@ class EngineArgs:
     enforce_eager: bool = False
     distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more (vLLM's rule)
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    ray_address: str | None = None  # distributed_executor_backend="ray": the cluster (None: RAY_ADDRESS / local)
+    ray_placement_strategy: str = "PACK"  # or "SPREAD": one rank per node where the cluster allows
     seed: int = 0
     device: str = "cpu"
     max_logprobs: int = 20
@@ -247,7 +278,9 @@ class EngineArgs:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
         self.lora_config()  # ValueError for bad LoRA limits, before any model is opened
-        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)  # likewise
+        ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
+                       self.pipeline_parallel_size, ray_address=self.ray_address,
+                       ray_placement_strategy=self.ray_placement_strategy)  # likewise
 
     def lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -291,7 +324,9 @@ class EngineArgs:
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
         )
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
-                            distributed_executor_backend=self.distributed_executor_backend)
+                            distributed_executor_backend=self.distributed_executor_backend,
+                            pipeline_parallel_size=self.pipeline_parallel_size, ray_address=self.ray_address,
+                            ray_placement_strategy=self.ray_placement_strategy)
         return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
                             speculative_config=self.speculative_config, lora_config=self.lora_config())
 

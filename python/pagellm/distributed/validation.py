@@ -50,3 +50,54 @@ def cpu_slices(allowed: list[int], tp_size: int) -> list[list[int]]:
         out.append(sorted(allowed)[start:start + n])
         start += n
     return out
+
+
+def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: str = "cpu",
+                            quantization: str | None = None, lora_enabled: bool = False, speculative: bool = False,
+                            allowed_cpus: int | None = None) -> None:
+    """ValueError when `pp_size` stages of `tp_size` ranks each cannot run this model here: more stages than
+    decoder layers, more ranks in all than allowed CPUs, or a feature the stages do not pass on yet."""
+    if pp_size == 1:
+        return
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    if not archs or archs[0] not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"pipeline_parallel_size={pp_size}: architecture {archs[0] if archs else None!r} has no "
+                         f"pipeline-parallel support yet; supported: {list(TENSOR_PARALLEL_ARCHITECTURES)}")
+    num_layers = hf_config.num_hidden_layers
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp_size}) is more than the model's {num_layers} decoder layers "
+                         f"(num_hidden_layers): every stage needs at least one")
+    if not device.startswith("cpu"):
+        raise ValueError(f"pipeline_parallel_size={pp_size}: only device='cpu' (gloo) is supported for now, "
+                         f"got {device!r}")
+    world = tp_size * pp_size
+    if allowed_cpus is not None and world > allowed_cpus:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({tp_size} x {pp_size} = {world} ranks) is "
+                         f"more than the {allowed_cpus} CPUs this process may use: each rank needs at least one")
+    if quantization is not None or getattr(hf_config, "quantization_config", None):
+        raise ValueError(f"pipeline_parallel_size={pp_size}: pipeline parallelism supports unquantized weights only "
+                         f"for now")
+    if lora_enabled:
+        raise ValueError(f"pipeline_parallel_size={pp_size}: LoRA adapters are not supported with pipeline "
+                         f"parallelism yet")
+    if speculative:
+        raise ValueError(f"pipeline_parallel_size={pp_size}: speculative decoding is not supported with pipeline "
+                         f"parallelism yet (its proposers read hidden states of the last stage in the driver)")
+
+
+def check_speculative_tensor_parallel(tp_size: int, speculative_config) -> None:
+    """ValueError when `speculative_config` (a SpeculativeConfig or None) needs the target model in the driver
+    and `tp_size` > 1 puts it in other processes: Medusa heads and a self-draft (draft_model without
+    `model`). An n-gram proposer or a separate draft checkpoint are fine."""
+    # Both run on the target's own modules / LM head, which tensor parallelism shards across the ranks: the
+    # driver would silently load a second whole copy of the weights (self-draft) or the LM head from the
+    # checkpoint (Medusa), a slow fallback that defeats the point of sharding.
+    if tp_size == 1 or speculative_config is None:
+        return
+    method = speculative_config.method
+    if method == "medusa" or (method == "draft_model" and speculative_config.options.get("model") is None):
+        what = "Medusa" if method == "medusa" else "a self-draft (draft_model without 'model')"
+        raise ValueError(f"speculative_config: {what} is not supported with tensor_parallel_size={tp_size}: it "
+                         "runs on the target model, which tensor parallelism shards across the rank processes. "
+                         "Use tensor_parallel_size=1, method='ngram', or draft_model with a separate "
+                         "'model' checkpoint")

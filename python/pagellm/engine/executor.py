@@ -6,7 +6,7 @@
 `method` is the name of a `Worker` method or a callable `fn(worker, *args, **kwargs)`: the seam that
 weight updates from an RL trainer, sleep/wake, tensor-parallel set-up and kernel-swap experiments use.
 "uni" runs the one worker in process; "mp" (mp_executor.py) runs tensor_parallel_size workers in
-processes on this host; a Ray executor would register here next, behind the same interface.
+processes on this host; "ray" (ray_executor.py) runs them as Ray actors on the nodes of a Ray cluster.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine import maintenance
 from pagellm.engine.executor import get_executor_cls
 from pagellm.engine import mp_executor  # noqa: F401 (registers the "mp" executor)
+from pagellm.engine import ray_executor  # noqa: F401 (registers the "ray" executor; imports Ray only when used)
 from pagellm.engine.spec_step import SpecDecodeStep
 from pagellm.engine.step_recovery import StepRecovery
 from pagellm.engine.step_update import SampleTarget, StepUpdate, finished_status

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
+from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
 from pagellm.forward_context import ForwardContext
@@ -141,6 +142,8 @@ class ModelRunner:
         else:
             hidden = self._forward(metadata, input_ids, positions)
 
+        if not get_pp_state().is_last_stage:  # its activations went to the next stage; the last one's output counts
+            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={})
         logits_indices = sched_out.logits_indices
         hidden_states = None
         if hidden_state_rows:  # draft heads read these (speculative decoding)

@@ -1,10 +1,12 @@
-"""The "mp" executor: tensor_parallel_size worker processes on this host, started and supervised here.
+"""The "mp" executor: tensor_parallel_size x pipeline_parallel_size worker processes on this host, started
+and supervised here.
 
     driver (engine, scheduler, block manager)
        │ one pickled message per call, written to every rank's pipe: the step's SchedulerOutput (a
        │ SchedulerOutputSnapshot) + the same kwargs UniProcExecutor passes; replies read back
        ▼
-    rank 0 … rank tp-1  (mp_worker.py: a Worker each, one gloo group, all-reduces inside the forward)
+    rank 0 … rank tp*pp-1  (mp_worker.py: a Worker each, one gloo world; all-reduces inside a stage's
+                            forward, activations sent stage to stage; the last stage's output is the step's)
 
 Supervision: every wait has a deadline (PAGELLM_MP_STEP_TIMEOUT_S, default 300 s; start-up 2x) and
 watches the processes' sentinels. A rank that dies fails the call with `WorkerDiedError` naming the rank,
@@ -27,10 +29,10 @@ from typing import Any, Callable
 import torch.multiprocessing as torch_mp
 
 from pagellm.config import EngineConfig
-from pagellm.distributed.validation import check_tensor_parallel, cpu_slices
+from pagellm.distributed.validation import check_pipeline_parallel, check_tensor_parallel, cpu_slices
 from pagellm.engine.executor import ExecutorBase, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
-from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, worker_main
+from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, output_rank, worker_main
 from pagellm.engine.worker import Worker
 from pagellm.logger import init_logger
 
@@ -71,7 +73,8 @@ def _stop_processes(procs: list, conns: list, grace_s: float = 5.0) -> None:
 def per_rank_config(config: EngineConfig, tp_size: int) -> EngineConfig:
     """The ranks share this host's memory: each sizes its KV cache (1/tp of the heads) from 1/tp of the
     budget (kv_cache_memory_gb, or the free-memory fraction), so TP=2 holds as many tokens as TP=1 in the
-    same memory. An explicit num_kv_blocks is every rank's."""
+    same memory. An explicit num_kv_blocks is every rank's. With pipeline stages pass the world size
+    tp * pp (a stage holds 1/pp of the layers, so 1/(tp*pp) of the budget fits as many blocks)."""
     cc = config.cache_config
     if tp_size == 1 or cc.num_kv_blocks is not None:
         return config
@@ -81,38 +84,46 @@ def per_rank_config(config: EngineConfig, tp_size: int) -> EngineConfig:
 
 @register_executor("mp")
 class MultiprocExecutor(ExecutorBase):
-    """tensor_parallel_size ranks in worker processes; rank 0's output is the step's output."""
+    """tensor_parallel_size x pipeline_parallel_size ranks in worker processes (global rank = pp_rank * tp +
+    tp_rank); the output of tp rank 0 of the last stage is the step's output."""
 
     def __init__(self, config: EngineConfig, model_files) -> None:
         super().__init__(config, model_files)
         pc, mc = config.parallel_config, config.model_config
         self.tp_size = pc.tensor_parallel_size
+        self.pp_size = getattr(pc, "pipeline_parallel_size", 1)
+        self.world_size = self.tp_size * self.pp_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
         allowed = sorted(os.sched_getaffinity(0))
+        check_pipeline_parallel(self.pp_size, self.tp_size, model_files.hf_config, device=mc.device,
+                                quantization=mc.quantization, lora_enabled=config.lora_config is not None,
+                                speculative=config.speculative_config is not None, allowed_cpus=len(allowed))
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
                               lora_enabled=config.lora_config is not None, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
         self._broken: WorkerDiedError | None = None
         ctx = torch_mp.get_context("spawn")
         files = replace(model_files, tokenizer=None)  # the ranks never tokenize
-        rank_config = per_rank_config(config, self.tp_size)
-        port, slices = _free_port(), cpu_slices(allowed, self.tp_size)
+        rank_config = per_rank_config(config, self.world_size)
+        port, slices = _free_port(), cpu_slices(allowed, self.world_size)
         self.procs, self.conns = [], []
-        for rank in range(self.tp_size):
+        for rank in range(self.world_size):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=worker_main, name=f"pagellm-tp{rank}", daemon=True,
-                               args=(rank, self.tp_size, port, slices[rank], rank_config, files, child))
+            proc = ctx.Process(target=worker_main, name=f"pagellm-rank{rank}", daemon=True,
+                               args=(rank, self.tp_size, port, slices[rank], rank_config, files, child, self.pp_size))
             proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
         self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
         try:
-            blocks = self._gather(range(self.tp_size), 2 * self.step_timeout_s, "start-up")
+            blocks = self._gather(range(self.world_size), 2 * self.step_timeout_s, "start-up")
         except BaseException:
             self.shutdown()
             raise
         self._num_kv_blocks = min(blocks)  # every rank holds the same geometry; the scheduler's budget is one number
-        logger.info("mp executor: %d ranks (pids %s), %d KV blocks each", self.tp_size,
+        logger.info("mp executor: %d ranks (tp %d x pp %d, pids %s), %d KV blocks each", self.world_size,
+                    self.tp_size, self.pp_size,
                     [p.pid for p in self.procs], self._num_kv_blocks)
 
     @property
@@ -131,7 +142,8 @@ class MultiprocExecutor(ExecutorBase):
     # ---- calls -----------------------------------------------------------------------------------------
     def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
         snapshot = sched_out if isinstance(sched_out, SchedulerOutputSnapshot) else SchedulerOutputSnapshot.of(sched_out)
-        return self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)[0]
+        replies = self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)
+        return replies[self.output_rank]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
@@ -155,7 +167,8 @@ class MultiprocExecutor(ExecutorBase):
                 conn.send_bytes(payload)
             except OSError:
                 raise self._mark_broken(rank, "while receiving a call") from None
-        return self._gather(range(self.tp_size), self.step_timeout_s, f"call {getattr(method, '__name__', method)!r}")
+        what = f"call {getattr(method, '__name__', method)!r}"
+        return self._gather(range(self.world_size), self.step_timeout_s, what)
 
     def _gather(self, ranks, timeout_s: float, what: str) -> list[Any]:
         """Every rank's reply, in rank order; raises a rank's exception after all replied, WorkerDiedError
@@ -168,7 +181,7 @@ class MultiprocExecutor(ExecutorBase):
                 raise self._mark_broken(min(pending), f"during {what}: no reply within {timeout_s:.0f} s "
                                         f"({STEP_TIMEOUT_ENV})")
             # a rank that answered with an error may exit (a failed start-up): only the others' exits count
-            watched = [r for r in range(self.tp_size) if replies.get(r, ("ok",))[0] != "error"]
+            watched = [r for r in range(self.world_size) if replies.get(r, ("ok",))[0] != "error"]
             waitables = {self.conns[r]: r for r in pending} | {self.procs[r].sentinel: r for r in watched}
             for ready in connection.wait(list(waitables), timeout=min(remaining, 1.0)):
                 rank = waitables[ready]
@@ -195,7 +208,7 @@ class MultiprocExecutor(ExecutorBase):
         proc = self.procs[rank]
         code = proc.exitcode
         state = f"exited with code {code}" if code is not None else "stopped answering"
-        self._broken = WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) {state} {when}; "
+        self._broken = WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) {state} {when}; "
                                        f"the mp executor is unusable (its other ranks were stopped)")
         logger.error("%s", self._broken)
         self.shutdown()

@@ -1,10 +1,11 @@
-"""The worker-process side of the "mp" executor (mp_executor.py): one process per tensor-parallel rank.
+"""The worker-process side of the "mp" executor (mp_executor.py): one process per rank of the tp x pp grid.
 
-A rank pins itself to its slice of the CPUs, joins the gloo group, sets its TensorParallelState, builds a
-`Worker`, reports ("ready", num_kv_blocks) and then serves requests from the driver over its pipe:
-pickled (method, args, kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback
-text) out. A None message ends it. Only rank 0 returns step outputs (the other ranks' are identical
-copies the driver does not need).
+A rank pins itself to its slice of the CPUs, joins the gloo group, sets its TensorParallelState and
+PipelineParallelState (global rank = pp_rank * tp_size + tp_rank), builds a `Worker`, reports
+("ready", num_kv_blocks) and then serves requests from the driver over its pipe: pickled (method, args,
+kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback text) out. A None message
+ends it. Only the first rank of the last pipeline stage (`output_rank`) returns step outputs (the other
+ranks' are identical copies, or nothing on earlier stages, which the driver does not need).
 """
 
 from __future__ import annotations
@@ -68,31 +69,59 @@ def _error_reply(exc: BaseException) -> bytes:
         return pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), text))
 
 
-def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, config, model_files, conn) -> None:
-    """Entry point of rank `rank` (spawned). Never returns normally while the driver keeps the pipe open."""
+def output_rank(tp_size: int, pp_size: int = 1) -> int:
+    """The global rank whose step output is the step's output: tp rank 0 of the last pipeline stage."""
+    return (pp_size - 1) * tp_size
+
+
+def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_layers: int) -> None:
+    """init the gloo world of tp_size * pp_size ranks; set this rank's tensor-parallel group and stage."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    from pagellm.distributed import (  # noqa: PLC0415
+        PipelineParallelState, TensorParallelState, set_pp_state, set_tp_state,
+    )
+    from pagellm.distributed.pipeline import stage_layer_range  # noqa: PLC0415
+
+    world = tp_size * pp_size
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timeout)
+    tp_rank, pp_rank = rank % tp_size, rank // tp_size
+    group = dist.group.WORLD
+    if pp_size > 1 and tp_size > 1:  # every rank creates every stage's group, in the same order
+        stage_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
+        group = stage_groups[pp_rank]
+    if tp_size > 1:
+        set_tp_state(TensorParallelState(tp_rank, tp_size, group))
+    if pp_size > 1:
+        start, end = stage_layer_range(num_layers, pp_rank, pp_size)
+        set_pp_state(PipelineParallelState(
+            pp_rank, pp_size, start, end, prev_rank=rank - tp_size if pp_rank > 0 else None,
+            next_rank=rank + tp_size if pp_rank < pp_size - 1 else None))
+
+
+def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, config, model_files, conn,
+                pp_size: int = 1) -> None:
+    """Entry point of global rank `rank` of tp_size x pp_size (spawned). Never returns normally while the
+    driver keeps the pipe open."""
     if cpus:
         os.sched_setaffinity(0, cpus)  # this rank's CPUs: its kernels' pool sizes and pins itself to them
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        import torch.distributed as dist  # noqa: PLC0415
-
-        from pagellm.distributed import TensorParallelState, set_tp_state  # noqa: PLC0415
         from pagellm.engine.worker import Worker  # noqa: PLC0415
 
         timeout = timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, "300")))
-        if tp_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size,
-                                    timeout=timeout)
-            set_tp_state(TensorParallelState(rank, tp_size, dist.group.WORLD))
+        if tp_size * pp_size > 1:
+            _join_groups(rank, tp_size, pp_size, port, timeout, model_files.hf_config.num_hidden_layers)
         worker = Worker(config, model_files, rank=rank)
         conn.send_bytes(pickle.dumps(("ok", worker.num_kv_blocks)))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send_bytes(_error_reply(e))
         return
-    _serve(worker, rank, conn)
+    _serve(worker, rank == output_rank(tp_size, pp_size), conn)
 
 
-def _serve(worker, rank: int, conn) -> None:
+def _serve(worker, returns_outputs: bool, conn) -> None:
     while True:
         try:
             message = conn.recv_bytes()
@@ -104,7 +133,7 @@ def _serve(worker, rank: int, conn) -> None:
         method, args, kwargs, reply_with_result = request
         try:
             result = _call(worker, method, args, kwargs)
-            reply = pickle.dumps(("ok", result if reply_with_result or rank == 0 else None))
+            reply = pickle.dumps(("ok", result if reply_with_result or returns_outputs else None))
         except BaseException as e:  # noqa: BLE001
             reply = _error_reply(e)
         conn.send_bytes(reply)

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.parallel_linear import checkpoint_shape
+from pagellm.distributed.pipeline import absent_prefixes
 
 # Set on a parameter whose loader quantizes a float checkpoint tensor (int8's weight): it takes float tensors.
 QUANTIZES_ON_LOAD_ATTR = "quantizes_on_load"
@@ -91,6 +92,7 @@ def plan_weight_update(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     modules = dict(model.named_modules())
     ignored = tuple(getattr(model, "ignored_weight_suffixes", ()))
     tied = bool(getattr(model, "tie_word_embeddings", False))
+    other_stages = absent_prefixes(model)  # a pipeline stage takes its own layers' tensors, skips the others'
     plan: list[PlannedLoad] = []
     for item in named_tensors:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -98,7 +100,8 @@ def plan_weight_update(model: nn.Module, named_tensors: Iterable[tuple[str, torc
         name, tensor = item
         if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
             raise TypeError(f"expected (str, torch.Tensor), got ({type(name).__name__}, {type(tensor).__name__})")
-        if name.endswith(ignored) or (tied and name.startswith("lm_head.")):
+        if (name.endswith(ignored) or (tied and name.startswith("lm_head."))
+                or (other_stages and name.startswith(other_stages))):
             continue
         pname, shard_id = model._hf_to_param(name)
         param = params.get(pname)

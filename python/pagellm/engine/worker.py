@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pagellm.config import EngineConfig
-from pagellm.distributed import get_tp_size
+from pagellm.distributed import get_pp_size, get_tp_size
 from pagellm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, make_kv_cache_config
 from pagellm.logger import init_logger
@@ -46,8 +46,8 @@ class Worker(WorkerLoRAMixin):
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
         self.attn_backend = select_attention_backend(mc.attention_backend, self.device)
-        # step graphs replay pagellm ops only; a tensor-parallel forward has collectives between them
-        eager = mc.enforce_eager or get_tp_size() > 1
+        # step graphs replay pagellm ops only; a tensor- or pipeline-parallel forward has collectives between them
+        eager = mc.enforce_eager or get_tp_size() > 1 or get_pp_size() > 1
         self.runner = ModelRunner(self.model, self.attn_backend, self.kv_caches, self.device,
                                   use_step_graph=False if eager else None)
         if config.lora_config is not None:  # hooks on every Linear + the adapter slots (pagellm.lora)

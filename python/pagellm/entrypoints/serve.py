@@ -13,6 +13,7 @@ import os
 from pagellm.entrypoints.openai.input_checks import DEFAULT_MAX_REQUEST_BYTES
 from pagellm.distributed.cli_args import add_parallel_args, parallel_engine_kwargs
 from pagellm.lora.cli_args import add_lora_args, load_lora_modules, lora_engine_kwargs
+from pagellm.sampling_params import LOGPROBS_MODES
 from pagellm.threading_config import add_threading_args, export_threading_args
 
 
@@ -20,6 +21,13 @@ def _positive_int(s: str) -> int:
     v = int(s)
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _logprobs_count(s: str) -> int:
+    v = int(s)
+    if v < -1:
+        raise argparse.ArgumentTypeError(f"must be >= 0, or -1 for the vocabulary size, got {v}")
     return v
 
 
@@ -85,6 +93,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--speculative-config", type=speculative_config_arg, default=None, help=SPECULATIVE_CONFIG_HELP)
+    p.add_argument("--max-logprobs", type=_logprobs_count, default=None,
+                   help="most logprobs / prompt_logprobs a request may ask for; -1 = the vocabulary (default 20)")
+    p.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=None,
+                   help="what generated-token logprobs report when a request does not say (default raw_logprobs)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the throwaway requests run before serving (they take the one-time costs of the "
                         "first kernel calls off the first clients' latency)")
@@ -95,6 +107,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_lora_args(p)
     add_threading_args(p)
     add_parallel_args(p)
+    p.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                   help="engine replicas (processes on their own CPU slices) behind this server (default 1)")
+    p.add_argument("--dp-routing", choices=("least_loaded", "prefix"), default="least_loaded",
+                   help="which replica serves a request: least_loaded (fewest in flight) or prefix (same prompt "
+                        "prefix, same replica and prefix cache, unless it is much busier)")
     return p
 
 
@@ -108,7 +125,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 
 _ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "device", "kv_cache_memory_gb",
                 "num_kv_blocks", "block_size", "enable_prefix_caching", "seed", "kv_cache_dtype", "quantization",
-                "speculative_config")
+                "speculative_config", "max_logprobs", "logprobs_mode")
 
 
 def engine_kwargs(args) -> dict:
@@ -132,6 +149,10 @@ def run(args) -> int:
     from pagellm.entrypoints.uvicorn_server import GracefulServer
     from pagellm.logger import init_logger
 
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from pagellm.entrypoints.dp_serve import run_data_parallel  # noqa: PLC0415
+
+        return run_data_parallel(args)
     logger = init_logger("pagellm.serve")
     api_key = args.api_key or os.environ.get("PAGELLM_API_KEY") or None
     export_threading_args(args)

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagellm.distributed import get_tp_size
+from pagellm.distributed import get_pp_size, get_tp_size
 from pagellm.distributed.weight_slices import iter_mmap_weights_with_file
 from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file, tensor_headers, weight_files
 from pagellm.model_loader.gguf_native import NativeGGUFPlan, plan_native_gguf
@@ -135,7 +135,8 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
             yield from native.weights()
             return
         # a tensor-parallel rank reads only its slices: views of the mapped files, narrowed before the copy
-        source = (iter_weights_with_file(files) if get_tp_size() == 1
+        # (a pipeline stage likewise: the tensors of other stages' layers are skipped without being read)
+        source = (iter_weights_with_file(files) if get_tp_size() == 1 and get_pp_size() == 1
                   else iter_mmap_weights_with_file(weight_files(Path(files.path))))
         for f, name, tensor in source:
             where["file"] = f

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pagellm.attention.base import AttentionLayerSpec
+from pagellm.distributed.pipeline import absent_prefixes
 from pagellm.kv_cache.spec import FullAttentionSpec, KVCacheSpec, SharedKVSpec, SlidingWindowSpec
 from pagellm.layers.attention import Attention
 from pagellm.layers.linear import MergedLinear, WeightShapeError, default_weight_loader
@@ -150,8 +151,9 @@ class CausalLMBase(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        other_stages = absent_prefixes(self)  # a pipeline stage skips (and so never reads) the others' tensors
         for name, tensor in weights:
-            if name.endswith(self.ignored_weight_suffixes):
+            if name.endswith(self.ignored_weight_suffixes) or (other_stages and name.startswith(other_stages)):
                 continue
             if self.tie_word_embeddings and name.startswith("lm_head."):
                 continue  # tied: the embedding provides it (HF ignores it too)

@@ -5,10 +5,15 @@ Op order follows transformers' LlamaForCausalLM so float32 results match it.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
-from pagellm.distributed import get_tp_state
+from pagellm.distributed import get_pp_state, get_tp_state
+from pagellm.distributed.pipeline import (
+    StageAbsent, check_kv_sharing_within_stages, recv_activations, send_activations,
+)
 from pagellm.distributed.sharding import partition_heads
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.attention import Attention
@@ -154,20 +159,37 @@ class LlamaModel(nn.Module):
                  prefix: str = "model", kv_sharing: dict[int, int] | None = None) -> None:
         super().__init__()
         kv_sharing = kv_sharing or {}
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype, quant_config=quant_config,
-                                           prefix=f"{prefix}.embed_tokens")
+        # a pipeline stage (pagellm.distributed.pipeline) builds its own layers only; StageAbsent keeps the
+        # others' HF names so the loader skips their tensors. A single stage builds everything.
+        pp = get_pp_state()
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.start_layer = pp.layer_start
+        self.end_layer = config.num_hidden_layers if pp.layer_end is None else pp.layer_end
+        tied_head_here = pp.is_last_stage and bool(getattr(config, "tie_word_embeddings", False))
+        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                            quant_config=quant_config, prefix=f"{prefix}.embed_tokens")
+                             if pp.is_first_stage or tied_head_here else StageAbsent("embed_tokens"))
         self.layers = nn.ModuleList(
             [layer_cls(config, i, dtype, window_fn(config, i), quant_config=quant_config,
                        prefix=f"{prefix}.layers.{i}", **({"kv_source_layer": kv_sharing[i]} if i in kv_sharing else {}))
+             if self.start_layer <= i < self.end_layer else StageAbsent(f"layer {i}")
              for i in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = (RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype) if pp.is_last_stage
+                     else StageAbsent("norm"))
 
     def forward(self, input_ids, positions, ctx):
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+        """[T] ids -> [T, H] final hidden states (a stage before the last: its layers' output, sent on)."""
+        pp = get_pp_state()
+        if pp.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if not pp.is_last_stage:
+            send_activations(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -184,11 +206,13 @@ class LlamaForCausalLM(CausalLMBase):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         # sharing layer -> target (kv_sharing.py), checked before anything is allocated
         self.kv_sharing = resolve_kv_sharing(config, config.num_hidden_layers, self._kv_cache_kind)
+        check_kv_sharing_within_stages(self.kv_sharing)
         self.model = LlamaModel(config, dtype, self.layer_cls, self.window_size_for_layer, quant_config=quant_config,
                                 kv_sharing=self.kv_sharing)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
-                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-                              quant_config=quant_config, prefix="lm_head")
+        self.lm_head = (LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
+                               tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+                               quant_config=quant_config, prefix="lm_head")
+                        if get_pp_state().is_last_stage else StageAbsent("lm_head"))
 
     @staticmethod
     def window_size_for_layer(config, layer_idx: int) -> int:

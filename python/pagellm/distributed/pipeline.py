@@ -1,0 +1,107 @@
+"""Pipeline parallelism: the decoder layers split into contiguous stages, one stage per group of ranks.
+
+    rank grid (tp x pp): global rank = pp_rank * tp_size + tp_rank
+    stage s holds layers stage_layer_range(L, s, pp); stage 0 also the embedding, the last stage the final
+    norm + LM head (and the embedding too when the head is tied to it)
+
+Every rank receives the same SchedulerOutput. Stage s > 0 receives (hidden, residual) [T, H] from the rank
+with its tp_rank in stage s-1 (T = the step's scheduled tokens, known to every stage, so no shape is sent),
+runs its layers and sends on; the last stage computes the logits and its output is the step's output. A
+stage's KV cache holds only its own layers; block ids are shared: the driver's one block manager decides
+them for every stage (each stage sizes its cache for 1/pp of the layers from 1/(tp*pp) of the memory, so
+every stage fits the same number of blocks).
+
+Micro-batches in flight (not built yet): now every stage idles while the others run (stage s waits for
+s-1's activations, the driver waits for the last stage). Keeping pp micro-batches in flight needs:
+  - the scheduler to hand out up to pp SchedulerOutputs before the first one's tokens are known, over
+    disjoint requests (a request's next step needs its sampled token), each with its own block
+    allocations, and to hold a request that is in flight out of the next batches (an "in flight" state
+    beside running / waiting, set at schedule time, cleared at update time);
+  - the executor to send step k+1 to stage 0 while step k runs on stage 1 (a queue of outstanding
+    steps per stage, replies matched by step_id) and the engine loop to update with step k's output
+    while step k+1 runs: `step()` becomes schedule -> submit -> collect the oldest finished step;
+  - abort / preemption to wait for (or discard) an in-flight step's output of that request.
+The C++ scheduler does none of this today (one SchedulerOutput, then update), so the stages run one batch
+at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagellm.distributed.parallel_state import get_pp_state
+
+
+def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers stage `pp_rank` of `pp_size` holds: contiguous, as even as possible
+    (the first num_layers % pp_size stages hold one more). ValueError when a stage would hold none."""
+    for name, value in (("num_layers", num_layers), ("pp_size", pp_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp_size}) is more than the model's {num_layers} decoder layers: "
+                         f"every stage needs at least one")
+    if isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be an integer in [0, {pp_size}), got {pp_rank!r}")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (1 if pp_rank < extra else 0)
+
+
+class StageAbsent(nn.Module):
+    """Stands where a module of another pipeline stage would be: no parameters (the loader skips the
+    checkpoint tensors under its name without reading them), and it is never called."""
+
+    def __init__(self, what: str = "") -> None:
+        super().__init__()
+        self.what = what
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"{self.what or 'this module'} belongs to another pipeline stage")
+
+
+def absent_prefixes(model: nn.Module) -> tuple[str, ...]:
+    """Name prefixes ("model.layers.3.") of the modules `model` leaves to other pipeline stages."""
+    return tuple(f"{name}." for name, m in model.named_modules() if isinstance(m, StageAbsent))
+
+
+def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
+    """Send this stage's output (hidden, residual), each [T, H], to the next stage (blocking)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    state = get_pp_state()
+    if state.next_rank is None:
+        raise RuntimeError(f"pipeline stage {state.rank} of {state.size} has no next stage to send to")
+    if hidden.shape[0] == 0:  # both sides know T: nothing to send for an empty step
+        return
+    dist.send(hidden.contiguous(), dst=state.next_rank)
+    dist.send(residual.contiguous(), dst=state.next_rank)
+
+
+def recv_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+                     device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """The previous stage's (hidden, residual), each [num_tokens, hidden_size] (blocking)."""
+    import torch.distributed as dist  # noqa: PLC0415
+
+    state = get_pp_state()
+    if state.prev_rank is None:
+        raise RuntimeError(f"pipeline stage {state.rank} of {state.size} has no previous stage to receive from")
+    hidden = torch.empty((num_tokens, hidden_size), dtype=dtype, device=device)
+    residual = torch.empty_like(hidden)
+    if num_tokens:
+        dist.recv(hidden, src=state.prev_rank)
+        dist.recv(residual, src=state.prev_rank)
+    return hidden, residual
+
+
+def check_kv_sharing_within_stages(kv_sharing: dict[int, int]) -> None:
+    """ValueError when a layer reads the KV cache of a layer on another pipeline stage (each stage holds only
+    its own layers' caches). `kv_sharing`: reading layer -> owning layer."""
+    state = get_pp_state()
+    if state.size == 1:
+        return
+    crossing = {i: t for i, t in kv_sharing.items() if state.owns_layer(i) != state.owns_layer(t)}
+    if crossing:
+        raise ValueError(f"pipeline_parallel_size={state.size}: layers {sorted(crossing)} read the KV cache of layers "
+                         f"on another stage ({crossing}); cross-stage KV sharing is not supported")

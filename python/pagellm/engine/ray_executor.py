@@ -1,0 +1,304 @@
+"""The "ray" executor: tensor_parallel_size ranks as Ray actors, placed by a placement group, on one
+machine or across a Ray cluster (`ray start --head` / `ray start --address=<head>:6379`).
+
+    driver (engine, scheduler, block manager; ray.init)
+       │ each call: (args, kwargs) put in the object store once (the step's SchedulerOutputSnapshot),
+       │ the same reference sent to every actor
+       ▼
+    RayWorkerActor rank 0 … tp-1 (ray_worker.py: a Worker each, one gloo group whose rendezvous is a
+                                  free port on rank 0's node)
+
+Start-up, every step bounded: the address is probed first (PAGELLM_RAY_CONNECT_TIMEOUT_S, default 10 s; a
+ValueError names it), the placement group must be placed within PAGELLM_RAY_PLACEMENT_TIMEOUT_S (60 s),
+every actor reports its node and its pagellm / torch / python versions (a mismatch with the driver's is a
+ValueError naming the node), then the Workers are built. Calls wait at most PAGELLM_RAY_STEP_TIMEOUT_S
+(300 s). A dead actor (ray.exceptions.RayActorError) fails the call with `WorkerDiedError` naming its rank
+and node; the executor is then broken (later calls raise at once) and its actors are killed, so the
+engine's step recovery fails the step's requests and /health reports it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import weakref
+from collections import Counter
+from dataclasses import replace
+from typing import Any, Callable
+
+from pagellm.config import EngineConfig
+from pagellm.distributed.validation import check_tensor_parallel
+from pagellm.engine.executor import ExecutorBase, register_executor
+from pagellm.engine.model_runner import ModelRunnerOutput
+from pagellm.engine.mp_executor import WorkerDiedError, per_rank_config
+from pagellm.engine.mp_worker import SchedulerOutputSnapshot
+from pagellm.engine.ray_worker import RayWorkerActor, local_versions
+from pagellm.engine.worker import Worker
+from pagellm.logger import init_logger
+from pagellm.threading_config import ThreadingConfig
+
+logger = init_logger(__name__)
+
+CONNECT_TIMEOUT_ENV = "PAGELLM_RAY_CONNECT_TIMEOUT_S"
+PLACEMENT_TIMEOUT_ENV = "PAGELLM_RAY_PLACEMENT_TIMEOUT_S"
+STEP_TIMEOUT_ENV = "PAGELLM_RAY_STEP_TIMEOUT_S"
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    try:
+        value = float(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be a number of seconds > 0, got {raw!r}")
+    return value
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    """'host:port' or 'ray://host[:port]' (Ray Client, port 10001 by default) -> (host, port)."""
+    rest = address[len("ray://"):] if address.startswith("ray://") else address
+    host, sep, port = rest.rpartition(":")
+    if not sep:
+        if not address.startswith("ray://"):
+            raise ValueError(f"Ray address {address!r} must be 'host:port', 'ray://host[:port]', 'auto' or 'local'")
+        host, port = rest, "10001"
+    try:
+        return host.strip("[]"), int(port)
+    except ValueError:
+        raise ValueError(f"Ray address {address!r}: port {port!r} is not a number") from None
+
+
+def _ask_gcs(address: str, timeout_s: float) -> None:
+    """Raise unless a Ray GCS answers at `address` within `timeout_s` (a port that accepts connections may
+    belong to anything: a proxy, another server). The question runs in a daemon thread so a client that
+    keeps retrying cannot hold the caller past the deadline."""
+    import threading  # noqa: PLC0415
+
+    from ray._raylet import GcsClient  # noqa: PLC0415 - what `ray health-check` uses
+
+    outcome: list = []
+
+    def ask() -> None:
+        try:
+            GcsClient(address=address).internal_kv_get(b"pagellm-probe", b"pagellm", timeout=timeout_s)
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported by the caller
+            outcome.append(e)
+
+    thread = threading.Thread(target=ask, name="pagellm-ray-probe", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise TimeoutError(f"no answer from a Ray GCS within {timeout_s:g} s")
+    if outcome[0] is not None:
+        raise ConnectionError(f"not a Ray GCS ({type(outcome[0]).__name__}: {outcome[0]})")
+
+
+def connect_ray(address: str | None, timeout_s: float) -> None:
+    """Connect this process to Ray: `address` (or RAY_ADDRESS) when given, else the Ray this process already
+    joined, else a new local instance. ValueError naming the address when it does not answer within
+    `timeout_s` (probed before Ray is asked: Ray's own retries take minutes)."""
+    import ray  # noqa: PLC0415
+
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    if address not in (None, "auto", "local"):
+        host, port = _host_port(address)
+        try:
+            socket.create_connection((host, port), timeout=timeout_s).close()
+            if not address.startswith("ray://"):  # Ray Client speaks its own protocol: the TCP answer must do
+                _ask_gcs(f"{host}:{port}", timeout_s)
+        except OSError as e:  # ConnectionError and TimeoutError included
+            raise ValueError(f"Ray address {address!r} does not answer ({type(e).__name__}: {e}; waited at most "
+                             f"{timeout_s:g} s, {CONNECT_TIMEOUT_ENV}); start the head with `ray start --head` "
+                             f"or fix ray_address / RAY_ADDRESS") from None
+    if ray.is_initialized():
+        return  # e.g. the caller's ray.init(): its cluster is the one to use
+    try:
+        ray.init(address=address, ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, TimeoutError) as e:
+        raise ValueError(f"could not connect to Ray at {address or 'a new local instance'!r}: {e}") from None
+
+
+def check_node_versions(driver: dict[str, str], node_infos: list[dict[str, Any]]) -> None:
+    """ValueError naming the first rank's node whose pagellm / torch / python differs from the driver's."""
+    for rank, info in enumerate(node_infos):
+        diffs = [f"{pkg} {info['versions'].get(pkg)} (driver: {want})" for pkg, want in driver.items()
+                 if info["versions"].get(pkg) != want]
+        if diffs:
+            raise ValueError(f"Ray node {info['ip']} (host {info['hostname']}, node id {info['node_id'][:12]}), "
+                             f"where rank {rank} was placed, runs {', '.join(diffs)}: install the same pagellm, "
+                             f"torch and python on every node of the Ray cluster")
+
+
+def _release(actors: list, pg) -> None:
+    """Kill every actor and remove the placement group (idempotent; tolerant of a Ray already shut down)."""
+    import ray  # noqa: PLC0415
+    from ray.util.placement_group import remove_placement_group  # noqa: PLC0415
+
+    if not ray.is_initialized():
+        return
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # noqa: BLE001 - already dead
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:  # noqa: BLE001 - already removed
+            pass
+
+
+@register_executor("ray")
+class RayExecutor(ExecutorBase):
+    """tensor_parallel_size ranks as Ray actors, one placement-group bundle each; rank 0's output is the step's."""
+
+    def __init__(self, config: EngineConfig, model_files) -> None:
+        super().__init__(config, model_files)
+        import ray  # noqa: PLC0415
+
+        pc, mc = config.parallel_config, config.model_config
+        self.tp_size = pc.tensor_parallel_size
+        if getattr(pc, "pipeline_parallel_size", 1) > 1:
+            raise ValueError(f"pipeline_parallel_size={pc.pipeline_parallel_size}: the ray executor runs tensor "
+                             f"parallelism only for now; use distributed_executor_backend='mp'")
+        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
+                              lora_enabled=config.lora_config is not None)
+        self.step_timeout_s = _env_seconds(STEP_TIMEOUT_ENV, 300.0)
+        placement_timeout_s = _env_seconds(PLACEMENT_TIMEOUT_ENV, 60.0)
+        connect_ray(pc.ray_address, _env_seconds(CONNECT_TIMEOUT_ENV, 10.0))
+        self._broken: WorkerDiedError | None = None
+        self.actors: list = []
+        self.node_infos: list[dict[str, Any]] = []
+        self.cpus_per_rank = ThreadingConfig.from_env().num_threads or 1
+        self.placement_group = self._place(pc.ray_placement_strategy, placement_timeout_s)
+        self._finalizer = weakref.finalize(self, _release, self.actors, self.placement_group)
+        try:
+            self._start_actors(ray, placement_timeout_s)
+            self._num_kv_blocks = min(self._init_workers(config, model_files))
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("ray executor: %d ranks on nodes %s, %d KV blocks each", self.tp_size,
+                    [i["ip"] for i in self.node_infos], self._num_kv_blocks)
+
+    # ---- start-up ---------------------------------------------------------------------------------------
+    def _place(self, strategy: str, timeout_s: float):
+        import ray  # noqa: PLC0415
+        from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
+
+        bundles = [{"CPU": self.cpus_per_rank} for _ in range(self.tp_size)]
+        pg = placement_group(bundles, strategy=strategy)
+        if not pg.wait(timeout_seconds=timeout_s):
+            remove_placement_group(pg)
+            raise ValueError(f"Ray could not place {self.tp_size} bundles of {{'CPU': {self.cpus_per_rank}}} "
+                             f"(strategy {strategy}) within {timeout_s:g} s ({PLACEMENT_TIMEOUT_ENV}); the cluster "
+                             f"has {ray.available_resources().get('CPU', 0):g} CPUs free. Add nodes or lower "
+                             f"tensor_parallel_size / PAGELLM_NUM_THREADS")
+        return pg
+
+    def _start_actors(self, ray, timeout_s: float) -> None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # noqa: PLC0415
+
+        env = {k: v for k, v in os.environ.items() if k.startswith("PAGELLM_")}  # threads, timeouts, binding
+        actor_cls = ray.remote(RayWorkerActor)
+        for rank in range(self.tp_size):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
+                                                        placement_group_bundle_index=rank)
+            options = {"num_cpus": self.cpus_per_rank, "scheduling_strategy": strategy, "max_restarts": 0}
+            if env:
+                options["runtime_env"] = {"env_vars": env}
+            self.actors.append(actor_cls.options(**options).remote())
+        self.node_infos = self._gather([a.node_info.remote() for a in self.actors], timeout_s, "start-up")
+        check_node_versions(local_versions(), self.node_infos)
+
+    def _init_workers(self, config: EngineConfig, model_files) -> list[int]:
+        import ray  # noqa: PLC0415
+
+        # ranks sharing a node share its memory: each sizes its KV cache from its share of the budget
+        ranks_per_node = max(Counter(i["node_id"] for i in self.node_infos).values())
+        rank_config = per_rank_config(config, ranks_per_node)
+        files = ray.put(replace(model_files, tokenizer=None))  # the ranks never tokenize
+        master_ip = self.node_infos[0]["ip"]
+        port = self._gather([self.actors[0].free_port.remote()], self.step_timeout_s, "start-up")[0]
+        refs = [a.init_worker.remote(rank, self.tp_size, master_ip, port, rank_config, files, self.step_timeout_s)
+                for rank, a in enumerate(self.actors)]
+        return self._gather(refs, 2 * self.step_timeout_s, "start-up")
+
+    # ---- the executor interface -------------------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    @property
+    def broken_error(self) -> WorkerDiedError | None:
+        """Why the executor cannot run calls any more (an actor died or stopped answering); None while healthy."""
+        return self._broken
+
+    def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
+        snapshot = sched_out if isinstance(sched_out, SchedulerOutputSnapshot) else SchedulerOutputSnapshot.of(sched_out)
+        return self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)[0]
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
+                       kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if isinstance(method, str):
+            if method.startswith("_") or not callable(getattr(Worker, method, None)):
+                raise AttributeError(f"Worker has no public method {method!r}")
+        elif not callable(method):
+            raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
+        return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
+
+    def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:
+        import ray  # noqa: PLC0415
+
+        if self._broken is not None:
+            raise self._broken
+        call = ray.put((args, kwargs))  # once; every actor reads the same object
+        refs = [a.execute.remote(method, call, reply_with_result) for a in self.actors]
+        return self._gather(refs, self.step_timeout_s, f"call {getattr(method, '__name__', method)!r}")
+
+    def _gather(self, refs: list, timeout_s: float, what: str) -> list[Any]:
+        """Every actor's reply in rank order; a rank's exception is raised after all replied (bounded),
+        WorkerDiedError when an actor dies or the deadline passes (then the executor is broken)."""
+        import ray  # noqa: PLC0415
+        from ray.exceptions import RayActorError, WorkerCrashedError  # noqa: PLC0415
+
+        pending = {ref: rank for rank, ref in enumerate(refs)}
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise self._mark_broken(min(pending.values()), f"during {what}: no reply within {timeout_s:g} s")
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=min(remaining, 1.0))
+            for ref in ready:
+                rank = pending.pop(ref)
+                try:
+                    results[rank] = ray.get(ref)
+                except (RayActorError, WorkerCrashedError) as e:
+                    raise self._mark_broken(rank, f"during {what} ({type(e).__name__})") from None
+                except Exception as e:  # noqa: BLE001 - the rank's own error (RayTaskError is also its type)
+                    errors[rank] = e
+                    deadline = min(deadline, time.monotonic() + 30.0)  # the others may wait in a collective
+        if errors:
+            raise errors[min(errors)]
+        return [results[r] for r in range(len(refs))]
+
+    def _mark_broken(self, rank: int, when: str) -> WorkerDiedError:
+        where = ""
+        if rank < len(self.node_infos):
+            info = self.node_infos[rank]
+            where = f" (Ray actor pid {info['pid']} on node {info['ip']}, host {info['hostname']})"
+        hint = ("; an actor that cannot start on a node is often a Ray / Python version mismatch there"
+                if "start-up" in when and not self.node_infos else "")
+        self._broken = WorkerDiedError(f"tensor-parallel worker rank {rank}{where} died or stopped answering "
+                                       f"{when}; the ray executor is unusable (its other actors were killed){hint}")
+        logger.error("%s", self._broken)
+        self.shutdown()
+        return self._broken
+
+    def shutdown(self) -> None:
+        """Kill every actor and remove the placement group (idempotent). Ray itself stays connected."""
+        self._finalizer()
