@@ -58,7 +58,7 @@ def _eos_ids(files, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods):
+class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.MaintenanceMethods):
     def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True,
                  proposer: BaseProposer | None = None) -> None:
         from pagellm import _C  # noqa: PLC0415
@@ -410,31 +410,6 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods):
         """Run a Worker method (by name) or `fn(worker, *args, **kwargs)` on every worker; results in rank
         order. Call between steps (an RL trainer's weight update, a kernel swap, a memory probe)."""
         return self.executor.collective_rpc(method, args, kwargs)
-
-    # weights and memory (engine/maintenance.py): between steps, from a trainer or an admin route
-    def update_weights(self, named_tensors, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
-        """Replace weights in place from (hf_name, tensor) pairs, all checked before any changes."""
-        return maintenance.update_weights(self, "update_weights", (list(named_tensors), check_finite), {},
-                                          reset_prefix_cache)
-
-    def update_weights_from_disk(self, path, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
-        return maintenance.update_weights(self, "update_weights_from_disk", (str(path), check_finite), {},
-                                          reset_prefix_cache)
-
-    def update_weights_from_distributed(self, group, names, dtypes, shapes, *, src: int = 0,
-                                        check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
-        return maintenance.update_weights(self, "update_weights_from_distributed",
-                                          (group, names, dtypes, shapes, src, check_finite), {}, reset_prefix_cache)
-
-    def sleep(self, level: int = 1) -> dict:
-        return maintenance.sleep(self, level)
-
-    def wake_up(self) -> None:
-        maintenance.wake_up(self)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.sleep_level is not None
 
     @property
     def _driver_worker(self):

@@ -32,7 +32,7 @@ def _after_state_change(engine, reset_prefix_cache: bool) -> bool:
     return bool(engine.reset_prefix_cache()) if reset_prefix_cache else False
 
 
-def update_weights(engine, rpc_method: str, args: tuple, kwargs: dict[str, Any],
+def run_weight_update(engine, rpc_method: str, args: tuple, kwargs: dict[str, Any],
                    reset_prefix_cache: bool = True) -> dict[str, Any]:
     """Run one of the Worker's update_weights* methods on every worker, then reset what the old weights
     computed. Returns {"num_tensors", "prefix_cache_reset"}. Any refusal (WeightUpdateError, TypeError)
@@ -44,7 +44,7 @@ def update_weights(engine, rpc_method: str, args: tuple, kwargs: dict[str, Any],
     return {"num_tensors": int(counts[0]), "prefix_cache_reset": _after_state_change(engine, reset_prefix_cache)}
 
 
-def sleep(engine, level: int = 1) -> dict[str, Any]:
+def put_to_sleep(engine, level: int = 1) -> dict[str, Any]:
     """Release the KV cache on every worker and the proposer's own (a draft model's; level 2: the weights
     too). Refused (RuntimeError) with requests unfinished or when already asleep; ValueError for a level not
     in SLEEP_LEVELS. Returns {"level", "freed_bytes"} (the driver worker's measured drop plus the proposer's)."""
@@ -62,7 +62,7 @@ def sleep(engine, level: int = 1) -> dict[str, Any]:
     return {"level": level, "freed_bytes": int(results[0]["freed_bytes"]) + int(proposer_freed)}
 
 
-def wake_up(engine) -> None:
+def wake_engine(engine) -> None:
     """Restore what sleep released (zeroed KV cache, saved weights); a no-op when awake."""
     if getattr(engine, "sleep_level", None) is None:
         return
@@ -71,3 +71,33 @@ def wake_up(engine) -> None:
     if proposer_wake_up is not None:  # after the workers: a self-draft's shared weights are theirs
         proposer_wake_up()
     engine.sleep_level = None
+
+
+class MaintenanceMethods:
+    """LLMEngine's weights-and-memory methods (a mixin; the engine provides collective_rpc, proposer,
+    reset_prefix_cache, has_unfinished_requests and `sleep_level`). Call between steps: from a trainer or an
+    admin route."""
+
+    sleep_level: int | None = None
+
+    def update_weights(self, named_tensors, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        """Replace weights in place from (hf_name, tensor) pairs, all checked before any changes."""
+        return run_weight_update(self, "update_weights", (list(named_tensors), check_finite), {}, reset_prefix_cache)
+
+    def update_weights_from_disk(self, path, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        return run_weight_update(self, "update_weights_from_disk", (str(path), check_finite), {}, reset_prefix_cache)
+
+    def update_weights_from_distributed(self, group, names, dtypes, shapes, *, src: int = 0,
+                                        check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
+        return run_weight_update(self, "update_weights_from_distributed",
+                                 (group, names, dtypes, shapes, src, check_finite), {}, reset_prefix_cache)
+
+    def sleep(self, level: int = 1) -> dict:
+        return put_to_sleep(self, level)
+
+    def wake_up(self) -> None:
+        wake_engine(self)
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.sleep_level is not None
