@@ -43,6 +43,16 @@ def get_executor_cls(name: str) -> type["ExecutorBase"]:
     return _EXECUTORS[name]
 
 
+def check_rpc_method(method: str | Callable[..., Any]) -> None:
+    """What every executor's collective_rpc accepts, checked before any worker runs anything: a public Worker
+    method's name (else AttributeError) or a callable taking the worker first (else TypeError)."""
+    if isinstance(method, str):
+        if method.startswith("_") or not callable(getattr(Worker, method, None)):
+            raise AttributeError(f"Worker has no public method {method!r}")
+    elif not callable(method):
+        raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
+
+
 class ExecutorBase(ABC):
     """Owns the workers. Every worker holds the same KV-cache geometry, so `num_kv_blocks` is one number."""
 
@@ -87,10 +97,7 @@ class UniProcExecutor(ExecutorBase):
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         kwargs = kwargs or {}
+        check_rpc_method(method)
         if isinstance(method, str):
-            if method.startswith("_") or not callable(getattr(Worker, method, None)):
-                raise AttributeError(f"Worker has no public method {method!r}")
             return [getattr(w, method)(*args, **kwargs) for w in self.workers]
-        if not callable(method):
-            raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
         return [method(w, *args, **kwargs) for w in self.workers]

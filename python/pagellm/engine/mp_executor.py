@@ -30,10 +30,9 @@ import torch.multiprocessing as torch_mp
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.validation import check_pipeline_parallel, check_tensor_parallel, cpu_slices
-from pagellm.engine.executor import ExecutorBase, register_executor
+from pagellm.engine.executor import ExecutorBase, check_rpc_method, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
 from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, output_rank, worker_main
-from pagellm.engine.worker import Worker
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -147,11 +146,7 @@ class MultiprocExecutor(ExecutorBase):
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        if isinstance(method, str):
-            if method.startswith("_") or not callable(getattr(Worker, method, None)):
-                raise AttributeError(f"Worker has no public method {method!r}")
-        elif not callable(method):
-            raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
+        check_rpc_method(method)
         return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
 
     def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:

@@ -29,12 +29,11 @@ from typing import Any, Callable
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.validation import check_tensor_parallel
-from pagellm.engine.executor import ExecutorBase, register_executor
+from pagellm.engine.executor import ExecutorBase, check_rpc_method, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
 from pagellm.engine.mp_executor import WorkerDiedError, per_rank_config
 from pagellm.engine.mp_worker import SchedulerOutputSnapshot
 from pagellm.engine.ray_worker import RayWorkerActor, local_versions
-from pagellm.engine.worker import Worker
 from pagellm.logger import init_logger
 from pagellm.threading_config import ThreadingConfig
 
@@ -243,11 +242,7 @@ class RayExecutor(ExecutorBase):
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
-        if isinstance(method, str):
-            if method.startswith("_") or not callable(getattr(Worker, method, None)):
-                raise AttributeError(f"Worker has no public method {method!r}")
-        elif not callable(method):
-            raise TypeError(f"method must be a Worker method name or a callable, got {type(method).__name__}")
+        check_rpc_method(method)
         return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
 
     def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:
