@@ -10,6 +10,7 @@ a tied head, so the last stage keeps the embedding for it).
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -27,6 +28,17 @@ pytest.importorskip("pagellm._C", reason="the engine needs the compiled schedule
 PROMPTS = [list(range(5, 11)), list(range(20, 57)), [7, 300, 3, 3, 3, 41, 99, 250, 18]]
 NEW_TOKENS = 16
 TOL = 1e-5
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bounded_waits():
+    old = os.environ.get("PAGELLM_MP_STEP_TIMEOUT_S")
+    os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = "120"
+    yield
+    if old is None:
+        os.environ.pop("PAGELLM_MP_STEP_TIMEOUT_S")
+    else:
+        os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = old
 
 
 def _write(path, tokenizer, cfg_cls, model_cls, **overrides):

@@ -32,6 +32,17 @@ NEW_TOKENS = 16
 TOL = 1e-5
 
 
+@pytest.fixture(autouse=True, scope="module")
+def bounded_waits():
+    old = os.environ.get("PAGELLM_MP_STEP_TIMEOUT_S")
+    os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = "120"
+    yield
+    if old is None:
+        os.environ.pop("PAGELLM_MP_STEP_TIMEOUT_S")
+    else:
+        os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = old
+
+
 def _write(path, tokenizer, cfg_cls, model_cls, **overrides):
     cfg = cfg_cls(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
