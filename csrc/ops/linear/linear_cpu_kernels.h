@@ -77,17 +77,17 @@ inline void linear_tile_fma(T* out, const T* x, const T* w, const T* bias, const
     }
 }
 
-#if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
+#ifdef PAGELLM_BF16_DOT  // vdpbf16ps, or its exact AVX2 emulation (cpu_vec_avx2.h)
 #define PAGELLM_LINEAR_DPBF16 1
 // ---------------------------------------------------------------- bf16 tile (vdpbf16ps)
 template <int MR, int NR>
 inline void linear_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                              const c10::BFloat16* bias, const LinearArgs& a, int64_t m0, int64_t n0) {
-  __m512 acc[MR][NR];
+  VecF acc[MR][NR];
   _Pragma("GCC unroll 16")
   for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 16")
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
   const c10::BFloat16* xr[MR];
   const c10::BFloat16* wr[NR];
   _Pragma("GCC unroll 16")
@@ -98,36 +98,35 @@ inline void linear_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c
   const bool first_mblock = (m0 == 0);
   int64_t k = 0;
   for (; k + 32 <= a.K; k += 32) {
-    __m512bh wv[NR];
+    BF16x32 wv[NR];
     _Pragma("GCC unroll 16")
     for (int j = 0; j < NR; ++j) {
-      if (first_mblock) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k + pf), _MM_HINT_T0);
-      wv[j] = (__m512bh)_mm512_loadu_si512(wr[j] + k);
+      if (first_mblock) __builtin_prefetch(wr[j] + k + pf, 0, 3);
+      wv[j] = bf16x32_load(wr[j] + k);
     }
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
-      __m512bh xv = (__m512bh)_mm512_loadu_si512(xr[i] + k);
+      BF16x32 xv = bf16x32_load(xr[i] + k);
       _Pragma("GCC unroll 16")
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+      for (int j = 0; j < NR; ++j) acc[i][j] = vdot_bf16(acc[i][j], wv[j], xv);
     }
   }
   if (k < a.K) {
-    const __mmask32 msk = static_cast<__mmask32>((1ull << (a.K - k)) - 1ull);
-    __m512bh wv[NR];
+    BF16x32 wv[NR];
     _Pragma("GCC unroll 16")
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(msk, wr[j] + k);
+    for (int j = 0; j < NR; ++j) wv[j] = bf16x32_load(wr[j] + k, a.K - k);
     _Pragma("GCC unroll 16")
     for (int i = 0; i < MR; ++i) {
-      __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(msk, xr[i] + k);
+      BF16x32 xv = bf16x32_load(xr[i] + k, a.K - k);
       _Pragma("GCC unroll 16")
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+      for (int j = 0; j < NR; ++j) acc[i][j] = vdot_bf16(acc[i][j], wv[j], xv);
     }
   }
   _Pragma("GCC unroll 16")
   for (int i = 0; i < MR; ++i)
     _Pragma("GCC unroll 16")
     for (int j = 0; j < NR; ++j) {
-      float s = _mm512_reduce_add_ps(acc[i][j]);
+      float s = vsum(acc[i][j]);
       if (bias) s += static_cast<float>(bias[n0 + j]);
       out[(m0 + i) * a.ldo + n0 + j] = c10::BFloat16(s);  // round-to-nearest-even
     }
@@ -161,8 +160,11 @@ inline void linear_ntile(T* out, const T* x, const T* w, const T* bias, const Li
   }
 }
 
+// Rows of x per pass over the weight: 64 rows of K <= 4096 bf16 stay in L2 while the weight streams past.
+constexpr int64_t kLinearMBlock = 64;
+
 template <typename T>
-void linear_small_m_kernel(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
+void linear_rows_block(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
   constexpr int64_t NR = 4;
   const int64_t tiles = (a.N + NR - 1) / NR;
   // ~>= 256 KiB of weight per task, so small matrices run inline and big ones split across threads.
@@ -178,6 +180,18 @@ void linear_small_m_kernel(T* out, const T* x, const T* w, const T* bias, const 
       }
     }
   });
+}
+
+// Batch invariant: every (row, output) dot product runs the same K loop (one 16-lane accumulator, K in
+// order, the same tail) and the same horizontal reduction whatever M is and wherever the row sits in an
+// M tile or M block; tiles and blocks only decide how often a loaded weight row is reused.
+template <typename T>
+void linear_small_m_kernel(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
+  for (int64_t m0 = 0; m0 < a.M; m0 += kLinearMBlock) {
+    LinearArgs b = a;
+    b.M = std::min(kLinearMBlock, a.M - m0);
+    linear_rows_block(out + m0 * a.ldo, x + m0 * a.ldx, w, bias, b);
+  }
 }
 
 }  // namespace pagellm::cpu

@@ -99,26 +99,24 @@ inline void moe_tile_fma(float* out, const TX* x, const TW* w, const ExpertGemmA
     _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) out[i * a.ldo + j] = vsum(acc[i][j]);
 }
 
-#if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
+#ifdef PAGELLM_BF16_DOT  // vdpbf16ps, or its exact AVX2 emulation (cpu_vec_avx2.h)
 #define PAGELLM_MOE_DPBF16 1
 // bf16 x bf16: products exact in fp32, two per lane per `vdpbf16ps`.
 template <int MR, int NR>
 inline void moe_tile_bf16(float* out, const c10::BFloat16* x, const c10::BFloat16* w, const ExpertGemmArgs& a) {
-  __m512 acc[MR][NR];
+  VecF acc[MR][NR];
   _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i)
-    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = vzero();
   for (int64_t k = 0; k < a.K; k += 32) {
-    const __mmask32 msk = a.K - k >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((1ull << (a.K - k)) - 1ull);
-    __m512bh wv[NR];
-    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j)
-      wv[j] = (__m512bh)_mm512_maskz_loadu_epi16(msk, w + j * a.K + k);
+    BF16x32 wv[NR];
+    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) wv[j] = bf16x32_load(w + j * a.K + k, a.K - k);
     _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i) {
-      const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(msk, x + i * a.ldx + k);
-      _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], wv[j], xv);
+      const BF16x32 xv = bf16x32_load(x + i * a.ldx + k, a.K - k);
+      _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) acc[i][j] = vdot_bf16(acc[i][j], wv[j], xv);
     }
   }
   _Pragma("GCC unroll 16") for (int i = 0; i < MR; ++i)
-    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) out[i * a.ldo + j] = _mm512_reduce_add_ps(acc[i][j]);
+    _Pragma("GCC unroll 16") for (int j = 0; j < NR; ++j) out[i * a.ldo + j] = vsum(acc[i][j]);
 }
 #endif
 

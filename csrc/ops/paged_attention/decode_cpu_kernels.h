@@ -72,13 +72,10 @@ inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_
   }
 }
 
-#if defined(PAGELLM_AVX512) && defined(__AVX512BF16__)
+#ifdef PAGELLM_BF16_DOT  // vdpbf16ps, or its exact AVX2 emulation (cpu_vec_avx2.h)
 #define PAGELLM_DECODE_BF16_DOT 1
 // bf16 x bf16 -> fp32 pair dot products (vdpbf16ps, 32 elements per instruction): no conversions.
 // q is the raw (unscaled) bf16 query; raw[(g * kDecodeTile + j) * kLanes ...] = the 16 partial sums of q_g . k_j.
-inline __m512i load_bf16x32(const c10::BFloat16* p, int64_t left) {
-  return left >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p);
-}
 template <int GN>
 inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
                                int64_t g0, float* raw, const void* const* pf) {
@@ -89,19 +86,19 @@ inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* con
     prefetch_bytes(pf[2 * j + 2], rb);
     prefetch_bytes(pf[2 * j + 3], rb);
     const c10::BFloat16* k1p = kp[j + 1 < n ? j + 1 : j];
-    __m512 a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = _mm512_setzero_ps();
+    VecF a0[GN], a1[GN];
+    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = vzero();
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh k0 = (__m512bh)load_bf16x32(kp[j] + d, D - d), k1 = (__m512bh)load_bf16x32(k1p + d, D - d);
+      const BF16x32 k0 = bf16x32_load(kp[j] + d, D - d), k1 = bf16x32_load(k1p + d, D - d);
       for (int g = 0; g < GN; ++g) {
-        const __m512bh q = (__m512bh)load_bf16x32(qb + (g0 + g) * D + d, D - d);
-        a0[g] = _mm512_dpbf16_ps(a0[g], k0, q);
-        a1[g] = _mm512_dpbf16_ps(a1[g], k1, q);
+        const BF16x32 q = bf16x32_load(qb + (g0 + g) * D + d, D - d);
+        a0[g] = vdot_bf16(a0[g], k0, q);
+        a1[g] = vdot_bf16(a1[g], k1, q);
       }
     }
     for (int g = 0; g < GN; ++g) {  // raw accumulators; decode_reduce_scores sums 16 keys at a time
-      _mm512_storeu_ps(raw + ((g0 + g) * kDecodeTile + j) * kLanes, a0[g]);
-      _mm512_storeu_ps(raw + ((g0 + g) * kDecodeTile + j + 1) * kLanes, a1[g]);
+      vstore(raw + ((g0 + g) * kDecodeTile + j) * kLanes, a0[g]);
+      vstore(raw + ((g0 + g) * kDecodeTile + j + 1) * kLanes, a1[g]);
     }
   }
 }
@@ -304,20 +301,18 @@ struct DecodePart {
   int64_t seq, kbeg, kend;
 };
 
-// Splits each sequence's visible context into partitions so that there are enough work items
-// (num_seqs * num_kv_heads * partitions) to keep every thread busy; part_off[s] indexes seq s's parts.
+// Keys per context partition: a constant, so a query's partitions (and with them its rounding: the online
+// softmax's tiles and the merge of partials) depend only on its own position, never on how many other
+// sequences share the call (batch invariance; speculative verify rows then match plain decode bit for bit).
+// 256 is what the old batch-1 rule chose for contexts up to 256 * 4 * threads / kv_heads tokens.
+constexpr int64_t kDecodePartition = 256;
+static_assert(kDecodePartition % kDecodeTile == 0, "partitions hold whole key tiles");
+
+// Splits each sequence's visible context into partitions of kDecodePartition keys (the last one shorter),
+// counted from the first visible key; part_off[s] indexes seq s's parts.
 template <typename T, typename C>
 std::vector<DecodePart> plan_decode(const PagedAttnArgs<T, C>& a, std::vector<int64_t>& part_off) {
-  const int64_t threads = pagellm::cpu::num_threads();
-  int64_t max_len = 0;
-  for (int64_t s = 0; s < a.num_seqs; ++s) max_len = std::max<int64_t>(max_len, a.seq_lens[s]);
-  const int64_t units = a.num_seqs * a.num_kv_heads;
-  int64_t part = std::max<int64_t>(max_len, 1);
-  if (units < 4 * threads) {
-    const int64_t want = (4 * threads + units - 1) / units;  // partitions per sequence
-    part = std::max<int64_t>(256, (max_len + want - 1) / want);
-    part = (part + kDecodeTile - 1) / kDecodeTile * kDecodeTile;
-  }
+  const int64_t part = kDecodePartition;
   std::vector<DecodePart> parts;
   part_off.assign(a.num_seqs + 1, 0);
   for (int64_t s = 0; s < a.num_seqs; ++s) {

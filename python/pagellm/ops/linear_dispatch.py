@@ -19,12 +19,17 @@ except Exception:  # pragma: no cover - depends on the build
 # Which kernel a bf16 CPU linear of M (flattened) rows runs (the one place this is decided; decode steps
 # replayed from a step graph replay the choice made here). Measured on the AMX dev machine:
 #   - torch.ops.pagellm.linear_small_m streams the weight once (AVX512-BF16): ~2-3x F.linear at M = 1-2;
-#     on a CPU without AMX it beats oneDNN's bf16 GEMM up to M = 16 (the 49152-wide LM head: 51 vs 107 ms at
-#     M = 16, 148 vs 132 ms at M = 32; session 7, Xeon without AMX), which covers spec rows of 1 + k tokens;
 #   - torch.ops.pagellm.linear_amx (AMX tiles) wins from M = 3 to 64, 1.2-2x oneDNN's bf16 GEMM, 1.1-1.4x
 #     at 128-256 on the wide shapes (gate/up, the LM head) and about even on the others;
 #   - beyond that (prefill chunks) torch's GEMM (oneDNN) is as fast or faster.
-SMALL_M_MAX = 2 if _AMX_OK else 16
+# On a CPU without AMX every bf16 row goes through linear_small_m, whatever M: its (row, output) dot products
+# round the same for every M (one K order, one lane reduction; M only decides weight reuse), so a token's
+# logits do not depend on what else shares the step (batch invariance: speculative verify rows of 1 + k
+# tokens and prefill chunks give the bits plain decode gives). Since its rows are blocked by 64 (x stays in
+# L2) it is within ~10 % of oneDNN's bf16 GEMM at M = 32-512 and 2-8x faster at M <= 16 (session 9, Xeon
+# without AMX, 2048 x 2048 and 8192 x 2048 weights). With AMX, rows 3-256 take AMX tiles, whose rounding
+# differs from linear_small_m's: bf16 batch invariance there is still to do.
+SMALL_M_MAX = 2 if _AMX_OK else 1 << 30  # without AMX: every M (steps hold far fewer tokens)
 AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
 

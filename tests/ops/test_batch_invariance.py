@@ -1,0 +1,144 @@
+"""Batch invariance of the CPU ops a bf16 decoder layer runs: a row's output bits do not depend on how many
+other rows share the call or where the row sits (what makes speculative verify rows of 1 + k tokens, and a
+sequence inside any batch, give exactly the bits of a plain single-token decode).
+
+Each op is compared against itself run on the row alone (the reference is the op's own single-row result:
+the property is about bits, not accuracy; accuracy against pagellm.ops.reference is tested elsewhere)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
+
+import pagellm.ops as ops  # noqa: E402
+from pagellm.ops import linear_dispatch  # noqa: E402
+
+OP = torch.ops.pagellm
+ROW_COUNTS = (1, 2, 3, 5, 8, 16, 17, 32, 64, 65, 150)
+
+
+def _rand(*shape, dtype=torch.bfloat16, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+
+def _rows_alone(fn, x):
+    """fn applied to each row of x on its own, stacked."""
+    return torch.cat([fn(x[i : i + 1]) for i in range(x.shape[0])])
+
+
+def _assert_rows_invariant(fn, x):
+    """fn over any slice x[j : j + M] equals fn's single-row results bit for bit."""
+    alone = _rows_alone(fn, x)
+    for m in ROW_COUNTS:
+        for j in (0, 7):
+            if j + m <= x.shape[0]:
+                assert torch.equal(fn(x[j : j + m]), alone[j : j + m]), f"rows {j}..{j + m}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [64, 200])  # 200: a K tail (masked loads)
+def test_linear_small_m_rows_do_not_depend_on_m(dtype, k):
+    w, b = _rand(37, k, dtype=dtype, seed=1, scale=0.1), _rand(37, dtype=dtype, seed=2)
+
+    def fn(x):
+        out = torch.empty(x.shape[0], 37, dtype=dtype)
+        OP.linear_small_m(out, x, w, b)
+        return out
+
+    _assert_rows_invariant(fn, _rand(160, k, dtype=dtype))
+
+
+def test_bf16_linear_dispatch_is_batch_invariant():
+    if linear_dispatch._AMX_OK:
+        pytest.skip("with AMX, rows 3-256 take AMX tiles whose rounding differs from linear_small_m's (still to do)")
+    w = _rand(48, 320, seed=3, scale=0.1)
+    x = _rand(300, 320, seed=4)
+    alone = _rows_alone(lambda r: linear_dispatch.linear(r, w), x)
+    for m in (5, 17, 64, 300):  # verify rows, a batch of them, a prefill chunk
+        assert torch.equal(linear_dispatch.linear(x[:m], w), alone[:m])
+
+
+def test_norm_rotary_silu_rows_do_not_depend_on_m():
+    h = 96
+    weight = _rand(h, seed=5)
+    x = _rand(160, h, seed=6)
+
+    def norm(r):
+        out = torch.empty_like(r)
+        ops.rms_norm(out, r, weight, 1e-5)
+        return out
+
+    def add_norm(r):
+        inp, res = r.clone(), (r * 0.5).contiguous()
+        ops.fused_add_rms_norm(inp, res, weight, 1e-5)
+        return torch.cat([inp, res], dim=1)
+
+    def silu(r):
+        out = torch.empty(r.shape[0], h // 2, dtype=r.dtype)
+        ops.silu_and_mul(out, r)
+        return out
+
+    for fn in (norm, add_norm, silu):
+        _assert_rows_invariant(fn, x)
+    head, rot = 32, 32
+    inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).to(torch.bfloat16)
+    positions = torch.randint(0, 512, (160,), generator=torch.Generator().manual_seed(7))
+    qk = _rand(160, 2 * head * 3, seed=8)  # 4 query heads | 2 key heads
+
+    def rope(r, pos):
+        q, k = r[:, : 4 * head].clone(), r[:, 4 * head :].clone()
+        ops.rotary_embedding(pos, q, k, head, cache, True)
+        return torch.cat([q, k], dim=1)
+
+    alone = torch.cat([rope(qk[i : i + 1], positions[i : i + 1]) for i in range(160)])
+    for m in ROW_COUNTS:
+        assert torch.equal(rope(qk[:m], positions[:m]), alone[:m])
+
+
+def _paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16, seed=9):
+    """A bf16 paged cache holding random K/V for sequences of `lens` tokens, blocks shuffled."""
+    blocks = [(n + block_size - 1) // block_size for n in lens]
+    total = sum(blocks)
+    shape = (total, num_kv_heads, block_size, head_dim)
+    kc, vc = _rand(*shape, seed=seed), _rand(*shape, seed=seed + 1)
+    perm = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).to(torch.int32)
+    tables = torch.zeros(len(lens), max(blocks), dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks):
+        tables[s, :nb] = perm[used : used + nb]
+        used += nb
+    return kc, vc, tables
+
+
+def _decode(q, kc, vc, tables, lens):
+    out = torch.empty_like(q)
+    OP.paged_attention_decode(out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125, -1, 0.0)
+    return out
+
+
+@pytest.mark.parametrize("num_heads", [2, 8])  # MHA and GQA (4 query heads per kv head)
+def test_decode_attention_does_not_depend_on_the_batch(num_heads):
+    lens = [600, 1, 33, 257, 1000]  # several 256-key partitions, one key, a partial tile, ...
+    kc, vc, tables = _paged_cache(lens)
+    q = _rand(len(lens), num_heads, 64, seed=11)
+    together = _decode(q, kc, vc, tables, lens)
+    for s, n in enumerate(lens):
+        alone = _decode(q[s : s + 1], kc, vc, tables[s : s + 1], [n])
+        assert torch.equal(together[s], alone[0]), f"sequence {s} ({n} keys)"
+
+
+def test_multi_query_decode_equals_single_token_decodes():
+    """A verify row of 1 + k tokens at positions p..p+k, as the cpu backend runs it (one query per token, the
+    row's block table repeated, context p + i + 1), equals plain decodes of each position."""
+    lens = [300, 40]
+    kc, vc, tables = _paged_cache(lens)
+    q = _rand(5, 8, 64, seed=12)
+    ctx = [296, 297, 298, 299, 300]  # positions 295..299 of sequence 0
+    row = _decode(q, kc, vc, tables[[0] * 5], ctx)
+    for i, n in enumerate(ctx):
+        assert torch.equal(row[i], _decode(q[i : i + 1], kc, vc, tables[:1], [n])[0])
