@@ -4,6 +4,7 @@
     python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
     python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -125,18 +126,25 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path) -> str:
     return str(dst)
 
 
-def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int) -> str:
+AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and symmetric clip search
+
+
+def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None) -> str:
     """An AWQ checkpoint of `model` made by `pagellm quantize --method awq` (its calibration text never
-    includes this benchmark's held-out excerpt), written once under `cache` and reused."""
+    includes this benchmark's held-out excerpt; group size `group`, None = the automatic choice), written once
+    under `cache` and reused."""
     from pagellm.entrypoints.quantize import quantize_model_awq
     from pagellm.model_loader import open_model
+    from pagellm.quantization.awq_calibrate import choose_group_size
 
-    src = Path(open_model(model).source).resolve()
-    out = cache / f"{src.stem}-awq-n{num_samples}-l{seq_len}"
+    files = open_model(model)
+    group = choose_group_size(files.hf_config, group)
+    src = Path(files.source).resolve()
+    out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
     t = time.perf_counter()
-    quantize_model_awq(model, out, num_samples=num_samples, seq_len=seq_len, overwrite=True,
+    quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
@@ -145,7 +153,7 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
 AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def awq_rtn_checkpoint(model: str | None, cache: Path) -> str:
+def awq_rtn_checkpoint(model: str | None, cache: Path, group: int | None = None) -> str:
     """The same format with plain round-to-nearest (`awq_format.quantize_awq` of every decoder linear, no
     activation-aware scaling, no clip search): AWQ's own baseline, and fast enough for the random 1B model."""
     from safetensors.torch import load_file
@@ -157,7 +165,7 @@ def awq_rtn_checkpoint(model: str | None, cache: Path) -> str:
 
     files = open_model(model)
     src = Path(files.path)
-    group = choose_group_size(files.hf_config, None)
+    group = choose_group_size(files.hf_config, group)
     out = cache / f"{Path(files.source).resolve().stem}-awq-rtn-g{group}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
@@ -176,17 +184,20 @@ def awq_rtn_checkpoint(model: str | None, cache: Path) -> str:
 
 
 def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
-    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "awq": the AWQ checkpoint
-    `awq_checkpoint` makes; else quantization=method."""
+    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "awq[:G]": the AWQ checkpoint
+    `awq_checkpoint` makes (group size G, default automatic); "awq-rtn[:G]": round-to-nearest; else
+    quantization=method."""
     from pagellm import LLM
 
     quantization = None if method == "bf16" else method
-    if method.startswith("int8:"):
-        model, quantization = with_int8_threshold(model, float(method.split(":", 1)[1]), tmp_root), None
-    if method == "awq":
-        model = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len)
-    if method == "awq-rtn":
-        model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache)), "awq"
+    name, _, option = method.partition(":")
+    if name == "int8" and option:
+        model, quantization = with_int8_threshold(model, float(option), tmp_root), None
+    if name == "awq":
+        model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
+                                             int(option) if option else None), None
+    if name == "awq-rtn":
+        model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
                kv_cache_memory_gb=0.5, block_size=16, seed=0)
 
@@ -278,7 +289,8 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,int8",
-                    help="comma-separated: bf16, int8:<threshold>, awq, awq-rtn (round-to-nearest, no calibration), or a registered quantization name")
+                    help="comma-separated: bf16, int8:<threshold>, awq[:<group>], awq-rtn[:<group>] (round-to-nearest, no "
+                         "calibration), or a registered quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
     ap.add_argument("--max-words", type=int, default=4000)

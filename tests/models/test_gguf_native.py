@@ -96,6 +96,38 @@ def test_native_layers_hold_the_files_blocks(tiny_gguf):
         assert torch.equal(gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features), ref.weight)
 
 
+def test_bf16_layers_are_row_packed_on_vnni_cpus(tiny_gguf):
+    """A half-precision model on an AVX-512 VNNI CPU holds its blocks row-packed for the VNNI kernel: unpacked
+    they are the file's bytes; embedding lookups still give the file's rows; in-place weight updates are
+    refused (they would write file-layout rows into packed groups); float32 models keep the file's layout."""
+    from pagellm.engine.weight_update import WeightUpdateError, plan_weight_update
+    from pagellm.quantization.gguf_packing import packing_pays_off, unpack_rows
+
+    if not packing_pays_off(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("packing applies to CPUs with AVX-512 VNNI (and no narrower PAGELLM_GGUF_CPU_ISA)")
+    files = open_model(tiny_gguf)
+    packed = build_model(files, "bfloat16", quantization="gguf")
+    plain = build_model(files, "float32", quantization="gguf")
+    num_packed = 0
+    for name, layer in packed.named_modules():
+        method = getattr(layer, "linear_method", None)
+        if not isinstance(method, GGUFLinearMethod):
+            continue
+        ref = plain.get_submodule(name)
+        assert not ref.linear_method.packed
+        num_packed += method.packed
+        assert method.packed == (layer.out_features >= 16), name
+        assert torch.equal(unpack_rows(layer.qweight, method.qtype), ref.qweight), name
+    assert num_packed > 0
+    ids = torch.tensor([[0, 5, files.hf_config.vocab_size - 1]])
+    torch.testing.assert_close(packed.model.embed_tokens(ids).float(),
+                               plain.model.embed_tokens(ids).to(torch.bfloat16).float(), rtol=0, atol=0)
+    qkv = packed.model.layers[0].self_attn.qkv_proj
+    if isinstance(qkv.linear_method, GGUFLinearMethod) and qkv.linear_method.packed:
+        with pytest.raises(WeightUpdateError, match="repacked"):
+            plan_weight_update(packed, [("model.layers.0.self_attn.q_proj.qweight", torch.zeros(1))])
+
+
 def test_native_matches_dequantized_path(tiny_gguf):
     files = open_model(tiny_gguf)
     native = build_model(files, "float32", quantization="gguf")

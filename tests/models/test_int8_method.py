@@ -99,7 +99,24 @@ def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir):
     assert methods and all(m.threshold == LOW_THRESHOLD for m in methods)
 
 
+def test_skip_modules_keep_those_linears_in_the_model_dtype(tiny_llama_dir, tmp_path):
+    path = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, path)
+    _write_config(path, quantization_config={"quant_method": "int8", "skip_modules": ["down_proj", "model.layers.0"]})
+    model = build_model(open_model(path))
+    sd = load_file(tiny_llama_dir / "model.safetensors")
+    for name, lin in ((n, m) for n, m in model.named_modules() if isinstance(m, Linear)):
+        skipped = name.endswith("down_proj") or name.startswith("model.layers.0.")
+        assert isinstance(lin.linear_method, Int8LinearMethod) != skipped, name
+        if skipped and name.endswith("down_proj"):  # loaded as in the checkpoint
+            assert lin.weight.dtype == torch.float32 and torch.equal(lin.weight, sd[f"{name}.weight"])
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == torch.int8
+
+
 def test_bad_input_is_refused(tiny_llama_dir, tmp_path):
+    for bad in ("down_proj", [""], [".down_proj"], [3]):
+        with pytest.raises(ValueError, match="skip_modules must be a list of module names"):
+            Int8Config.from_config({"quant_method": "int8", "skip_modules": bad})
     with pytest.raises(ValueError, match="threshold"):
         Int8Config.from_config({"quant_method": "int8", "threshold": -1})
     with pytest.raises(ValueError, match=r"unknown keys \['bits'\].*allowed"):

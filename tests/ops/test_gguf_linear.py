@@ -22,6 +22,7 @@ import torch
 from pagellm import ops
 from pagellm.ops import reference
 from ops.op_helpers import TOL, poison, requires_ops
+from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows, unpack_rows
 
 gguf = pytest.importorskip("gguf")
 pytestmark = requires_ops
@@ -121,6 +122,7 @@ import torch, sys
 sys.path.insert(0, {tests!r})
 from ops.test_gguf_linear import QTYPES, random_blocks, check
 from pagellm.ops import reference
+from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows
 int8_x = {int8_x}
 for qtype in QTYPES.values():
     for m in (1, 2, 3, 5, 8, 15):
@@ -134,6 +136,20 @@ for qtype in QTYPES.values():
             expected = torch.empty_like(out)
             reference.gguf_linear(expected, x, qw, qtype, k, bias)
             check(out, expected, k, int8_x and dtype != torch.float32)
+# the row-packed layout (qtype | 0x100): 2 groups of 16 rows + a tail of 7; M = 20 takes the GEMM path
+for qtype in QTYPES.values():
+    n, k = 39, 32 * 5
+    qw = random_blocks(n, k, qtype, seed=qtype)
+    packed = pack_rows(qw, qtype)
+    for m in (1, 3, 15, 20):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(m, k).to(dtype)
+            bias = torch.randn(n).to(dtype)
+            out = torch.full((m, n), float("nan"), dtype=dtype)
+            torch.ops.pagellm.gguf_linear(out, x, packed, qtype | PACKED_FLAG, k, bias)
+            expected = torch.empty_like(out)
+            reference.gguf_linear(expected, x, qw, qtype, k, bias)
+            check(out, expected, k, int8_x and dtype != torch.float32 and m < 16)
 print("ok")
 """
 
@@ -159,6 +175,38 @@ def test_each_simd_path(isa, flag):
         pytest.skip(f"this CPU lacks {flag}")
     r = _run_with_isa(isa)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("qtype_name", list(QTYPES))
+def test_row_packing_round_trips_and_matches_gguf_py(qtype_name):
+    """pack_rows moves bytes only (unpack gives the file back, whole or by row ids); the packed op at odd sizes
+    (N = 16 groups + a tail, M 1 / 3 / 15 small-M, 17 GEMM) against gguf-py's dequantization."""
+    qtype = QTYPES[qtype_name]
+    for n, k in ((16, 32), (53, 32 * 3), (7, 64)):
+        qw = random_blocks(n, k, qtype, seed=n)
+        packed = pack_rows(qw, qtype)
+        assert packed.shape == qw.shape
+        assert torch.equal(packed, qw) == (n < 16)  # fewer than 16 rows: all tail, left in the file's layout
+        assert torch.equal(unpack_rows(packed, qtype), qw)
+        ids = torch.tensor([n - 1, 0, n // 2, n - 1])
+        assert torch.equal(unpack_rows(packed, qtype, ids), qw[ids])
+        w64 = gguf_py_dequantize(qw, qtype, k).double()
+        for m in (1, 3, 15, 17):
+            for dtype in (torch.float32, torch.bfloat16):
+                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+                out = poison(torch.empty(m, n, dtype=dtype))
+                OP.gguf_linear(out, x, packed, qtype | PACKED_FLAG, k, None)
+                check(out, (x.double() @ w64.T).float(), k, int8_x_possible(x))
+
+
+def test_packed_layout_is_refused_where_it_does_not_apply():
+    qw = random_blocks(16, 32, QTYPES["Q4_1"])
+    with pytest.raises(ValueError, match="qtype must be one of"):
+        pack_rows(qw, 5)
+    with pytest.raises(ValueError, match=r"qweight must be uint8"):
+        pack_rows(qw.float(), QTYPES["Q4_1"])
+    with pytest.raises(RuntimeError, match="qtype must be"):
+        OP.gguf_linear(torch.empty(1, 16), torch.randn(1, 32), qw, 5 | PACKED_FLAG, 32, None)
 
 
 def test_bad_isa_override_is_an_error():
@@ -187,7 +235,7 @@ def test_cpp_errors_name_the_argument():
     cases = [
         ("in_features must be a positive multiple of 32", lambda: OP.gguf_linear(out, torch.randn(2, 48), qw[:, :51].contiguous(), 8, 48, None)),
         (r"qweight must have shape \[N, in_features / 32 \* 20 = 40\]", lambda: OP.gguf_linear(out, x, qw, 3, 64, None)),
-        (r"qtype must be 2 \(Q4_0\), 3 \(Q4_1\) or 8 \(Q8_0\), got 14", lambda: OP.gguf_linear(out, x, qw, 14, 64, None)),
+        (r"qtype must be 2 \(Q4_0\), 3 \(Q4_1\) or 8 \(Q8_0\).*, got 14", lambda: OP.gguf_linear(out, x, qw, 14, 64, None)),
         (r"x must have shape \[M, in_features = 96\]", lambda: OP.gguf_linear(out, x, qw, 8, 96, None)),
         ("qweight must have dtype", lambda: OP.gguf_linear(out, x, qw.view(torch.int8), 8, 64, None)),
         ("bias must have shape", lambda: OP.gguf_linear(out, x, qw, 8, 64, torch.randn(5))),

@@ -1,6 +1,7 @@
 // CPU glue for awq_linear: out[M, N] = x[M, K] @ W^T (+ bias), W the 4-bit group-quantized weight of
 // awq_layout.h (qweight, scales, zeros).
-//   M < kGemmMinM: the weight-streaming small-M kernel (awq_cpu_kernels.h), SIMD picked at run time;
+//   M < kGemmMinM: the weight-streaming small-M kernel (awq_cpu_kernels.h), SIMD picked at run time
+//   (half-precision x meets the raw nibbles as int8 in VNNI dot products where the CPU has them);
 //   larger M (prefill): dequantized tiles of weight rows and torch's GEMM (dequant_gemm_cpu.h).
 #include <torch/library.h>
 
@@ -18,10 +19,12 @@ using awq::Isa;
 // which does the same work per weight: past M ~ 16 MKL's blocked GEMM wins).
 constexpr int64_t kGemmMinM = 16;
 
-// The SIMD path, chosen once: the best this CPU runs, or a narrower one named by PAGELLM_AWQ_CPU_ISA.
+// The SIMD path, chosen once: the best this CPU runs, or a narrower one named by PAGELLM_AWQ_CPU_ISA
+// ("vnni" = "avx512_vnni", gguf_linear's name for it).
 Isa selected_isa() {
   static const Isa isa = isa_from_env<Isa>("PAGELLM_AWQ_CPU_ISA", awq::best_isa(),
-                                          {{"scalar", Isa::kScalar}, {"avx2", Isa::kAvx2}, {"avx512", Isa::kAvx512}});
+                                          {{"scalar", Isa::kScalar}, {"avx2", Isa::kAvx2}, {"avx512", Isa::kAvx512},
+                                           {"vnni", Isa::kAvx512Vnni}, {"avx512_vnni", Isa::kAvx512Vnni}});
   return isa;
 }
 

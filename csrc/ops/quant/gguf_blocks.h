@@ -20,6 +20,10 @@ enum QType : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8 };
 
 constexpr int kBlockElems = 32;
 
+// qtype | kPackedFlag: the same blocks with every full group of 16 rows interleaved for the CPU's VNNI kernel
+// (layout in gguf_cpu_packed.h; CPU only). Python: pagellm.quantization.gguf_packing.
+constexpr int kPackedFlag = 0x100;
+
 struct BlockQ8_0 {
   uint16_t d;  // fp16 bits
   int8_t qs[32];
@@ -40,6 +44,6 @@ constexpr int block_bytes(int qtype) {
   return qtype == kQ8_0 ? 34 : qtype == kQ4_0 ? 18 : qtype == kQ4_1 ? 20 : 0;
 }
 
-constexpr const char* kSupportedTypes = "2 (Q4_0), 3 (Q4_1) or 8 (Q8_0)";
+constexpr const char* kSupportedTypes = "2 (Q4_0), 3 (Q4_1) or 8 (Q8_0), optionally | 0x100 (row-packed, CPU)";
 
 }  // namespace pagellm::gguf

@@ -27,6 +27,7 @@
 #include "ops/quant/gguf_blocks.h"
 #include "ops/quant/gguf_cpu_simd.h"
 #include "ops/quant/gguf_cpu_vnni.h"
+#include "ops/quant/gguf_cpu_packed.h"
 
 namespace pagellm::cpu::gguf {
 using namespace pagellm::gguf;
@@ -162,7 +163,8 @@ struct GgufLinearArgs {
   int64_t M, N, K;
   int64_t ldx, ldo;  // row strides of x and out (elements); rows contiguous
   int64_t ldw;       // bytes per weight row (K / 32 * block_bytes(qtype))
-  int qtype;
+  int qtype;         // the block type
+  bool packed = false;  // rows interleaved in groups of kPackRows (gguf_cpu_packed.h)
 };
 
 // x rows as the tiles read them: fp32 (converted unless T is float), or int8-quantized for the VNNI tiles.
@@ -205,10 +207,70 @@ PreparedX prepare_x(const T* x, const GgufLinearArgs& a, bool vnni) {
   return p;
 }
 
-// The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows).
+// out[m0 + i, n0 + j] = sums[i * lds + j] (+ bias), rounded once to T, for i < mc, j < nr.
+template <typename T>
+void store_sums(T* out, const T* bias, const GgufLinearArgs& a, int64_t m0, int64_t mc, int64_t n0, int64_t nr,
+                const float* sums, int64_t lds) {
+  for (int64_t i = 0; i < mc; ++i) {
+    T* o = out + (m0 + i) * a.ldo + n0;
+    for (int64_t j = 0; j < nr; ++j) {
+      const float s = sums[i * lds + j] + (bias ? static_cast<float>(bias[n0 + j]) : 0.f);
+      o[j] = static_cast<T>(s);
+    }
+  }
+}
+
+template <typename T>
+void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa);
+
+#ifdef PAGELLM_GGUF_X86
+// The packed layout's VNNI path: x quantized once, both threads stream contiguous runs of 16-row groups; the
+// last N % 16 rows (file layout) go through the unpacked tiles.
+template <typename T, int QT>
+void packed_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a) {
+  const int64_t nb = a.K / kBlockElems, ldq = nb * packed::kXBlockBytes, groups = a.N / kPackRows;
+  std::vector<float> xf(static_cast<size_t>(a.K));
+  std::vector<uint8_t> xq(static_cast<size_t>(a.M * ldq));
+  for (int64_t m = 0; m < a.M; ++m) {
+    load_row_f32(x + m * a.ldx, xf.data(), a.K);
+    packed::quantize_row<QT>(xf.data(), nb, xq.data() + m * ldq);
+  }
+  const int64_t group_bytes = kPackRows * a.ldw;
+  // >= ~128 KiB of weight per task: small layers run inline (a wake-up costs more than they do).
+  const int64_t grain = std::max<int64_t>(1, (128 << 10) / std::max<int64_t>(group_bytes, 1));
+  pagellm::cpu::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
+    float sums[kChunkM * kPackRows];
+    for (int64_t g = begin; g < end; ++g) {
+      for (int64_t m0 = 0; m0 < a.M; m0 += kChunkM) {
+        const int64_t mc = std::min(kChunkM, a.M - m0);
+        packed::group_dot_m<QT>(w + g * group_bytes, xq.data() + m0 * ldq, ldq, mc, nb, sums);
+        store_sums(out, bias, a, m0, mc, g * kPackRows, kPackRows, sums, kPackRows);
+      }
+    }
+  });
+  const int64_t full = groups * kPackRows;
+  if (full == a.N) return;
+  GgufLinearArgs tail = a;
+  tail.N = a.N - full;
+  tail.packed = false;
+  gguf_linear_small_m<T>(out + full, x, w + full * a.ldw, bias ? bias + full : nullptr, tail, Isa::kAvx512Vnni);
+}
+#endif
+
+// The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows). A packed
+// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile.
 template <typename T>
 void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa) {
   const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni;
+#ifdef PAGELLM_GGUF_X86
+  if (vnni && a.packed) {
+    switch (a.qtype) {
+      case kQ8_0: return packed_small_m<T, kQ8_0>(out, x, w, bias, a);
+      case kQ4_0: return packed_small_m<T, kQ4_0>(out, x, w, bias, a);
+      default: return packed_small_m<T, kQ4_1>(out, x, w, bias, a);
+    }
+  }
+#endif
   const PreparedX px = prepare_x(x, a, vnni);
   RowsDotFn dot = rows_dot_fn(isa, a.qtype);
 #ifdef PAGELLM_GGUF_X86
@@ -221,35 +283,42 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(kTileRows * a.ldw, 1));
   pagellm::cpu::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     float sums[kChunkM * kTileRows];
+    std::vector<uint8_t> rows(a.packed ? static_cast<size_t>(kTileRows * a.ldw) : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n0 = t * kTileRows;
       const int nr = static_cast<int>(std::min<int64_t>(kTileRows, a.N - n0));
+      const uint8_t* wt = w + n0 * a.ldw;
+      if (a.packed) {
+        unpack_rows(a.qtype, w, a.N, a.ldw, n0, nr, rows.data());
+        wt = rows.data();
+      }
       for (int64_t m0 = 0; m0 < a.M; m0 += kChunkM) {
         const int64_t mc = std::min(kChunkM, a.M - m0);
         const auto* xm = static_cast<const uint8_t*>(px.data) + m0 * px.ld * elem;
-        dot(w + n0 * a.ldw, a.ldw, nr, xm, px.ld, mc, nb, sums);
-        for (int64_t i = 0; i < mc; ++i) {
-          T* o = out + (m0 + i) * a.ldo + n0;
-          for (int j = 0; j < nr; ++j) {
-            const float s = sums[i * kTileRows + j] + (bias ? static_cast<float>(bias[n0 + j]) : 0.f);
-            o[j] = static_cast<T>(s);
-          }
-        }
+        dot(wt, a.ldw, nr, xm, px.ld, mc, nb, sums);
+        store_sums(out, bias, a, m0, mc, n0, nr, sums, kTileRows);
       }
     }
   });
 }
 
 // dst[r, :K] (row stride ldd) = dequantized weight row r, rounded to T, for r < rows.
+// A packed weight (`packed`: w is the whole packed [N, ldw] weight, rows start at row n0) is unpacked row by row.
 template <typename T>
-void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, T* dst, int64_t ldd, Isa isa) {
+void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, T* dst, int64_t ldd, Isa isa,
+                     bool packed = false, int64_t N = 0, int64_t n0 = 0) {
   const int64_t nb = K / kBlockElems;
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     pagellm::cpu::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
       std::vector<float> buf(static_cast<size_t>(K));
+      std::vector<uint8_t> unpacked(packed ? static_cast<size_t>(ldw) : 0);
       for (int64_t r = begin; r < end; ++r) {
         const uint8_t* row = w + r * ldw;
+        if (packed) {
+          unpack_row(qtype, w, N, ldw, n0 + r, unpacked.data());
+          row = unpacked.data();
+        }
 #ifdef PAGELLM_GGUF_X86
         if (isa >= Isa::kAvx512) {
           avx512::dequant_row<QT>(row, nb, buf.data());

@@ -14,14 +14,18 @@ namespace pagellm::gguf {
 struct GgufLinearInputs {
   at::Tensor x, bias;  // x with a contiguous last dim; bias contiguous or undefined
   int64_t M, N, K, row_bytes;
-  int qtype;
+  int qtype;           // the block type (kPackedFlag removed)
+  bool packed = false;  // qweight rows interleaved in groups of 16 (gguf_cpu_packed.h)
 };
 
 // out [M, N] (x's dtype, last dim contiguous) = x [M, K] @ dequant(qweight [N, K / 32 * block_bytes])^T + bias [N].
 inline GgufLinearInputs check_gguf_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight,
                                           int64_t qtype, int64_t in_features, const std::optional<at::Tensor>& bias) {
-  const int bytes = block_bytes(static_cast<int>(qtype));
-  TORCH_CHECK(qtype == static_cast<int>(qtype) && bytes > 0, "qtype must be ", kSupportedTypes, ", got ", qtype);
+  const bool packed = qtype >= 0 && (qtype & kPackedFlag) != 0;
+  const int64_t base_type = packed ? qtype & ~static_cast<int64_t>(kPackedFlag) : qtype;
+  const int bytes = block_bytes(static_cast<int>(base_type));
+  TORCH_CHECK(base_type == static_cast<int>(base_type) && bytes > 0, "qtype must be ", kSupportedTypes, ", got ",
+              qtype);
   TORCH_CHECK(in_features > 0 && in_features % kBlockElems == 0,
               "in_features must be a positive multiple of 32 (the GGUF block size), got ", in_features);
   check_float(x, "x");
@@ -37,7 +41,8 @@ inline GgufLinearInputs check_gguf_linear(const at::Tensor& out, const at::Tenso
   check_contiguous(qweight, "qweight");
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
   check_last_contiguous(out, "out");
-  GgufLinearInputs in{x.stride(1) == 1 ? x : x.contiguous(), at::Tensor(), M, N, K, row_bytes, static_cast<int>(qtype)};
+  GgufLinearInputs in{x.stride(1) == 1 ? x : x.contiguous(), at::Tensor(), M, N, K, row_bytes,
+                      static_cast<int>(base_type), packed};
   if (bias.has_value() && bias->defined()) {
     check_same_dtype(*bias, x, "bias", "x");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());

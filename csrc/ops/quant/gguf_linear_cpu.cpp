@@ -30,8 +30,13 @@ Isa selected_isa() {
 void gemm_path(at::Tensor& out, const gguf::GgufLinearInputs& in, const uint8_t* w, Isa isa) {
   dequantized_gemm(out, in.x, in.bias, in.N, in.K, [&](int64_t n0, int64_t rows, at::Tensor& tile) {
     PAGELLM_DISPATCH_FLOAT_TYPES(in.x.scalar_type(), "gguf_linear", [&] {
-      gguf::dequantize_rows<scalar_t>(in.qtype, w + n0 * in.row_bytes, in.row_bytes, rows, in.K,
-                                      tile.data_ptr<scalar_t>(), in.K, isa);
+      if (in.packed) {  // rows are found by index in their 16-row group
+        gguf::dequantize_rows<scalar_t>(in.qtype, w, in.row_bytes, rows, in.K, tile.data_ptr<scalar_t>(), in.K, isa,
+                                        true, in.N, n0);
+      } else {
+        gguf::dequantize_rows<scalar_t>(in.qtype, w + n0 * in.row_bytes, in.row_bytes, rows, in.K,
+                                        tile.data_ptr<scalar_t>(), in.K, isa);
+      }
     });
   });
 }
@@ -47,7 +52,7 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   const auto* w = qweight.data_ptr<uint8_t>();
   const Isa isa = selected_isa();
   if (in.M >= kGemmMinM) return gemm_path(out, in, w, isa);
-  const gguf::GgufLinearArgs a{in.M, in.N, in.K, in.x.stride(0), out.stride(0), in.row_bytes, in.qtype};
+  const gguf::GgufLinearArgs a{in.M, in.N, in.K, in.x.stride(0), out.stride(0), in.row_bytes, in.qtype, in.packed};
   PAGELLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "gguf_linear", [&] {
     gguf::gguf_linear_small_m<scalar_t>(out.data_ptr<scalar_t>(), in.x.data_ptr<scalar_t>(), w,
                                         in.bias.defined() ? in.bias.data_ptr<scalar_t>() : nullptr, a, isa);

@@ -17,6 +17,7 @@ void gguf_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& qweight
   check_same_device(qweight, x, "qweight", "x");
   if (bias.has_value() && bias->defined()) check_same_device(*bias, x, "bias", "x");
   const gguf::GgufLinearInputs in = gguf::check_gguf_linear(out, x, qweight, qtype, in_features, bias);
+  TORCH_CHECK(!in.packed, "qtype ", qtype, ": the row-packed GGUF layout is CPU-only; pass the file's layout on CUDA");
   TORCH_CHECK((reinterpret_cast<uintptr_t>(qweight.data_ptr()) & 1u) == 0,
               "qweight must start at an even address (its fp16 scales are read as 2-byte words)");
   if (out.numel() == 0) return;

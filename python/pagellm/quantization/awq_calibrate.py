@@ -3,7 +3,8 @@
 The float model is HF transformers' in float32. For each decoder layer:
  1. run it on the current hidden states [samples, seq, hidden], summarizing the linears' inputs with hooks
     (`InputStats`: the Gram matrix x^T x and sum |x|, all the searches need; q/k/v and gate/up share theirs);
- 2. per scaling group (prev op -> linears reading its output), search s = mean|x|^alpha (`search_scale`):
+ 2. per scaling group (prev op -> linears reading its output), search s = mean|x|^alpha / mean_w^(1 - alpha)
+    (`search_scale`; AutoAWQ's default duo scaling, `duo_scaling=False`: the paper's mean|x|^alpha):
         input_layernorm          -> q/k/v_proj
         v_proj                   -> o_proj     (only when their weights have the same shape, i.e. no GQA: AutoAWQ)
         post_attention_layernorm -> gate/up_proj
@@ -47,6 +48,7 @@ class ScalingGroup:
 class AWQCalibrationConfig:
     group_size: int = 128
     clip: bool = True  # the weight-clipping search
+    duo_scaling: bool = True  # s = mean|x|^a / mean_w^(1 - a) (AutoAWQ's default); False: mean|x|^a (the paper)
     batch_size: int = 8  # calibration samples per layer forward (bounds activation memory)
     next_inputs_from_quantized: bool = True  # False: the float layer's output feeds the next layer (AutoAWQ)
 
@@ -144,13 +146,14 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
         dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, list[float]]]:
     """Scale search + folding, clip search, quantization of one layer, in place: afterwards every linear's
     weight is its dequantized AWQ weight. `stats`: the captured inputs (`CAPTURED_INPUTS`; updated by folding).
-    Returns ({linear: (qweight, qzeros, scales)}, {group prev: scale-search losses over the grid})."""
+    Returns ({linear: (qweight, qzeros, scales)}, {group prev: scale-search losses, RTN's first})."""
     G = config.group_size
     losses = {}
     with torch.no_grad():
         for group in scaling_groups(layer):
             weights = [layer.get_submodule(n).weight for n in group.linears]
-            s, losses[group.prev] = search_scale(stats[INPUT_OWNER[group.linears[0]]], weights, G)
+            s, losses[group.prev] = search_scale(stats[INPUT_OWNER[group.linears[0]]], weights, G,
+                                                 duo_scaling=config.duo_scaling)
             fold_scales(layer, group, s, stats)
         quantized = {}
         for name in LAYER_LINEARS:

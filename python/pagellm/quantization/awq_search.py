@@ -2,10 +2,12 @@
 
     pseudo_quantize(w, G)             W [out, in] -> the float weight `quantize_awq` + `dequantize_awq` give
                                       (asymmetric 4-bit round-to-nearest per (row, group of G inputs), fp16 scales)
-    search_scale(stats, weights, G)   the per-input-channel scale s = mean|x|^alpha (alpha on a grid) that
+    search_scale(stats, weights, G)   the per-input-channel scale s = mean|x|^alpha / mean_w^(1 - alpha) (alpha
+                                      on a grid; AutoAWQ's default "duo scaling", mean_w = weight_scales) that
                                       minimizes || x W^T - (x / s) Q(W diag(s))^T ||^2 over linears sharing x
-    search_clip(stats, w, G)          per (row, group) clip range [min, max] * (1 - i / grid) minimizing the error
-                                      of the group's partial output sum_k x[t, k] W[n, k] (AutoAWQ's auto_clip)
+    search_clip(stats, w, G)          per (row, group) a symmetric clip [-m, m], m = absmax * (1 - i / grid),
+                                      minimizing the error of the group's partial output sum_k x[t, k] W[n, k]
+                                      (AutoAWQ's auto_clip)
 
 Both errors are quadratic in the weight error E: ||x E^T||^2 = sum((E H) * E) with the Gram matrix H = x^T x
 [in, in] of the linears' input, and a group's partial output error is E_g H_gg E_g^T with H's diagonal block.
@@ -64,10 +66,23 @@ def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
     return ((q - zero) * scale).reshape(out_features, in_features)
 
 
-def activation_scales(mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
-    """s [in] = mean|x|^alpha, normalized so that max(s) * min(s) = 1 (as AutoAWQ: keeps W * s in range)."""
-    s = mean_abs.pow(alpha).clamp(min=1e-4)
-    return s / (s.max() * s.min()).sqrt()
+def weight_scales(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """AutoAWQ's w_mean [in]: |W| / (its (row, group) absmax + 1e-6), averaged over the rows of all `weights`
+    (the linears sharing one input, stacked): how large each input channel's weights are within their groups."""
+    w = torch.cat([w.to(torch.float32) for w in weights], 0)
+    g = w.abs().reshape(-1, group_size)
+    return (g / (g.amax(dim=1, keepdim=True) + 1e-6)).reshape(w.shape).mean(0)
+
+
+def activation_scales(mean_abs: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    """s [in] = mean|x|^alpha, or with `w_mean` (duo scaling) mean|x|^alpha / (w_mean^(1 - alpha) + 1e-4),
+    normalized so that max(s) * min(s) = 1 (as AutoAWQ: keeps W * s in range)."""
+    s = mean_abs.pow(alpha)
+    if w_mean is not None:
+        s = s / (w_mean.pow(1 - alpha) + 1e-4)
+    s = s.clamp(min=1e-4)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))  # AutoAWQ: inf / NaN scales -> 1
 
 
 def output_error(gram: torch.Tensor, error: torch.Tensor) -> float:
@@ -87,19 +102,21 @@ def scaled_quantization_error(stats: InputStats, weights: list[torch.Tensor], s:
 
 
 def search_scale(stats: InputStats, weights: list[torch.Tensor], group_size: int,
-                 num_grid: int = NUM_SCALE_GRID) -> tuple[torch.Tensor, list[float]]:
+                 num_grid: int = NUM_SCALE_GRID, duo_scaling: bool = True) -> tuple[torch.Tensor, list[float]]:
     """The best s [in] for linears W_i [out_i, in] reading the input summarized by `stats`, and the mean
-    squared output error at every grid point (index 0 = alpha 0 = plain round-to-nearest)."""
+    squared output error of plain round-to-nearest (s = 1) followed by that of every grid point alpha = i / grid.
+    s = 1 is kept when no grid point beats it (AutoAWQ would take the best grid point even then)."""
     mean_abs = stats.abs_sum / max(stats.num_tokens, 1)
-    losses, best, best_loss = [], None, float("inf")
+    w_mean = weight_scales(weights, group_size) if duo_scaling else None
+    best = torch.ones_like(mean_abs)
+    best_loss = scaled_quantization_error(stats, weights, best, group_size)
+    losses = [best_loss]
     for i in range(num_grid):
-        s = activation_scales(mean_abs, i / num_grid)
+        s = activation_scales(mean_abs, i / num_grid, w_mean)
         loss = scaled_quantization_error(stats, weights, s, group_size)
         losses.append(loss)
         if loss < best_loss:
             best, best_loss = s, loss
-    if best is None:  # every grid point gave NaN: keep the weights as they are
-        best = torch.ones_like(mean_abs)
     return best, losses
 
 
@@ -114,17 +131,17 @@ def group_output_errors(stats: InputStats, error: torch.Tensor, group_size: int)
 
 def search_clip(stats: InputStats, w: torch.Tensor, group_size: int, num_grid: int = NUM_CLIP_GRID,
                 max_shrink: float = MAX_CLIP_SHRINK) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per (row, group) clip bounds (min [out, in / G], max [out, in / G]): the group's range shrunk by
-    (1 - i / num_grid), i < max_shrink * num_grid, picking per (row, group) the i whose quantized weight gives
-    the smallest error of the group's partial output."""
+    """Per (row, group) clip bounds (min [out, in / G], max [out, in / G]) = (-m, m) with m the group's absmax
+    times (1 - i / num_grid), i < max_shrink * num_grid, picking per (row, group) the i whose quantized weight
+    gives the smallest error of the group's partial output (AutoAWQ's auto_clip: symmetric bounds, so only the
+    side of the group's largest magnitude is ever clipped)."""
     w = w.to(torch.float32)
-    grouped = w.reshape(w.shape[0], -1, group_size)
-    org_min, org_max = grouped.amin(dim=2), grouped.amax(dim=2)
-    best_err = torch.full_like(org_min, float("inf"))
-    best_min, best_max = org_min.clone(), org_max.clone()
+    org_absmax = w.abs().reshape(w.shape[0], -1, group_size).amax(dim=2)
+    best_err = torch.full_like(org_absmax, float("inf"))
+    best_min, best_max = -org_absmax, org_absmax.clone()
     for i in range(int(max_shrink * num_grid)):
-        shrink = 1 - i / num_grid
-        cur_min, cur_max = org_min * shrink, org_max * shrink
+        cur_max = org_absmax * (1 - i / num_grid)
+        cur_min = -cur_max
         q = pseudo_quantize(apply_clip(w, cur_min, cur_max, group_size), group_size)
         err = group_output_errors(stats, q - w, group_size)
         better = err < best_err

@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Where LLM.int8() loses perplexity on the default model: one ablation per row, in plain torch.
+
+    python benchmarks/bench_int8_ablation.py --max-words 1500 --groups main       # knobs of the method
+    python benchmarks/bench_int8_ablation.py --max-words 1500 --groups proj,layer  # which linears cost most
+
+HF transformers' LlamaForCausalLM of the default model (bf16, or --dtype float32) with every decoder linear
+replaced by `FakeInt8Linear`: LLM.int8() as `pagellm.ops.reference.int8_linear` computes it (row-absmax int8
+weights, row-absmax int8 activations, outlier columns of x over the whole batch in float), with switches:
+  on          False: the float linear (fp32 product rounded to the model dtype)
+  threshold   the outlier threshold (0: none)
+  outliers    "batch": columns where any token exceeds the threshold (the op, bitsandbytes);
+              "row": only the elements over the threshold, per token
+  act_quant   False: activations stay float (weight-only int8)
+  weight_quant False: weights stay float (activation-only int8)
+The LM head and the embedding stay float, as in bitsandbytes' default and in `Int8Config`.
+Word perplexity as bench_quant_ppl.py (same text, windows of 512 re-reading 128), windows batched 4 per
+forward (~2048 tokens: the engine's max_num_batched_tokens, so the outlier columns are chosen over as many
+tokens as in the engine). Prints one row per ablation: word ppl and its change vs the float model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import bench_quant_ppl as B
+import torch
+from torch import nn
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class FakeInt8Linear(nn.Module):
+    """LLM.int8() of one nn.Linear (no bias: Llama), in fp32, with the switches of the module doc."""
+
+    def __init__(self, linear: nn.Linear, **switches) -> None:
+        from pagellm.quantization.int8 import dequantize_weight_rows, quantize_weight_rows
+
+        super().__init__()
+        self.weight = linear.weight.detach().float()
+        self.weight_dq = dequantize_weight_rows(*quantize_weight_rows(self.weight))
+        self.switches = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True)
+        self.switches.update(switches)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sw = self.switches
+        xf = x.reshape(-1, x.shape[-1]).float()
+        if not sw["on"]:
+            return (xf @ self.weight.t()).to(x.dtype).reshape(*x.shape[:-1], -1)
+        w = self.weight_dq if sw["weight_quant"] else self.weight
+        if sw["threshold"] <= 0:
+            outlier = torch.zeros_like(xf, dtype=torch.bool)
+        elif sw["outliers"] == "batch":
+            outlier = (xf.abs().amax(dim=0) > sw["threshold"]).expand_as(xf)
+        else:
+            outlier = xf.abs() > sw["threshold"]
+        x_in = torch.where(outlier, 0.0, xf)
+        if sw["act_quant"]:
+            absmax = x_in.abs().amax(dim=1, keepdim=True)
+            inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
+            x_in = torch.round(x_in * inv).clamp(-127, 127) * (absmax / 127.0)
+        y = x_in @ w.t() + torch.where(outlier, xf, 0.0) @ w.t()
+        return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def wrap_linears(model) -> dict[tuple[int, str], FakeInt8Linear]:
+    """Every decoder linear of an HF Llama replaced by a FakeInt8Linear, by (layer index, projection)."""
+    fakes = {}
+    for i, layer in enumerate(model.model.layers):
+        for name in PROJECTIONS:
+            parent = layer.self_attn if name in PROJECTIONS[:4] else layer.mlp
+            fakes[(i, name)] = FakeInt8Linear(getattr(parent, name))
+            setattr(parent, name, fakes[(i, name)])
+    return fakes
+
+
+def score_windows(token_ids: list[int], window: int, context: int) -> list[tuple[list[int], int]]:
+    """(window tokens, index of the first scored one): every token after the first scored once."""
+    out, stride = [], window - context
+    for start in range(1, len(token_ids), stride):
+        lo = max(0, start - context)
+        out.append((token_ids[lo:start + stride], start - lo))
+    return out
+
+
+@torch.no_grad()
+def word_perplexity(model, windows, num_words: int, per_batch: int = 4) -> float:
+    nll, i = 0.0, 0
+    while i < len(windows):
+        batch = [windows[i]]
+        i += 1
+        while i < len(windows) and len(batch) < per_batch and len(windows[i][0]) == len(batch[0][0]):
+            batch.append(windows[i])
+            i += 1
+        logprobs = torch.log_softmax(model(torch.tensor([b[0] for b in batch])).logits.float(), -1)
+        for row, (tokens, first) in enumerate(batch):
+            pos = torch.arange(first, len(tokens))
+            nll -= logprobs[row, pos - 1, torch.tensor(tokens)[pos]].sum().item()
+    return math.exp(nll / num_words)
+
+
+def ablations(group: str, fakes: dict) -> list[tuple[str, dict[tuple[int, str], dict]]]:
+    """(label, switches per linear) for one group of rows."""
+    every = lambda **sw: {k: sw for k in fakes}  # noqa: E731
+    layers = sorted({i for i, _ in fakes})
+    if group == "main":
+        return [("float", every(on=False)), ("int8, threshold 6 (the op)", every()),
+                ("weights int8 only", every(act_quant=False)), ("activations int8 only", every(weight_quant=False)),
+                ("threshold 6, per-row outliers", every(outliers="row"))] + [
+                (f"threshold {t:g}", every(threshold=t)) for t in (0.0, 2.0, 3.0, 4.0, 8.0)]
+    if group == "proj":
+        return [(f"only {p} int8", {k: dict(on=k[1] == p) for k in fakes}) for p in PROJECTIONS]
+    if group == "layer":
+        return [(f"only layer {i} int8", {k: dict(on=k[0] == i) for k in fakes}) for i in layers]
+    raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-words", type=int, default=1500)
+    ap.add_argument("--groups", default="main", help="comma-separated: main, proj, layer")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    args = ap.parse_args()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagellm.model_loader import open_model
+
+    path = open_model(None).path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    text, source = B.held_out_text(args.max_words)
+    ids = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+    windows, words = score_windows(ids, 512, 128), len(text.split())
+    fakes = wrap_linears(model)
+    for sw in fakes.values():
+        sw.switches["on"] = False
+    base = word_perplexity(model, windows, words)
+    print(f"{source}, {words} words, {args.dtype}; float model: word ppl {base:.3f}\n")
+    print("| ablation | word ppl | vs float |\n|---|---:|---:|")
+    for group in args.groups.split(","):
+        for label, per_linear in ablations(group, fakes):
+            for key, fake in fakes.items():
+                fake.switches = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True)
+                fake.switches.update(per_linear[key])
+            t = time.perf_counter()
+            ppl = word_perplexity(model, windows, words)
+            print(f"| {label} | {ppl:.3f} | {(ppl / base - 1) * 100:+.2f} % |  <!-- {time.perf_counter() - t:.0f} s -->",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()

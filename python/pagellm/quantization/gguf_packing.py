@@ -1,0 +1,108 @@
+"""The row-packed GGUF layout of `gguf_linear` on the CPU (csrc/ops/quant/gguf_cpu_packed.h), in pure torch.
+
+Every full group of 16 weight rows is rearranged block by block so that one int32 lane of a VNNI dot is one
+weight row: for block b of a group (at byte b * 16 * block_bytes of the group) the 16 rows' fp16 d (Q4_1: then
+the 16 m), then the quant bytes in 64-byte chunks c, byte c * 64 + r * 4 + t = row r's qs[4c + t]. The last
+N % 16 rows keep the file's layout. The tensor keeps its shape [N, K / 32 * block_bytes]; the op is told by
+`qtype | PACKED_FLAG`. The permutation is exact (bytes move, none change), so unpacking gives the file back.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+from pagellm.ops.reference import GGUF_BLOCK_BYTES
+
+PACK_ROWS = 16
+PACKED_FLAG = 0x100
+
+
+def _block_source_bytes(qtype: int) -> list[tuple[int, int]]:
+    """For each byte of one packed block of 16 rows: (row, byte offset within that row's block)."""
+    src: list[tuple[int, int]] = [(r, t) for r in range(PACK_ROWS) for t in range(2)]  # d
+    qs_offset = 2
+    if qtype == 3:  # Q4_1: m after d
+        src += [(r, 2 + t) for r in range(PACK_ROWS) for t in range(2)]
+        qs_offset = 4
+    num_chunks = (GGUF_BLOCK_BYTES[qtype] - qs_offset) // 4
+    src += [(r, qs_offset + 4 * c + t) for c in range(num_chunks) for r in range(PACK_ROWS) for t in range(4)]
+    return src
+
+
+@lru_cache(maxsize=32)
+def _group_gather_index(qtype: int, row_bytes: int) -> torch.Tensor:
+    """int64 [16 * row_bytes]: packed group byte p = original group byte index[p] (rows of row_bytes)."""
+    block_bytes = GGUF_BLOCK_BYTES[qtype]
+    per_block = torch.tensor([r * row_bytes + o for r, o in _block_source_bytes(qtype)], dtype=torch.int64)
+    blocks = torch.arange(row_bytes // block_bytes, dtype=torch.int64) * block_bytes
+    return (blocks[:, None] + per_block[None, :]).reshape(-1)
+
+
+def _check(qweight: torch.Tensor, qtype: int) -> None:
+    if qtype not in GGUF_BLOCK_BYTES:
+        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype}")
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] % GGUF_BLOCK_BYTES[qtype]:
+        raise ValueError(f"qweight must be uint8 [N, K / 32 * {GGUF_BLOCK_BYTES[qtype]}], got {qweight.dtype} "
+                         f"{list(qweight.shape)}")
+
+
+def pack_rows(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
+    """qweight uint8 [N, row_bytes] in the file's layout -> a new tensor of the same shape in the packed layout
+    (pass `qtype | PACKED_FLAG` to gguf_linear)."""
+    _check(qweight, qtype)
+    n, row_bytes = qweight.shape
+    full = n // PACK_ROWS * PACK_ROWS
+    out = qweight.clone()
+    if full:
+        groups = qweight[:full].reshape(full // PACK_ROWS, PACK_ROWS * row_bytes)
+        out[:full] = groups[:, _group_gather_index(qtype, row_bytes)].reshape(full, row_bytes)
+    return out
+
+
+def unpack_positions(qtype: int, row_bytes: int, device=None) -> torch.Tensor:
+    """int64 [16, row_bytes]: where byte o of row j of a group (file layout) sits in its packed group."""
+    index = _group_gather_index(qtype, row_bytes)
+    where = torch.empty_like(index)
+    where[index] = torch.arange(index.numel())
+    return where.view(PACK_ROWS, row_bytes).to(device)
+
+
+def unpack_rows(packed: torch.Tensor, qtype: int, row_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The file's layout again: all rows ([N, row_bytes]), or just `row_ids` ([len(row_ids), row_bytes], e.g.
+    an embedding lookup's rows). `positions`: `unpack_positions(qtype, row_bytes)`, if the caller keeps it
+    (tensor ops only then: safe inside a captured step)."""
+    _check(packed, qtype)
+    n, row_bytes = packed.shape
+    ids = torch.arange(n, device=packed.device) if row_ids is None else row_ids.reshape(-1).to(torch.int64)
+    if positions is None:
+        positions = unpack_positions(qtype, row_bytes, packed.device)
+    full = n // PACK_ROWS * PACK_ROWS
+    in_group = ids < full
+    packed_pos = ((ids - ids % PACK_ROWS) * row_bytes)[:, None] + positions[ids % PACK_ROWS]
+    plain_pos = ids[:, None] * row_bytes + torch.arange(row_bytes, device=packed.device)[None, :]
+    return packed.reshape(-1)[torch.where(in_group[:, None], packed_pos, plain_pos)]
+
+
+def _cpu_has_avx512_vnni() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    except OSError:
+        pass
+    return False
+
+
+def packing_pays_off(device: torch.device, params_dtype: torch.dtype) -> bool:
+    """Whether gguf_linear's packed kernel would run: a CPU weight, half-precision activations, AVX-512 VNNI
+    present and not narrowed away by PAGELLM_GGUF_CPU_ISA. Elsewhere a packed weight still works (rows are
+    unpacked tile by tile) but is slower than the file's layout, so it is not packed."""
+    isa = os.environ.get("PAGELLM_GGUF_CPU_ISA")
+    return (torch.device(device).type == "cpu" and params_dtype in (torch.bfloat16, torch.float16)
+            and isa in (None, "", "avx512_vnni") and _cpu_has_avx512_vnni())
