@@ -210,6 +210,7 @@ void bind_scheduler(py::module_& m) {
           py::arg("priority") = 0, py::arg("extra_key") = 0, py::arg("max_tokens") = py::none())
       .def("set_draft_tokens", &Scheduler::set_draft_tokens, py::arg("request_id"), py::arg("draft_token_ids"))
       .def("set_num_lookahead_tokens", &Scheduler::set_num_lookahead_tokens, py::arg("num_lookahead_tokens"))
+      .def("set_pending_draft_tokens", &Scheduler::set_pending_draft_tokens, py::arg("draft_token_ids"))
       .def("decode_ready_request_ids", &Scheduler::decode_ready_request_ids)
       .def("schedule", &Scheduler::schedule)
       .def("update", &update, py::arg("output"), py::arg("num_new_tokens"), py::arg("new_token_ids"),

@@ -58,6 +58,11 @@ class Scheduler {
   // Drops every request's drafts. Throws std::invalid_argument outside [0, 256] or if a waiting
   // request's prompt would no longer fit the KV cache, std::logic_error while a step is pending.
   void set_num_lookahead_tokens(int32_t num_lookahead_tokens);
+  // Tree speculation: replaces the pending step's recorded drafts (flat, each row's count unchanged)
+  // before update(), so a row whose accepted path was not its leading drafts can commit it: the caller
+  // puts that path first (and moved its KV into the row's first lookahead slots). Throws
+  // std::invalid_argument for another total count or a negative id, std::logic_error with no pending step.
+  void set_pending_draft_tokens(std::vector<int64_t> draft_token_ids);
   // Ids of the running requests that are decode-ready (may take drafts), in running order.
   std::vector<std::string> decode_ready_request_ids() const;
   // Builds the next batch (see SchedulerOutput). Throws std::logic_error if the previous step with

@@ -65,6 +65,19 @@ void Scheduler::set_num_lookahead_tokens(int32_t num_lookahead_tokens) {
   clear_all_drafts();
 }
 
+void Scheduler::set_pending_draft_tokens(std::vector<int64_t> draft_token_ids) {
+  if (!pending_.active) throw std::logic_error("set_pending_draft_tokens: no step is pending");
+  if (draft_token_ids.size() != pending_.draft_token_ids.size()) {
+    throw std::invalid_argument("set_pending_draft_tokens: " + std::to_string(draft_token_ids.size()) +
+                                " draft ids, the pending step has " +
+                                std::to_string(pending_.draft_token_ids.size()));
+  }
+  if (std::any_of(draft_token_ids.begin(), draft_token_ids.end(), [](int64_t t) { return t < 0; })) {
+    throw std::invalid_argument("set_pending_draft_tokens: draft token ids must be >= 0");
+  }
+  pending_.draft_token_ids = std::move(draft_token_ids);
+}
+
 std::vector<std::string> Scheduler::decode_ready_request_ids() const {
   std::vector<std::string> ids;
   ids.reserve(running_.size());

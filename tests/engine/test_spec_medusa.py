@@ -23,7 +23,9 @@ from test_draft_tokens import (  # noqa: E402
 )
 
 from pagellm.spec_decode import ProposerContext, SpeculativeConfig, list_proposers  # noqa: E402
-from pagellm.spec_decode.medusa import MedusaProposer  # noqa: E402
+from pagellm import SamplingParams  # noqa: E402
+from pagellm.engine import spec_step  # noqa: E402
+from pagellm.spec_decode.medusa import MedusaProposer, MedusaTreeProposer  # noqa: E402
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import (  # noqa: E402
     MedusaTrainConfig,
@@ -223,6 +225,137 @@ def test_proposer_sees_the_hidden_state_of_the_newest_token(tiny_llama_dir, test
         # the newest token (index n - 1) came from the hidden state at position n - 2
         expect = final_hidden_states(hf_base, torch.tensor([tokens[: n - 1]]))[0, -1]
         torch.testing.assert_close(h, expect, rtol=1e-4, atol=1e-4)
+
+
+class ProposalRecordingMedusa(MedusaProposer):
+    """Keeps every (context token ids, drafts) it proposed."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.proposed: list[tuple[list[int], list[int]]] = []
+
+    def propose(self, requests):
+        out = super().propose(requests)
+        self.proposed += [(r.token_ids, list(out[r.seq_id])) for r in requests if out.get(r.seq_id)]
+        return out
+
+
+def test_engine_drafts_are_the_training_paths_top1(tiny_llama_dir, test_prompts, hf_base, trained_heads_dir):
+    """Issue 17's train/inference check: for the same text, every head's top-1 through the engine's proposer
+    is its top-1 on the trainer's path (HF final normed hidden state at position t), and the label training
+    gives head k at t (token t + k + 2) is the token the engine verifies that draft against."""
+    prompts = test_prompts["hidden"]
+    eng = _make_llm(tiny_llama_dir).llm_engine
+    proposer = _proposer(eng, 3, trained_heads_dir, cls=ProposalRecordingMedusa)
+    eng.set_proposer(proposer)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"r{i}", {"prompt_token_ids": p}, _greedy())
+    full = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                full[int(out.request_id[1:])] = prompts[int(out.request_id[1:])] + list(out.outputs[0].token_ids)
+    heads, lm_head = MedusaHeads.load(trained_heads_dir), frozen_lm_head(hf_base)
+    assert len(proposer.proposed) > len(prompts)
+    for context, drafts in proposer.proposed:
+        text = next(t for t in full.values() if t[: len(context)] == context)
+        n = len(context)
+        hidden = final_hidden_states(hf_base, torch.tensor([context]))[0]  # the trainer's hidden states
+        with torch.no_grad():
+            expect = heads(hidden[n - 2 : n - 1], lm_head).argmax(-1)[0, : len(drafts)].tolist()
+        assert drafts == expect
+        flat, labels = head_targets(torch.tensor([text]), 3)
+        if n - 2 in flat.tolist():
+            assert labels[flat.tolist().index(n - 2)].tolist() == text[n : n + 3]
+
+
+# ---------------------------------------------------------------- tree verification (medusa_tree.py)
+
+# the top-1 chain is nodes 0, 2, 4 (in "default": 0, 4, 9): an accepted path of two or more drafts is not the
+# row's leading drafts, so its KV has to move
+SKEWED_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]
+
+
+def _tree_proposer(eng, heads_dir, tree, k: int = 3) -> MedusaTreeProposer:
+    config = SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": k,
+                                          "model": str(heads_dir), "tree": tree})
+    return MedusaProposer.from_config(config, _context(eng))
+
+
+@pytest.fixture()
+def kv_moves(monkeypatch):
+    """Counts the KV rows the engine moved (accepted tree paths that were not the leading drafts)."""
+    moved = []
+    original = spec_step.move_kv_slots
+
+    def counting(worker, src, dst):
+        moved.append(len(src))
+        original(worker, src, dst)
+
+    monkeypatch.setattr(spec_step, "move_kv_slots", counting)
+    return moved
+
+
+@pytest.mark.parametrize("batch,tree", [(1, SKEWED_TREE), (4, "default")])
+def test_greedy_tree_medusa_matches_plain_decoding(tiny_llama_dir, test_prompts, trained_heads_dir, kv_moves,
+                                                   batch, tree):
+    kw = dict(block_size=4, num_kv_blocks=64, enable_prefix_caching=True)
+    prompts = test_prompts[batch]
+    params = _greedy(logprobs=2)
+    ref_llm, llm = _make_llm(tiny_llama_dir, **kw), _make_llm(tiny_llama_dir, **kw)
+    ref = _generate(ref_llm, prompts, params)
+    eng = llm.llm_engine
+    proposer = _tree_proposer(eng, trained_heads_dir, tree)
+    eng.set_proposer(proposer)
+    outs = _generate(llm, prompts, params)
+    # second round: prompts that extend the first outputs reuse cached blocks holding moved tree-path KV
+    again = [p + list(o.token_ids[:12]) for p, o in zip(prompts, ref)]
+    ref, outs = ref + _generate(ref_llm, again, params), outs + _generate(llm, again, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    # every later token's logprobs come from logits over the moved KV: they match a plain decode's
+    for out, expect in zip(outs, ref):
+        for got_pos, ref_pos in zip(out.logprobs, expect.logprobs):
+            assert got_pos.keys() == ref_pos.keys()
+            for tok, lp in ref_pos.items():
+                assert got_pos[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
+    stats = eng.spec_stats
+    assert stats.num_proposer_errors == 0 and 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens, stats
+    assert sum(kv_moves) > 0  # both trees' top-1 chains are not their leading nodes
+    assert eng.scheduler.prefix_cache_hits > 0
+    _assert_all_blocks_free(eng)
+    assert proposer.num_tracked_seqs == 0
+
+
+def test_sampled_rows_keep_chains_and_blocks_come_back(tiny_llama_dir, test_prompts, trained_heads_dir):
+    llm = _make_llm(tiny_llama_dir)
+    eng = llm.llm_engine
+    proposer = _tree_proposer(eng, trained_heads_dir, "default")
+    eng.set_proposer(proposer)
+    seen_trees = []
+    original = proposer.propose
+
+    def recording(requests):
+        out = original(requests)
+        seen_trees.append(set(proposer._tree_rows))
+        return out
+
+    proposer.propose = recording
+    prompts = test_prompts[4][:2]
+    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True), _greedy()]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [MAX_TOKENS] * 2
+    trees = set().union(*seen_trees)
+    assert trees and all(sid.startswith(outs[1].request_id) for sid in trees)  # only the greedy request's
+    assert eng.spec_stats.num_proposer_errors == 0
+    _assert_all_blocks_free(eng)
+
+
+def test_tree_deeper_than_the_heads_raises(tiny_llama_dir, trained_heads_dir):
+    eng = _make_llm(tiny_llama_dir).llm_engine
+    with pytest.raises(ValueError, match="needs num_speculative_tokens >= 4"):
+        _tree_proposer(eng, trained_heads_dir, [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]], k=3)
+    with pytest.raises(ValueError, match="exceeds the 3 Medusa heads"):
+        _tree_proposer(eng, trained_heads_dir, "mc_sim_7b_63", k=4)
 
 
 # ---------------------------------------------------------------- bad input

@@ -235,6 +235,9 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
         prompt_logprob_rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
         hidden_rows = self._hidden_state_rows(sched_out)  # none unless the proposer reads hidden states
         extra = {"hidden_state_rows": hidden_rows} if hidden_rows else {}
+        draft_parents = self._draft_parents(sched_out, seq_ids) if self.proposer is not None else None
+        if draft_parents is not None:  # some spec row carries a candidate tree (spec_step.py)
+            extra["draft_parents"] = draft_parents
         lora_slots = None if self.lora is None else self.lora.row_slots(seq_ids)
         if lora_slots is not None:
             extra["lora_slots"] = lora_slots

@@ -8,6 +8,7 @@ for prompt logprobs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 
@@ -15,6 +16,8 @@ import numpy as np
 import torch
 
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
+from pagellm.attention.tree_verify import TreeVerifyAttention
+from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
@@ -93,10 +96,15 @@ class ModelRunner:
             query_start_loc=self._to_device(sched_out.query_start_loc),
         )
 
-    def _forward(self, metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                 backend: BaseAttentionBackend | None = None) -> torch.Tensor:
         """The model's forward for one step: plan the attention backend, run the module tree."""
-        self.attn_backend.plan(metadata)
-        return self.model(input_ids, positions, ForwardContext(attn_backend=self.attn_backend, kv_caches=self.kv_caches))
+        backend = backend or self.attn_backend
+        backend.plan(metadata)
+        return self.model(input_ids, positions, ForwardContext(attn_backend=backend, kv_caches=self.kv_caches))
+
+    def _lora_scope(self, token_slots: torch.Tensor | None):
+        return contextlib.nullcontext() if token_slots is None else self.lora_state.step(token_slots)
 
     def _decode_with_graph(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A decode-only step through the step graph of its shape (captured from `_forward`)."""
@@ -124,8 +132,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None,
-                hidden_state_rows: list[int] | None = None, lora_slots: np.ndarray | None = None) -> ModelRunnerOutput:
-        """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter."""
+                hidden_state_rows: list[int] | None = None, lora_slots: np.ndarray | None = None,
+                draft_parents: np.ndarray | None = None) -> ModelRunnerOutput:
+        """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter.
+        `draft_parents`: the spec rows' drafts are trees (engine/tree_step.py): each draft's parent in its row."""
         cow_copies = sched_out.cow_copies
         if len(cow_copies):
             self.kv_caches.copy_blocks(self._to_device(cow_copies))
@@ -133,7 +143,15 @@ class ModelRunner:
         metadata = self.build_metadata(sched_out)
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
         token_slots = self._lora_token_slots(sched_out, lora_slots)
-        if (token_slots is None and self.step_graphs is not None
+        backend = None
+        if draft_parents is not None:  # tree verification: tree positions, one tree-masked attention call per layer
+            tree_positions, tree_mask = tree_step_inputs(sched_out, draft_parents)
+            positions = self._to_device(tree_positions)
+            backend = TreeVerifyAttention(self.attn_backend, tree_mask.to(self.device))
+        if backend is not None:
+            with self._lora_scope(token_slots):
+                hidden = self._forward(metadata, input_ids, positions, backend)
+        elif (token_slots is None and self.step_graphs is not None
                 and 0 < metadata.num_reqs == metadata.num_decode_reqs == metadata.num_tokens):
             hidden = self._decode_with_graph(metadata, input_ids, positions)
         elif token_slots is not None:  # LoRA steps run eagerly: their hooks read the slots (pagellm.lora.layers)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagellm.engine.step_update import StepUpdate, finished_status
+from pagellm.engine.tree_step import TreePaths, chain_parents, choose_tree_paths, move_kv_slots, reordered_drafts
 from pagellm.logger import init_logger
 from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
@@ -74,6 +75,9 @@ class SpecDecodeStep:
             if req is not None and not seq.finished:
                 requests.append(req)
         if requests:
+            if getattr(self.proposer, "proposes_trees", False):  # trees for greedy rows only (exact verification)
+                self.proposer.set_tree_seq_ids(r.seq_id for r in requests
+                                               if self.output_processor.seq(r.seq_id)[0].params.is_greedy)
             proposals = self._call_proposer(requests)
             drafts = check_proposals(requests, proposals, self.proposer.num_speculative_tokens, self.vocab_size)
             for sid, tokens in drafts.items():
@@ -95,9 +99,11 @@ class SpecDecodeStep:
         counts = sched_out.num_scheduled_tokens[rows].astype(np.int64)
         starts = (np.cumsum(counts) - counts).tolist()  # the rows' first positions in `hidden`
         pick = {}
+        last_rows = getattr(self, "_tree_last_rows", {})  # tree rows: the accepted path's last node
         for r, start, n in zip(rows, starts, counts.tolist()):
             kept = update.tokens_by_seq.get(seq_ids[r])
-            pick[seq_ids[r]] = start + (len(kept) - 1 if kept else n - 1)
+            offset = last_rows.get(seq_ids[r], len(kept) - 1) if kept else n - 1
+            pick[seq_ids[r]] = start + offset
         for parent_id, child_id, _ in update.forks:
             if parent_id in pick:
                 pick[child_id] = pick[parent_id]
@@ -110,6 +116,48 @@ class SpecDecodeStep:
                 positions.append(pos)
         if ids:
             self.proposer.observe_hidden_states(ids, lens, hidden[torch.as_tensor(positions, device=hidden.device)])
+
+    def _draft_parents(self, sched_out, seq_ids: list[str]) -> np.ndarray | None:
+        """Each scheduled draft's parent within its row (-1: the row's first token), flat like
+        sched_out.draft_token_ids; None when every spec row is a chain (no tree this step)."""
+        self._step_tree_parents = None
+        if self.proposer is None or not getattr(self.proposer, "proposes_trees", False):
+            return None
+        rows = np.flatnonzero(sched_out.num_draft_tokens)
+        per_row = [self.proposer.draft_parents(seq_ids[r], int(sched_out.num_draft_tokens[r])) for r in rows]
+        if all(p is None for p in per_row):
+            return None
+        self._step_tree_parents = dict(zip(rows.tolist(), per_row))
+        flat = [p for r, parents in zip(rows, per_row)
+                for p in (parents if parents is not None else chain_parents(int(sched_out.num_draft_tokens[r])))]
+        return np.asarray(flat, dtype=np.int32)
+
+    def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor) -> TreePaths | None:
+        """The greedy path of every tree row (None: no tree this step)."""
+        self._tree_last_rows = {}
+        parents = getattr(self, "_step_tree_parents", None)
+        if not parents:
+            return None
+        seq_ids = [sched_out.request_ids[r] for r in split.spec_rows]
+        target_ids = spec_logits.argmax(dim=-1).tolist()
+        return choose_tree_paths(split, [parents.get(int(r)) for r in split.spec_rows], target_ids, seq_ids)
+
+    def _commit_tree_paths(self, sched_out, seq_ids: list[str], paths: TreePaths, accepted: list[list[int]]) -> None:
+        """Tree rows: move the accepted path's KV into the row's first lookahead slots, put its tokens first
+        among the pending drafts (so update() commits them) and note which row position gave the bonus token."""
+        qsl = sched_out.query_start_loc
+        src, dst = [], []
+        num_accepted = [len(tokens) - 1 for tokens in accepted]
+        for r, path, a in zip(paths.chain_split.spec_rows, paths.paths, num_accepted):
+            first = int(qsl[r]) + 1  # the row's first draft
+            for j in range(a):
+                if path[j] != j:
+                    src.append(int(sched_out.slot_mapping[first + path[j]]))
+                    dst.append(int(sched_out.slot_mapping[first + j]))
+            self._tree_last_rows[seq_ids[r]] = 0 if a == 0 else 1 + path[a - 1]
+        if src:
+            self.executor.collective_rpc(move_kv_slots, args=(src, dst))
+        self.scheduler.set_pending_draft_tokens(reordered_drafts(paths.original_split, paths.paths, num_accepted))
 
     def _call_proposer(self, requests: list[DraftRequest]) -> dict:
         """The proposer's answer; when it raises, no drafts this step (outputs do not depend on drafts):
@@ -137,9 +185,14 @@ class SpecDecodeStep:
         rows = [SamplingRow(st.params, st.prompt_token_ids, seq.output_token_ids,
                             self._generator(seq.seq_id, st.params, seq.index)) for st, seq in seqs]
         spec_logits = logits[split.spec_logit_rows]
+        paths = self._tree_paths(sched_out, split, spec_logits)
+        if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
+            split, spec_logits = paths.chain_split, spec_logits[paths.chain_logit_rows]
         md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
                                      device=spec_logits.device)
         verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
+        if paths is not None:
+            self._commit_tree_paths(sched_out, seq_ids, paths, verified.accepted_token_ids)
         lt = verified.logprobs
         lists = None if lt is None else (lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist())
         now, start = time.time(), 0
@@ -152,9 +205,10 @@ class SpecDecodeStep:
             st.metrics.last_token_time = now
             update.changed[st.request_id] = st
             self.num_generation_tokens_total += kept
-            self.spec_stats.record(len(drafts), len(tokens) - 1, kept)
+            num_drafts = len(drafts) if paths is None else paths.depths[seq.seq_id]  # a tree counts its depth
+            self.spec_stats.record(num_drafts, len(tokens) - 1, kept)
             if st.metrics.spec_decode is None:
                 st.metrics.spec_decode = SpecDecodeMetrics()
-            st.metrics.spec_decode.record(len(drafts), len(tokens) - 1)
+            st.metrics.spec_decode.record(num_drafts, len(tokens) - 1)
             start += len(drafts) + 1
         return update

@@ -14,6 +14,9 @@ sequence's newest token (a spec row: the last accepted position) with the sequen
 point (`observe_hidden_states`). A sequence whose stored state is not for its current length (a new
 child of n > 1 sampling, a preempted sequence being recomputed) gets no drafts that step. No KV cache,
 no forward of its own: one [B*k, H] pass through the ResBlocks and the target's LM head per step.
+
+Trees (`"tree": "default" | "mc_sim_7b_63" | [[0], [1], [0, 0], ...]`): `MedusaTreeProposer` gives greedy rows
+the heads' top-k candidate tree, verified in one forward (medusa_tree.py, engine/tree_step.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
+from pagellm.spec_decode.medusa_tree import MedusaTree, tree_from_options
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
 logger = init_logger(__name__)
@@ -36,7 +40,7 @@ class MedusaProposer(BaseProposer):
     """Top-1 chain drafts of Medusa heads. `lm_head`: the target's LM head ([M, H] -> [M, V]), used by
     heads that share it; `num_speculative_tokens` must not exceed the heads' count."""
 
-    OPTIONS = ("model",)
+    OPTIONS = ("model", "tree")  # tree: verify a candidate tree (medusa_tree.py) instead of a chain
     needs_hidden_states = True
     # like ngram: scoring 1 + k tokens per row is nearly free while CPU decode is weight-bound
     default_disable_by_batch_size = 4
@@ -62,6 +66,7 @@ class MedusaProposer(BaseProposer):
         if not isinstance(model, (str, PathLike)) or not str(model):
             raise ValueError("speculative_config: method 'medusa' needs model= the Medusa heads directory, "
                              f"got {model!r}")
+        tree_from_options(options)
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "MedusaProposer":
@@ -74,7 +79,13 @@ class MedusaProposer(BaseProposer):
             logger.warning("Medusa heads %s were trained on another base model (%s); drafts may be poor",
                            config.options["model"], heads.base_model)
         lm_head = target_lm_head(context) if heads.share_lm_head else None
-        return cls(config.num_speculative_tokens, heads, lm_head)
+        tree = tree_from_options(config.options)
+        if tree is None:
+            return cls(config.num_speculative_tokens, heads, lm_head)
+        if tree.depth > config.num_speculative_tokens:
+            raise ValueError(f"the Medusa tree is {tree.depth} deep: it needs num_speculative_tokens >= {tree.depth} "
+                             f"(one head per level), got {config.num_speculative_tokens}")
+        return MedusaTreeProposer(heads, tree, lm_head)
 
     # ------------------------------------------------------------------ the engine's hidden states
     def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden: torch.Tensor) -> None:
@@ -95,11 +106,7 @@ class MedusaProposer(BaseProposer):
     # ------------------------------------------------------------------ the proposer contract
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
-        fresh = []
-        for r in requests:
-            state = self._hidden.get(r.seq_id)
-            if state is not None and state[0] == len(r.prompt_token_ids) + len(r.output_token_ids):
-                fresh.append((r, state[1]))
+        fresh = self._fresh(requests)
         if not fresh:
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
@@ -110,6 +117,64 @@ class MedusaProposer(BaseProposer):
     def release(self, seq_ids: Iterable[str]) -> None:
         for sid in seq_ids:
             self._hidden.pop(sid, None)
+
+    def _fresh(self, requests: Sequence[DraftRequest]) -> list[tuple[DraftRequest, torch.Tensor]]:
+        """The requests whose stored hidden state is for their current length, with it."""
+        fresh = []
+        for r in requests:
+            state = self._hidden.get(r.seq_id)
+            if state is not None and state[0] == len(r.prompt_token_ids) + len(r.output_token_ids):
+                fresh.append((r, state[1]))
+        return fresh
+
+
+class MedusaTreeProposer(MedusaProposer):
+    """Tree drafts for greedy rows, top-1 chains for the others. `num_speculative_tokens` (the lookahead slots
+    a row reserves) is the tree's node count; `tree.depth` heads are used and must exist."""
+
+    proposes_trees = True  # the engine asks draft_parents() and tells set_tree_seq_ids() which rows may take trees
+
+    def __init__(self, heads: MedusaHeads, tree: MedusaTree,
+                 lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if not isinstance(tree, MedusaTree):
+            raise TypeError(f"tree must be a MedusaTree (MedusaTree.from_spec), got {type(tree).__name__}")
+        super().__init__(tree.depth, heads, lm_head)  # ValueError when the heads are fewer than the tree's depth
+        self.tree = tree
+        self.num_speculative_tokens = max(tree.num_nodes, tree.depth)
+        self._tree_ok: set[str] = set()  # sequences that may take a tree this step (greedy ones)
+        self._tree_rows: set[str] = set()  # sequences whose last drafts were a tree
+
+    def set_tree_seq_ids(self, seq_ids: Iterable[str]) -> None:
+        """The sequences of the next propose() that may take a tree (greedy); the others get chains."""
+        self._tree_ok = set(seq_ids)
+
+    def draft_parents(self, seq_id: str, num_drafts: int) -> list[int] | None:
+        """Parent index of each of the first num_drafts drafts of seq_id (-1: the row's committed token), or
+        None when they are a chain."""
+        if seq_id not in self._tree_rows:
+            return None
+        return list(self.tree.parents[:num_drafts])
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        fresh = self._fresh(requests)
+        self._tree_rows = set()
+        if not fresh:
+            return {}
+        depth = self.tree.depth
+        hidden = torch.stack([h for _, h in fresh])
+        logits = self.heads(hidden, self.lm_head, num_heads=depth)  # [B, depth, V]
+        topk = logits.topk(max(self.tree.ranks) + 1, dim=-1).indices  # [B, depth, max_rank + 1]
+        nodes = self.tree.node_tokens(topk).tolist()
+        chains = topk[:, :, 0].tolist()
+        out = {}
+        for (r, _), node_row, chain in zip(fresh, nodes, chains):
+            if r.seq_id in self._tree_ok:
+                self._tree_rows.add(r.seq_id)
+                out[r.seq_id] = node_row[: r.max_num_drafts]
+            else:
+                out[r.seq_id] = chain[: r.max_num_drafts]
+        return out
 
 
 def _target_model(worker):

@@ -21,6 +21,10 @@ engine acceptance 3.7 % on mixed prompts, head 1 right 24 % of the time on a KJV
 500 steps x 128 over 128 windows: 0.35 / 0.19 / 0.12 (11.5 min; acceptance 4.1 %). Text labels teach the
 heads the text, not the model: self-distillation is the default. The heads are small and briefly
 trained: useful acceptance needs own LM heads (`--own-lm-heads`) and far more steps than a CPU run.
+The train/inference path itself agrees (tests/engine/test_spec_medusa.py: the engine's drafts are the heads'
+top-1 on the trainer's hidden states, labels t + k + 2 are the verified tokens; on the default model the
+engine's bf16 hidden states have cosine 0.9998 with the trainer's fp32 ones, head-1 agreement 0.24 vs 0.27 on
+a KJV prompt): the gap is the held-out set (greedy KJV continuations, often loops) vs other prompts.
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""Tree verification of speculative drafts (Medusa trees, spec_decode/medusa_tree.py), shared by the engine
+(which path to commit) and the model runner (how to run a step whose spec rows carry trees).
+
+A spec row's drafts are tree nodes in an order where parents come first; `parents[j]` is draft j's parent
+(-1: the row's first token, the last committed one). The row is run as one tree: its first token is the
+root, draft j sits in the row's lookahead slot j (cache position L + j) but has the rotary position
+L + depth(j), and attends to the committed context plus its ancestors (`paged_tree_attention`). A chain is
+the tree parents = [-1, 0, 1, ...]; ordinary prefill chunks are chains too, so one tree mask covers the
+whole prefill section of the batch. After verification the accepted path's KV moves to the row's first
+slots (`move_kv_slots`), so the cache looks as if the path had been decoded token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from pagellm.ops.tree import tree_depths, tree_mask_from_parents
+from pagellm.spec_decode.batch import SpecRows
+
+
+def chain_parents(n: int) -> list[int]:
+    return list(range(-1, n - 1))
+
+
+def tree_step_inputs(sched_out, draft_parents: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """Positions and tree mask of a step whose spec rows may carry trees.
+
+    draft_parents: int [len(sched_out.draft_token_ids)], each draft's parent within its row's drafts (-1:
+    the row's first token), row by row like the drafts. Returns positions int64 [num_tokens] (a draft's is
+    its row's first position + 1 + its depth) and tree_mask bool [num_tokens, max query length]: each row's
+    ancestor mask (causal for rows without drafts, [[True]] for a decode)."""
+    positions = np.array(sched_out.positions, dtype=np.int64, copy=True)
+    qsl = np.asarray(sched_out.query_start_loc).astype(np.int64)
+    num_drafts = np.asarray(sched_out.num_draft_tokens).astype(np.int64)
+    lens = np.diff(qsl)
+    mask = torch.zeros((int(qsl[-1]), int(lens.max()) if len(lens) else 1), dtype=torch.bool)
+    draft_start = np.concatenate([[0], np.cumsum(num_drafts)])
+    parents_flat = np.asarray(draft_parents).tolist()
+    for r in range(len(lens)):
+        t0, n, k = int(qsl[r]), int(lens[r]), int(num_drafts[r])
+        if k and n == 1 + k:
+            parents = [-1] + [p + 1 for p in parents_flat[draft_start[r] : draft_start[r] + k]]
+            row_mask = tree_mask_from_parents(parents)
+            positions[t0 : t0 + n] = positions[t0] + row_mask.sum(dim=1).numpy() - 1  # depth = ancestors
+        else:
+            row_mask = torch.ones((n, n), dtype=torch.bool).tril_()
+        mask[t0 : t0 + n, :n] = row_mask
+    return positions, mask
+
+
+def greedy_tree_path(target_ids: Sequence[int], drafts: Sequence[int], parents: Sequence[int]) -> list[int]:
+    """The longest root-to-node path the target agrees with. target_ids [1 + k]: the target's token after
+    the row's first token (index 0) and after each draft j (index 1 + j); drafts / parents [k]. Returns the
+    path's draft indices, shallowest first."""
+    children: dict[int, list[int]] = {}
+    for j, p in enumerate(parents):
+        children.setdefault(int(p), []).append(j)
+    path: list[int] = []
+    node, target = -1, int(target_ids[0])
+    while True:
+        nxt = next((c for c in children.get(node, ()) if int(drafts[c]) == target), None)
+        if nxt is None:
+            return path
+        path.append(nxt)
+        node, target = nxt, int(target_ids[1 + nxt])
+
+
+def move_kv_slots(worker, src_slots: list[int], dst_slots: list[int]) -> None:
+    """Copy the KV rows of cache slots src -> dst in every layer's cache (keys, values and their scales);
+    every source is read before any destination is written. Runs on each worker (collective_rpc)."""
+    if not src_slots:
+        return
+    caches = worker.runner.kv_caches
+    block_size = caches[caches.layer_ids[0]].key_cache.shape[2]
+    src = torch.as_tensor(src_slots, dtype=torch.long)
+    dst = torch.as_tensor(dst_slots, dtype=torch.long)
+    for t in caches.tensors():  # [num_blocks, num_kv_heads, block_size, ...]
+        s_b, s_o = (src // block_size).to(t.device), (src % block_size).to(t.device)
+        d_b, d_o = (dst // block_size).to(t.device), (dst % block_size).to(t.device)
+        rows = t[s_b, :, s_o].clone()  # [n, num_kv_heads, ...]
+        t[d_b, :, d_o] = rows
+
+
+@dataclass
+class TreePaths:
+    """The path each spec row verifies as a chain (a chain row: all its drafts; a tree row: its greedy path).
+
+    original_split / chain_split: the step's SpecRows as scheduled / with each row's drafts replaced by its path's tokens
+    chain_logit_rows: int64 [sum(1 + len(path))] rows of the step's spec logits the chains read, row by row
+    paths: per spec row, the path's draft indices; depths: seq_id -> drafts counted in the statistics
+    """
+
+    original_split: SpecRows
+    chain_split: SpecRows
+    chain_logit_rows: np.ndarray
+    paths: list[list[int]]
+    tree_rows: list[bool]
+    depths: dict[str, int]
+
+
+def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], target_ids: Sequence[int],
+                      seq_ids: Sequence[str]) -> TreePaths:
+    """Per spec row (parents None: a chain) the path to verify. target_ids [sum(1 + k_i)]: the target's raw
+    argmax at every spec logits row; seq_ids: the spec rows' sequences."""
+    chains, rows, paths, is_tree, depths = [], [], [], [], {}
+    start = 0
+    for drafts, parents, sid in zip(split.draft_token_ids, parents_per_row, seq_ids):
+        k = len(drafts)
+        if parents is None:
+            path = list(range(k))
+            depths[sid] = k
+        else:
+            path = greedy_tree_path(target_ids[start : start + 1 + k], drafts, parents)
+            depths[sid] = max(tree_depths(parents)) + 1 if k else 0
+        paths.append(path)
+        is_tree.append(parents is not None)
+        chains.append([drafts[j] for j in path])
+        rows.extend([start] + [start + 1 + j for j in path])
+        start += 1 + k
+    chain_split = replace(split, draft_token_ids=chains)
+    return TreePaths(split, chain_split, np.asarray(rows, dtype=np.int64), paths, is_tree, depths)
+
+
+def reordered_drafts(split: SpecRows, paths: Sequence[list[int]], num_accepted: Sequence[int]) -> list[int]:
+    """The step's drafts, flat, with each row's accepted path moved to the front (what update() checks)."""
+    flat: list[int] = []
+    for drafts, path, a in zip(split.draft_token_ids, paths, num_accepted):
+        front = path[:a]
+        rest = [j for j in range(len(drafts)) if j not in set(front)]
+        flat.extend(int(drafts[j]) for j in front + rest)
+    return flat

@@ -1,0 +1,96 @@
+"""The pieces of Medusa tree verification (spec_decode/medusa_tree.py, engine/tree_step.py, the scheduler's
+set_pending_draft_tokens): tree layout, path choice, positions and masks, bad trees refused at construction.
+The engine runs (token identity, moved KV, blocks) are in test_spec_medusa.py, next to the trained heads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
+
+from test_draft_tokens import _greedy, _make_llm  # noqa: E402
+
+from pagellm.engine.tree_step import greedy_tree_path, reordered_drafts, tree_step_inputs  # noqa: E402
+from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
+from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E402
+
+# ---------------------------------------------------------------- the pieces
+
+
+def test_tree_layout_and_named_trees():
+    tree = MedusaTree.from_spec([[1], [0, 0], [0], [0, 1], [0, 0, 0]])
+    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    assert tree.parents == (-1, -1, 0, 0, 2) and tree.depths == (0, 0, 1, 1, 2) and tree.depth == 3
+    topk = torch.arange(3 * 2).reshape(1, 3, 2) + 100  # head d's rank r token: 100 + 2 d + r
+    assert tree.node_tokens(topk).tolist() == [[100, 101, 102, 103, 104]]
+    big = MedusaTree.from_spec("mc_sim_7b_63")
+    assert big.num_nodes == len(MC_SIM_7B_63) == 63 and big.depth == 4
+    assert 10 <= MedusaTree.from_spec("default").num_nodes <= 16
+
+
+def test_greedy_tree_path_and_reorder():
+    parents = [-1, -1, 0, 1, 2]
+    drafts = [7, 8, 9, 9, 5]
+    # the target says 8 after the root, then 9 after node 1, then 4 after node 3: path = nodes 1, 3
+    target = [8, 0, 9, 0, 4, 0]
+    assert greedy_tree_path(target, drafts, parents) == [1, 3]
+    assert greedy_tree_path([6, 0, 0, 0, 0, 0], drafts, parents) == []
+
+    class Split:
+        draft_token_ids = [drafts, [1, 2]]
+
+    assert reordered_drafts(Split, [[1, 3], [0, 1]], [2, 1]) == [8, 9, 7, 9, 5, 1, 2]
+
+
+def test_tree_step_inputs_positions_and_mask():
+    import numpy as np
+
+    class Out:  # one decode row, one spec row (root + 3 drafts: parents -1, -1, 0), one 2-token prefill chunk
+        query_start_loc = np.array([0, 1, 5, 7], dtype=np.int32)
+        positions = np.array([9, 20, 21, 22, 23, 3, 4], dtype=np.int64)
+        num_draft_tokens = np.array([0, 3, 0], dtype=np.int32)
+
+    positions, mask = tree_step_inputs(Out, np.array([-1, -1, 0], dtype=np.int32))
+    assert positions.tolist() == [9, 20, 21, 21, 22, 3, 4]
+    expect = torch.zeros(7, 4, dtype=torch.bool)
+    expect[0, 0] = True
+    expect[1:5, :4] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    expect[5:7, :2] = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
+    assert torch.equal(mask, expect)
+
+
+@pytest.mark.parametrize("tree,match", [
+    ([], "non-empty list of paths"),
+    ("nope", "unknown Medusa tree"),
+    ([[0], [0]], "repeated path"),
+    ([[0], [1, 0]], "no parent path"),
+    ([[0], [-1]], "top-k indices >= 0"),
+    ([[0], "a"], "top-k indices >= 0"),
+    ([[i] for i in range(257)], "at most 256"),
+])
+def test_bad_trees_raise_at_construction(tree, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 3, "model": "/x", "tree": tree})
+
+
+def test_set_pending_draft_tokens_checks_its_input(tiny_llama_dir):
+    eng = _make_llm(tiny_llama_dir).llm_engine
+    sched = eng.scheduler
+    with pytest.raises(RuntimeError, match="no step is pending"):
+        sched.set_pending_draft_tokens([])
+    eng.set_proposer(None)
+    sched.set_num_lookahead_tokens(2)
+    eng.add_request("a", {"prompt_token_ids": [5, 6, 7]}, _greedy(8))
+    eng.step()  # the prompt; "a" is decode-ready now
+    sched.set_draft_tokens("a", [9, 10])
+    out = sched.schedule()
+    assert list(out.draft_token_ids) == [9, 10]
+    with pytest.raises(ValueError, match="3 draft ids, the pending step has 2"):
+        sched.set_pending_draft_tokens([1, 2, 3])
+    with pytest.raises(ValueError, match=">= 0"):
+        sched.set_pending_draft_tokens([1, -2])
+    sched.set_pending_draft_tokens([10, 9])
+    with pytest.raises(ValueError, match="draft 0 was 10"):  # update() checks against the replaced drafts
+        sched.update(out, [2], [9, 4], [])
+    sched.update(out, [2], [10, 4], [])  # the reordered path is accepted
