@@ -4,6 +4,7 @@
 
 #include "bindings/py_core.h"
 #include "bindings/py_graph.h"
+#include "bindings/py_shm_comm.h"
 #include "bindings/py_thread_pool.h"
 
 #include "ops/linear/amx_support.h"
@@ -21,4 +22,5 @@ PYBIND11_MODULE(_C, m) {
   pagellm::init_core_bindings(m);
   pagellm::init_graph_bindings(m);
   pagellm::init_thread_pool_bindings(m);
+  pagellm::init_shm_comm_bindings(m);
 }

@@ -197,6 +197,28 @@ def test_mmap_reader_matches_safetensors(tmp_path):
     assert torch.equal(got["a"].narrow(1, 3, 4), tensors["a"][:, 3:])  # a rank's columns
 
 
+def _shm_and_gloo_all_reduce(worker, seed: int):
+    import torch.distributed as dist
+
+    from pagellm.distributed import get_tp_state
+    from pagellm.distributed.communication import tensor_model_parallel_all_reduce
+
+    state = get_tp_state()
+    x = torch.randn(3, 517, generator=torch.Generator().manual_seed(seed + state.rank))
+    via_gloo = x.clone()
+    dist.all_reduce(via_gloo, group=state.group)
+    via_layers = tensor_model_parallel_all_reduce(x.clone())
+    return type(state.shm).__name__, via_layers, via_gloo
+
+
+def test_same_host_ranks_all_reduce_through_shared_memory_and_leave_no_name(llama_tp2):
+    replies = llama_tp2.collective_rpc(_shm_and_gloo_all_reduce, args=(3,))
+    assert [r[0] for r in replies] == ["ShmCommunicator", "ShmCommunicator"]
+    for _, via_shm, via_gloo in replies:  # two fp32 addends: one rounding either way
+        assert torch.equal(via_shm, via_gloo) and torch.equal(via_shm, replies[0][1])
+    assert [f for f in os.listdir("/dev/shm") if f.startswith(f"pagellm-tp-{os.getpid()}-")] == []
+
+
 def test_killed_worker_fails_running_requests_and_leaves_no_process(llama_tp2):
     engine = llama_tp2.llm_engine
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True, detokenize=False)

@@ -1,4 +1,5 @@
-"""The collectives the tensor-parallel layers call (over the group in parallel_state; gloo on CPU).
+"""The collectives the tensor-parallel layers call (over the group in parallel_state; gloo on CPU, and the
+group's shared-memory all-reduce (shm_comm) when its ranks share this host).
 
 With a single rank every function returns its input unchanged, so layers call them unconditionally.
 Every call is timed into `COLLECTIVE_TIMES` (seconds per kind) so a benchmark can report the
@@ -32,13 +33,19 @@ def take_collective_times() -> dict[str, tuple[float, int]]:
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum of `x` over the ranks (any shape; every rank gets the sum). In place on a contiguous `x`."""
+    """Sum of `x` over the ranks (any shape; every rank gets the sum). In place on a contiguous `x`.
+    Through the group's shared memory when it has one (CPU float32 / bfloat16 / float16; sums in rank
+    order, fp32 accumulation), else gloo."""
     state = get_tp_state()
     if state.size == 1:
         return x
+    t0 = time.perf_counter()
+    if state.shm is not None and state.shm.supports(x):
+        x = state.shm.all_reduce(x)
+        _record("all_reduce", t0)
+        return x
     import torch.distributed as dist  # noqa: PLC0415
 
-    t0 = time.perf_counter()
     x = x.contiguous()
     dist.all_reduce(x, group=state.group)
     _record("all_reduce", t0)

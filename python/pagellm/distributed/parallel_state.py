@@ -15,11 +15,14 @@ from typing import Any
 
 @dataclass(frozen=True)
 class TensorParallelState:
-    """rank in [0, size); `group`: the torch.distributed process group of the ranks (None when size == 1)."""
+    """rank in [0, size); `group`: the torch.distributed process group of the ranks (None when size == 1);
+    `shm`: the group's same-host shared-memory all-reduce (distributed.shm_comm.ShmCommunicator), or None
+    for gloo only (ranks on several nodes, PAGELLM_TP_ALLREDUCE=gloo)."""
 
     rank: int = 0
     size: int = 1
     group: Any = None
+    shm: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch.multiprocessing as torch_mp
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.shm_comm import allreduce_backend, new_segment_name, unlink_segments
 from pagellm.distributed.validation import check_pipeline_parallel, check_tensor_parallel, cpu_slices
 from pagellm.engine.executor import ExecutorBase, check_rpc_method, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
@@ -48,8 +49,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _stop_processes(procs: list, conns: list, grace_s: float = 5.0) -> None:
-    """Ask, then terminate, then kill; join every process (no zombies left behind)."""
+def _stop_processes(procs: list, conns: list, grace_s: float = 5.0, shm_name: str | None = None,
+                    pp_size: int = 1) -> None:
+    """Ask, then terminate, then kill; join every process (no zombies left behind); then remove the
+    shared-memory segment names a rank that died during set-up may have left."""
     for c in conns:
         try:
             c.send_bytes(pickle.dumps(None))
@@ -67,6 +70,8 @@ def _stop_processes(procs: list, conns: list, grace_s: float = 5.0) -> None:
             p.join(2.0)
     for c in conns:
         c.close()
+    if shm_name is not None:
+        unlink_segments(shm_name, pp_size)
 
 
 def per_rank_config(config: EngineConfig, tp_size: int) -> EngineConfig:
@@ -100,6 +105,8 @@ class MultiprocExecutor(ExecutorBase):
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
                               lora_enabled=config.lora_config is not None, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
+        # every rank is on this host: the TP all-reduce goes through shared memory unless gloo is forced
+        shm_name = new_segment_name() if self.tp_size > 1 and allreduce_backend() == "shm" else None
         self._broken: WorkerDiedError | None = None
         ctx = torch_mp.get_context("spawn")
         files = replace(model_files, tokenizer=None)  # the ranks never tokenize
@@ -109,12 +116,13 @@ class MultiprocExecutor(ExecutorBase):
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=worker_main, name=f"pagellm-rank{rank}", daemon=True,
-                               args=(rank, self.tp_size, port, slices[rank], rank_config, files, child, self.pp_size))
+                               args=(rank, self.tp_size, port, slices[rank], rank_config, files, child, self.pp_size,
+                                     shm_name))
             proc.start()
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
-        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns, 5.0, shm_name, self.pp_size)
         try:
             blocks = self._gather(range(self.world_size), 2 * self.step_timeout_s, "start-up")
         except BaseException:

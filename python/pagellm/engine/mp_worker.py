@@ -74,8 +74,10 @@ def output_rank(tp_size: int, pp_size: int = 1) -> int:
     return (pp_size - 1) * tp_size
 
 
-def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_layers: int) -> None:
-    """init the gloo world of tp_size * pp_size ranks; set this rank's tensor-parallel group and stage."""
+def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_layers: int,
+                 shm_name: str | None = None) -> None:
+    """init the gloo world of tp_size * pp_size ranks; set this rank's tensor-parallel group and stage.
+    With `shm_name` (the driver's base name) the stage's TP group also gets a shared-memory all-reduce."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from pagellm.distributed import (  # noqa: PLC0415
@@ -92,7 +94,12 @@ def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_
         stage_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
         group = stage_groups[pp_rank]
     if tp_size > 1:
-        set_tp_state(TensorParallelState(tp_rank, tp_size, group))
+        shm = None
+        if shm_name is not None:
+            from pagellm.distributed.shm_comm import ShmCommunicator, stage_segment_name  # noqa: PLC0415
+
+            shm = ShmCommunicator(stage_segment_name(shm_name, pp_rank), tp_rank, tp_size)
+        set_tp_state(TensorParallelState(tp_rank, tp_size, group, shm))
     if pp_size > 1:
         start, end = stage_layer_range(num_layers, pp_rank, pp_size)
         set_pp_state(PipelineParallelState(
@@ -101,9 +108,9 @@ def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_
 
 
 def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, config, model_files, conn,
-                pp_size: int = 1) -> None:
+                pp_size: int = 1, shm_name: str | None = None) -> None:
     """Entry point of global rank `rank` of tp_size x pp_size (spawned). Never returns normally while the
-    driver keeps the pipe open."""
+    driver keeps the pipe open. `shm_name`: base name of the TP groups' shared-memory segments (None: gloo)."""
     if cpus:
         os.sched_setaffinity(0, cpus)  # this rank's CPUs: its kernels' pool sizes and pins itself to them
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -112,7 +119,7 @@ def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, conf
 
         timeout = timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, "300")))
         if tp_size * pp_size > 1:
-            _join_groups(rank, tp_size, pp_size, port, timeout, model_files.hf_config.num_hidden_layers)
+            _join_groups(rank, tp_size, pp_size, port, timeout, model_files.hf_config.num_hidden_layers, shm_name)
         worker = Worker(config, model_files, rank=rank)
         conn.send_bytes(pickle.dumps(("ok", worker.num_kv_blocks)))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
