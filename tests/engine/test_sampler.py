@@ -100,6 +100,8 @@ def test_argmax_rows_matches_torch_argmax(dtype, v):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, : v - 1] if v > 1 else x), (x[:, : v - 1] if v > 1 else x).argmax(-1))
     assert argmax_rows(x[:0]).shape == (0,)
+    for i in range(x.shape[0]):  # one row at a time: the batch-1 path
+        assert torch.equal(argmax_rows(x[i : i + 1]), x[i : i + 1].argmax(dim=-1))
 
 
 def test_greedy_bf16_logits_sample_as_float32():

@@ -114,8 +114,13 @@ def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """x.argmax(-1) for a 2-D x, with torch's semantics (the first index of the maximum; NaN counts as the
     maximum), in any float dtype. torch's CPU argmax reduction is ~5x slower than amax, and at batch 256
     over a 150k vocabulary it cost a tenth of a decode step; so: maxima of blocks of `block` columns, the
-    first block holding the row's maximum, then the argmax inside that one block."""
+    first block holding the row's maximum, then the argmax inside that one block. One row (batch-1 decode):
+    torch.max over the row, a single-output reduction that runs on one thread; the blocked path's reduction
+    over [1, v / block, block] is an OpenMP region that, on a loaded 2-core machine, waited 5-15 ms for a
+    preempted thread (bench_step_profile.py) and is twice as slow in bf16 even when quiet."""
     n, v = x.shape
+    if n == 1 and x.device.type == "cpu":  # same first-maximum / NaN rule as argmax (tests/engine/test_sampler.py)
+        return x.max(dim=-1).indices
     if n == 0 or v < 4 * block or x.device.type != "cpu":
         return x.argmax(dim=-1)
     vb = v // block * block
