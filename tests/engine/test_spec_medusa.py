@@ -204,11 +204,8 @@ def test_greedy_with_medusa_drafts_matches_plain_decoding(tiny_llama_dir, test_p
     assert proposer.num_tracked_seqs == 0  # release() dropped every finished sequence's state
 
 
-def test_proposer_sees_the_hidden_state_of_the_newest_token(tiny_llama_dir, test_prompts, hf_base, trained_heads_dir):
-    prompts = test_prompts["hidden"]
-    eng = _make_llm(tiny_llama_dir).llm_engine
-    proposer = _proposer(eng, 3, trained_heads_dir, cls=RecordingMedusa)
-    eng.set_proposer(proposer)
+def _generate_greedy(eng, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Greedy-generate every prompt (request ids r0, r1, ...) to the end: {request id: prompt + output ids}."""
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", {"prompt_token_ids": p}, _greedy())
     full = {}
@@ -216,6 +213,15 @@ def test_proposer_sees_the_hidden_state_of_the_newest_token(tiny_llama_dir, test
         for out in eng.step():
             if out.finished:
                 full[out.request_id] = prompts[int(out.request_id[1:])] + list(out.outputs[0].token_ids)
+    return full
+
+
+def test_proposer_sees_the_hidden_state_of_the_newest_token(tiny_llama_dir, test_prompts, hf_base, trained_heads_dir):
+    prompts = test_prompts["hidden"]
+    eng = _make_llm(tiny_llama_dir).llm_engine
+    proposer = _proposer(eng, 3, trained_heads_dir, cls=RecordingMedusa)
+    eng.set_proposer(proposer)
+    full = _generate_greedy(eng, prompts)
     assert eng.spec_stats.num_accepted_draft_tokens > 0  # spec rows with accepted drafts are among the observed
     seen_ids = {seq_id for seq_id, _, _ in proposer.seen}
     assert seen_ids == set(full) and len(proposer.seen) > len(prompts)
@@ -248,13 +254,7 @@ def test_engine_drafts_are_the_training_paths_top1(tiny_llama_dir, test_prompts,
     eng = _make_llm(tiny_llama_dir).llm_engine
     proposer = _proposer(eng, 3, trained_heads_dir, cls=ProposalRecordingMedusa)
     eng.set_proposer(proposer)
-    for i, p in enumerate(prompts):
-        eng.add_request(f"r{i}", {"prompt_token_ids": p}, _greedy())
-    full = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                full[int(out.request_id[1:])] = prompts[int(out.request_id[1:])] + list(out.outputs[0].token_ids)
+    full = _generate_greedy(eng, prompts)
     heads, lm_head = MedusaHeads.load(trained_heads_dir), frozen_lm_head(hf_base)
     assert len(proposer.proposed) > len(prompts)
     for context, drafts in proposer.proposed:
