@@ -34,6 +34,7 @@ namespace vnni {
 
 constexpr int64_t kQuadBytes = 192;
 constexpr int kQuadBlocks = 4;
+constexpr int64_t kPrefetchRows = 16;  // software prefetch distance in weight rows (16 KiB at K = 2048)
 constexpr int kMaxMR = 4;  // 16 zmm accumulators + a quad's 2 expanded halves, scale, 3 x vectors, the dot
 
 // Rows of x quantized for the tiles (layout above); `from_row` views the rows from row i on.
@@ -85,22 +86,35 @@ PAGELLM_AWQ_VNNI inline void quantize_row(const float* x, int64_t nb, int64_t bp
 }
 
 // acc[i][j] += dx * s[j] * dot(q[j], qx) per lane for one quad: MR rows of x against NR weight rows, each
-// expanded once from its 64 bytes into low and high nibbles; sv[j]: the scale of each lane's block.
+// expanded once from its 64 bytes into low and high nibbles; sv[j]: the scale of each lane's block. x's three
+// vectors per row are loaded once per quad, not once per weight row.
 template <int MR, int NR>
 PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void accumulate_quad(const __m512i (&bytes)[NR], const __m512 (&sv)[NR],
                                                          const QuantizedX& x, int64_t quad, __m512 (&acc)[MR][NR]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512i xlo[MR], xhi[MR];
+  __m512 dx[MR];
+  for (int i = 0; i < MR; ++i) {
+    const uint8_t* xq = x.q + i * x.ldq + quad * kQuadBytes;
+    xlo[i] = _mm512_loadu_si512(xq);
+    xhi[i] = _mm512_loadu_si512(xq + 64);
+    dx[i] = _mm512_loadu_ps(xq + 128);
+  }
   for (int j = 0; j < NR; ++j) {
     const __m512i lo = _mm512_and_si512(bytes[j], low4);
     const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes[j], 4), low4);
     for (int i = 0; i < MR; ++i) {
-      const uint8_t* xq = x.q + i * x.ldq + quad * kQuadBytes;
-      __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xq));
-      dot = _mm512_dpbusd_epi32(dot, hi, _mm512_loadu_si512(xq + 64));
-      const __m512 dxs = _mm512_mul_ps(_mm512_loadu_ps(xq + 128), sv[j]);
-      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dxs, acc[i][j]);
+      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]), hi, xhi[i]);
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx[i], sv[j]), acc[i][j]);
     }
   }
+}
+
+// Software prefetch of the weight rows kPrefetchRows below the NR being read, the line this quad reads of
+// each: rows are only K / 2 bytes, too short a stream each for the hardware prefetcher to ramp up on.
+template <int NR>
+PAGELLM_AWQ_INLINE void prefetch_quad(const AwqWeightView& w, int64_t quad) {
+  for (int j = 0; j < NR; ++j) __builtin_prefetch(w.qweight + (j + kPrefetchRows) * w.row_bytes() + quad * 64, 0, 3);
 }
 
 // Blocks per group a multiple of 4 (G = 128, 256, ...): a quad lies in one group, its NR scales broadcast.
@@ -114,6 +128,7 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void quads_in_one_group(const AwqWeightView&
     for (int64_t quad = g * quads_per_group; quad < (g + 1) * quads_per_group; ++quad) {
       __m512i bytes[NR];
       for (int j = 0; j < NR; ++j) bytes[j] = _mm512_loadu_si512(w.qweight + j * ldq + quad * 64);
+      prefetch_quad<NR>(w, quad);
       accumulate_quad<MR, NR>(bytes, sv, x, quad, acc);
     }
   }
@@ -142,6 +157,7 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void quads_across_groups(const AwqWeightView
       const __m128 s4 = _mm_set_ps(s[groups[3]], s[groups[2]], s[groups[1]], s[groups[0]]);
       sv[j] = _mm512_permutexvar_ps(lane_block(), _mm512_castps128_ps512(s4));
     }
+    prefetch_quad<NR>(w, quad);
     accumulate_quad<MR, NR>(bytes, sv, x, quad, acc);
   }
 }
