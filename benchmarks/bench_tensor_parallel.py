@@ -1,8 +1,12 @@
 """Decode TPOT at TP=1 (one process, 2 threads) vs TP=2 (two worker processes, 1 thread each) on a random
-Llama, with the all-reduce time per step and its share of the step.
+Llama, with the all-reduce and all-gather (the vocab-parallel LM head's logits) time per step and the
+all-reduce's share of the step. TP=2 runs once per collective backend (`--allreduce shm,gloo`: the
+shared-memory segment for both collectives, or gloo for both; PAGELLM_TP_ALLREDUCE), the rows of each
+round interleaved.
 
     python benchmarks/bench_tensor_parallel.py                # ~1B random Llama (bf16), batch 1, 64 tokens
     python benchmarks/bench_tensor_parallel.py --tiny --new-tokens 8    # smoke run (tiny model, seconds)
+    python benchmarks/bench_tensor_parallel.py --new-tokens 32 --rounds 2 --allreduce shm,gloo
 
 TP=2 ranks pin themselves to one half of the allowed CPUs each (pagellm.engine.mp_worker); TP=1 gets all of
 them (PAGELLM_NUM_THREADS = the CPU count). TPOT is the mean time of the decode steps after the first
@@ -85,7 +89,13 @@ def main() -> int:
     p.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --tiny)")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--allreduce", default="shm,gloo", help="TP=2 collective backends to run, comma-separated")
+    p.add_argument("--rounds", type=int, default=1, help="repeat TP=1 and each TP=2 backend, interleaved")
     a = p.parse_args()
+    backends = [b.strip() for b in a.allreduce.split(",") if b.strip()]
+    if not backends or any(b not in ("shm", "gloo") for b in backends) or a.rounds < 1:
+        print(f"--allreduce must list shm and/or gloo (got {a.allreduce!r}); --rounds >= 1", file=sys.stderr)
+        return 2
     dtype = a.dtype or ("float32" if a.tiny else "bfloat16")
     cpus = len(os.sched_getaffinity(0))
     if cpus < 2:
@@ -94,17 +104,23 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(write_random_llama(Path(tmp) / "llama", TINY if a.tiny else ONE_B,
                                                   getattr(torch, dtype)))
-        os.environ["PAGELLM_NUM_THREADS"] = str(cpus)  # TP=1: every CPU
-        rows = [measure(model, 1, dtype, a.prompt_len, a.new_tokens)]
-        del os.environ["PAGELLM_NUM_THREADS"]  # TP=2: each rank its half (its affinity)
-        rows.append(measure(model, 2, dtype, a.prompt_len, a.new_tokens))
+        rows = []
+        for _ in range(a.rounds):
+            os.environ["PAGELLM_NUM_THREADS"] = str(cpus)  # TP=1: every CPU
+            rows.append({"backend": "-", **measure(model, 1, dtype, a.prompt_len, a.new_tokens)})
+            del os.environ["PAGELLM_NUM_THREADS"]  # TP=2: each rank its half (its affinity)
+            for backend in backends:
+                os.environ["PAGELLM_TP_ALLREDUCE"] = backend  # the spawned ranks inherit it
+                rows.append({"backend": backend, **measure(model, 2, dtype, a.prompt_len, a.new_tokens)})
+                del os.environ["PAGELLM_TP_ALLREDUCE"]
     print(f"decode TPOT, batch 1, prompt {a.prompt_len}, {a.new_tokens} new tokens, {dtype}, {cpus} CPUs, "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| TP | TPOT ms | all-reduce ms/step | all-reduces/step | all-gather ms/step | all-reduce share |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| TP | collectives | TPOT ms | all-reduce ms/step | all-reduces/step | all-gather ms/step "
+          "| all-reduce share |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['tp']} | {r['tpot_ms']:.2f} | {r['all_reduce_ms_per_step']:.2f} | {r['all_reduces_per_step']:.0f} | "
-              f"{r['all_gather_ms_per_step']:.2f} | {100 * r['all_reduce_share']:.0f}% |")
+        print(f"| {r['tp']} | {r['backend']} | {r['tpot_ms']:.2f} | {r['all_reduce_ms_per_step']:.2f} | "
+              f"{r['all_reduces_per_step']:.0f} | {r['all_gather_ms_per_step']:.2f} | {100 * r['all_reduce_share']:.0f}% |")
     return 0
 
 

@@ -1,11 +1,13 @@
 // The shared-memory all-reduce's Python face: pagellm.distributed.shm_comm wraps it for the TP group.
 #include "bindings/py_shm_comm.h"
 
+#include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "ops/comm/shm_allreduce.h"
 
@@ -35,6 +37,21 @@ void all_reduce_tensor(ShmAllReduce& comm, at::Tensor& x) {
   comm.all_reduce(data, numel, dtype);
 }
 
+// out [world, *x.shape] = every rank's x in rank order (any dtype: the bytes are copied).
+at::Tensor all_gather_tensor(ShmAllReduce& comm, const at::Tensor& x) {
+  if (!x.device().is_cpu()) throw py::value_error("ShmAllReduce.all_gather: the tensor must be on the CPU, got " + x.device().str());
+  const at::Tensor src = x.contiguous();
+  std::vector<int64_t> shape{comm.world_size()};
+  shape.insert(shape.end(), src.sizes().begin(), src.sizes().end());
+  at::Tensor out = at::empty(shape, src.options());
+  const void* in = src.data_ptr();
+  void* dst = out.data_ptr();
+  const int64_t nbytes = src.numel() * static_cast<int64_t>(src.element_size());
+  py::gil_scoped_release release;
+  comm.all_gather(in, dst, nbytes);
+  return out;
+}
+
 }  // namespace
 
 void init_shm_comm_bindings(py::module_& m) {
@@ -58,6 +75,9 @@ void init_shm_comm_bindings(py::module_& m) {
       .def("all_reduce", &all_reduce_tensor, py::arg("x"),
            "In place: x (contiguous CPU float32 / bfloat16 / float16, any shape) becomes the sum over the ranks "
            "(fp32 accumulation). RuntimeError naming the rank when a peer is gone or slower than timeout_s.")
+      .def("all_gather", &all_gather_tensor, py::arg("x"),
+           "[world_size, *x.shape]: every rank's x (CPU, any dtype, same shape on every rank) in rank order. "
+           "Shares the all-reduce's rounds: every rank must issue the same sequence of calls.")
       .def_property_readonly("rank", &ShmAllReduce::rank)
       .def_property_readonly("world_size", &ShmAllReduce::world_size)
       .def_property_readonly("slot_bytes", &ShmAllReduce::slot_bytes)

@@ -31,8 +31,10 @@ def _leftovers() -> list[str]:
     return [f for f in os.listdir("/dev/shm") if f.startswith("pagellm-test-") and f"-{os.getpid()}-" in f]
 
 
-def _run_ranks(name: str, inputs: list[torch.Tensor], slot_bytes: int, repeats: int = 1) -> list[torch.Tensor]:
-    """Each rank (a thread with its own communicator) all-reduces a copy of its input `repeats` times."""
+def _run_ranks(name: str, inputs: list[torch.Tensor], slot_bytes: int, repeats: int = 1,
+               op=lambda comm, x: comm.all_reduce(x.clone())) -> list[torch.Tensor]:
+    """Each rank (a thread with its own communicator) runs `op` (default: all-reduce a copy) on its input
+    `repeats` times; the last results."""
     world = len(inputs)
     outputs: list = [None] * world
     errors: list = [None] * world
@@ -41,7 +43,7 @@ def _run_ranks(name: str, inputs: list[torch.Tensor], slot_bytes: int, repeats: 
         try:
             comm = ShmCommunicator(name, rank, world, timeout_s=20.0, slot_bytes=slot_bytes)
             for _ in range(repeats):
-                outputs[rank] = comm.all_reduce(inputs[rank].clone())
+                outputs[rank] = op(comm, inputs[rank])
         except BaseException as e:  # noqa: BLE001 - re-raised below
             errors[rank] = e
 
@@ -61,6 +63,27 @@ def _rank_order_sum(inputs: list[torch.Tensor]) -> torch.Tensor:
     for x in inputs[1:]:
         acc += x.float()
     return acc.to(inputs[0].dtype)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape,dim,slot_bytes", [((3, 321), -1, 1 << 20), ((5, 1001), -1, 256), ((4, 7), 0, 64),
+                                                  ((2, 3, 5), 1, 64)])
+def test_all_gather_concatenates_in_rank_order_on_every_rank(world, dtype, shape, dim, slot_bytes):
+    g = torch.Generator().manual_seed(world)
+    inputs = [torch.randn(shape, generator=g).to(dtype) for _ in range(world)]
+    name = _name("gather")
+
+    def gather_then_reduce(comm, x):  # the LM head's all-gather shares its rounds with the all-reduces
+        out = comm.all_gather(x, dim)
+        comm.all_reduce(torch.ones(3))
+        return out
+
+    outputs = _run_ranks(name, inputs, slot_bytes, repeats=3, op=gather_then_reduce)
+    expected = torch.cat(inputs, dim=dim)
+    for out in outputs:
+        assert out.dtype == dtype and torch.equal(out, expected)
+    assert _leftovers() == []
 
 
 @pytest.mark.parametrize("world", [2, 3])

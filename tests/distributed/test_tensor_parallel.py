@@ -19,7 +19,10 @@ import pytest
 import torch
 import transformers as tf
 
-from pagellm import LLM, SamplingParams
+from parallel_helpers import (  # noqa: F401  (bounded_waits: an autouse fixture)
+    PROMPTS, assert_same_outputs, bounded_waits, generate_greedy, make_llm, write_tiny_checkpoint,
+)
+from pagellm import SamplingParams
 from pagellm.config import EngineArgs, ParallelConfig
 from pagellm.distributed.sharding import partition_heads, vocab_range
 from pagellm.distributed.validation import check_tensor_parallel
@@ -27,85 +30,37 @@ from pagellm.engine.mp_executor import per_rank_config
 
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
 
-PROMPTS = [list(range(5, 11)), list(range(20, 57)), [7, 300, 3, 3, 3, 41, 99, 250, 18]]
-NEW_TOKENS = 16
-TOL = 1e-5
-
-
-@pytest.fixture(autouse=True, scope="module")
-def bounded_waits():
-    old = os.environ.get("PAGELLM_MP_STEP_TIMEOUT_S")
-    os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = "120"
-    yield
-    if old is None:
-        os.environ.pop("PAGELLM_MP_STEP_TIMEOUT_S")
-    else:
-        os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = old
-
-
-def _write(path, tokenizer, cfg_cls, model_cls, **overrides):
-    cfg = cfg_cls(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
-                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, **overrides)
-    torch.manual_seed(0)
-    model = model_cls(cfg).eval()
-    with torch.no_grad():  # larger logits than the default init: fewer argmax near-ties
-        for p in model.parameters():
-            p.normal_(0.0, 0.08) if p.dim() == 2 else p.add_(torch.randn_like(p) * 0.05)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
-    return path
-
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory, tiny_tokenizer):
-    return _write(tmp_path_factory.mktemp("tp") / "llama", tiny_tokenizer, tf.LlamaConfig, tf.LlamaForCausalLM,
-                  num_key_value_heads=2, head_dim=16, attention_bias=True)
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp") / "llama", tiny_tokenizer, tf.LlamaConfig, tf.LlamaForCausalLM,
+        num_key_value_heads=2, head_dim=16, attention_bias=True)
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, tiny_tokenizer):
-    return _write(tmp_path_factory.mktemp("tp") / "qwen3", tiny_tokenizer, tf.Qwen3Config, tf.Qwen3ForCausalLM,
-                  num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
-
-
-def _llm(path, tp: int) -> LLM:
-    return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16, tensor_parallel_size=tp)
-
-
-def _generate(llm: LLM):
-    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0, logprobs=0,
-                            detokenize=False)
-    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-
-
-def _assert_same(ref, got):
-    assert len(ref) == len(got) == len(PROMPTS)
-    for a, b in zip(ref, got):
-        assert getattr(b, "error", None) is None
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for tok, la, lb in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
-            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
-        for tok, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tp") / "qwen3", tiny_tokenizer, tf.Qwen3Config, tf.Qwen3ForCausalLM,
+        num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")
 def llama_tp2(llama_dir):
-    llm = _llm(llama_dir, 2)
+    llm = make_llm(llama_dir, tp=2)
     yield llm
     llm.shutdown()
 
 
 def test_llama_gqa_tp2_matches_tp1(llama_dir, llama_tp2):
-    ref_llm = _llm(llama_dir, 1)
-    ref = _generate(ref_llm)
+    ref_llm = make_llm(llama_dir, tp=1)
+    ref = generate_greedy(ref_llm)
     assert llama_tp2.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
     infos = llama_tp2.collective_rpc("describe")
     assert [i["rank"] for i in infos] == [0, 1]
     # each rank caches its 1 of the 2 KV heads: half of TP=1's bytes per token
     assert infos[0]["kv_cache_bytes_per_token"] * 2 == ref_llm.collective_rpc("describe")[0]["kv_cache_bytes_per_token"]
-    _assert_same(ref, _generate(llama_tp2))
+    assert_same_outputs(ref, generate_greedy(llama_tp2))
     # a weight update with full HF tensors: every rank keeps its slices, as a fresh load would
     from safetensors.torch import load_file
 
@@ -114,16 +69,16 @@ def test_llama_gqa_tp2_matches_tp1(llama_dir, llama_tp2):
                for n, t in load_file(str(llama_dir / "model.safetensors")).items() if "norm" not in n]
     for llm in (ref_llm, llama_tp2):
         llm.llm_engine.update_weights(changed)
-    updated = _generate(ref_llm)
+    updated = generate_greedy(ref_llm)
     assert [o.outputs[0].token_ids for o in updated] != [o.outputs[0].token_ids for o in ref]
-    _assert_same(updated, _generate(llama_tp2))
+    assert_same_outputs(updated, generate_greedy(llama_tp2))
 
 
 def test_qwen3_replicated_kv_head_tied_embeddings_tp2_matches_tp1(qwen3_dir):
-    ref = _generate(_llm(qwen3_dir, 1))
-    llm = _llm(qwen3_dir, 2)
+    ref = generate_greedy(make_llm(qwen3_dir, tp=1))
+    llm = make_llm(qwen3_dir, tp=2)
     try:
-        _assert_same(ref, _generate(llm))
+        assert_same_outputs(ref, generate_greedy(llm))
     finally:
         llm.shutdown()
     assert all(p.exitcode is not None for p in llm.llm_engine.executor.procs)
@@ -143,12 +98,12 @@ def test_bad_parallel_config_is_refused_before_any_worker_starts(llama_dir):
         check_tensor_parallel(2, cfg, allowed_cpus=1)
     with pytest.raises(ValueError, match="unquantized"):
         check_tensor_parallel(2, cfg, quantization="int8", allowed_cpus=8)
-    cfg.architectures = ["MixtralForCausalLM"]
+    cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="no tensor-parallel support"):
         check_tensor_parallel(2, cfg, allowed_cpus=8)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match="tensor_parallel_size"):  # 3 ranks: 4 heads do not split (or too few CPUs)
-        _llm(llama_dir, 3)
+        make_llm(llama_dir, tp=3)
     assert time.monotonic() - t0 < 30
 
 

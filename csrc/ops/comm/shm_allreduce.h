@@ -17,6 +17,9 @@
 // raises std::runtime_error naming that rank; the communicator is then unusable.
 // The name is unlinked as soon as every rank has attached (nothing can leak after set-up); before
 // that, the creator's destructor or `ShmAllReduce::unlink` (the driver's clean-up) removes it.
+// The all-gather (the vocab-parallel LM head's logits) uses the same slots and round counter: a rank
+// copies its chunk of bytes in, publishes, waits, then copies every rank's slot out in rank order, so
+// all-reduces and all-gathers may interleave freely as long as every rank issues the same sequence.
 #pragma once
 
 #include <chrono>
@@ -48,6 +51,10 @@ class ShmAllReduce {
   // same numel and dtype, in the same order. Not thread-safe per communicator.
   void all_reduce(void* data, int64_t numel, ShmDtype dtype);
 
+  // out[r * nbytes, (r + 1) * nbytes) = rank r's `in` (nbytes each), for every rank r: a rank-ordered
+  // concatenation of raw bytes. `in` and `out` must not overlap. Same calling rules as all_reduce.
+  void all_gather(const void* in, void* out, int64_t nbytes);
+
   // Removes the segment's name (no error if it is already gone).
   static void unlink(const std::string& name);
 
@@ -66,6 +73,7 @@ class ShmAllReduce {
   void publish(uint32_t round);
   void wait_for_rank(int peer, uint32_t round);
   [[noreturn]] void fail(const std::string& why);
+  void exchange(const char* chunk, int64_t bytes, uint32_t round);  // copy into my slot, publish, wait
   void reduce_chunk(void* out, int64_t offset_bytes, int64_t count, ShmDtype dtype, int buffer);
   char* slot(int buffer, int rank) const;
   static size_t data_offset();  // where the slots start: the header rounded up to a page

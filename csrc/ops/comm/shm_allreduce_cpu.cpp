@@ -302,6 +302,14 @@ void ShmAllReduce::reduce_chunk(void* out, int64_t offset_bytes, int64_t count, 
   }
 }
 
+void ShmAllReduce::exchange(const char* chunk, int64_t bytes, uint32_t round) {
+  std::memcpy(slot(static_cast<int>(round & 1u), rank_), chunk, static_cast<size_t>(bytes));
+  publish(round);
+  for (int peer = 0; peer < world_size_; ++peer) {
+    if (peer != rank_) wait_for_rank(peer, round);
+  }
+}
+
 void ShmAllReduce::all_reduce(void* data, int64_t numel, ShmDtype dtype) {
   if (!broken_.empty()) throw std::runtime_error(broken_);
   const int64_t esize = element_size(dtype);
@@ -312,13 +320,31 @@ void ShmAllReduce::all_reduce(void* data, int64_t numel, ShmDtype dtype) {
   for (int64_t start = 0; start < numel; start += chunk) {
     const int64_t count = std::min(chunk, numel - start);
     const uint32_t round = ++round_;
+    exchange(static_cast<char*>(data) + start * esize, count * esize, round);
+    reduce_chunk(data, start * esize, count, dtype, static_cast<int>(round & 1u));
+  }
+}
+
+void ShmAllReduce::all_gather(const void* in, void* out, int64_t nbytes) {
+  if (!broken_.empty()) throw std::runtime_error(broken_);
+  if (nbytes < 0) throw std::invalid_argument("shm all-gather: nbytes must be >= 0, got " + std::to_string(nbytes));
+  if (nbytes > 0 && (in == nullptr || out == nullptr)) throw std::invalid_argument("shm all-gather: a buffer is null");
+  const char* src = static_cast<const char*>(in);
+  char* dst = static_cast<char*>(out);
+  const int64_t out_bytes = nbytes * world_size_;
+  if (nbytes > 0 && src < dst + out_bytes && dst < src + nbytes)
+    throw std::invalid_argument("shm all-gather: in and out overlap");
+  if (world_size_ == 1 || nbytes == 0) {
+    if (nbytes > 0) std::memcpy(dst, src, static_cast<size_t>(nbytes));
+    return;
+  }
+  for (int64_t start = 0; start < nbytes; start += options_.slot_bytes) {
+    const int64_t bytes = std::min(options_.slot_bytes, nbytes - start);
+    const uint32_t round = ++round_;
+    exchange(src + start, bytes, round);
     const int buffer = static_cast<int>(round & 1u);
-    std::memcpy(slot(buffer, rank_), static_cast<char*>(data) + start * esize, static_cast<size_t>(count * esize));
-    publish(round);
-    for (int peer = 0; peer < world_size_; ++peer) {
-      if (peer != rank_) wait_for_rank(peer, round);
-    }
-    reduce_chunk(data, start * esize, count, dtype, buffer);
+    for (int r = 0; r < world_size_; ++r)
+      std::memcpy(dst + r * nbytes + start, slot(buffer, r), static_cast<size_t>(bytes));
   }
 }
 

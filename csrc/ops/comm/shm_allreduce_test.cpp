@@ -1,5 +1,6 @@
 // The shared-memory all-reduce with N threads standing in for ranks: sums against a plain loop in rank
-// order (bit-identical on every rank), chunking, half precision, a missing peer's timeout, no leaked name.
+// order (bit-identical on every rank), chunking, half precision, a missing peer's timeout, no leaked name;
+// the all-gather against a rank-order concatenation, interleaved with all-reduces.
 #include "ops/comm/shm_allreduce.h"
 
 #include <gtest/gtest.h>
@@ -104,6 +105,44 @@ TEST(ShmAllReduceStress, ManySmallRoundsStayInStep) {
     }
   });
   for (int r = 0; r < world; ++r) EXPECT_EQ(bad[r], 0) << "rank " << r;
+}
+
+class ShmAllGather : public ::testing::TestWithParam<std::tuple<int, int64_t, int64_t>> {};
+
+TEST_P(ShmAllGather, ConcatenatesInRankOrderOnEveryRank) {
+  const auto [world, numel, slot_bytes] = GetParam();
+  const auto inputs = random_inputs(world, numel, 11u + world);
+  std::vector<float> expected;
+  for (const auto& x : inputs) expected.insert(expected.end(), x.begin(), x.end());
+  std::vector<std::vector<float>> outputs(world, std::vector<float>(world * numel, -1.0f));
+  ShmAllReduceOptions options;
+  options.slot_bytes = slot_bytes;
+  const std::string name = unique_name("gather");
+  run_ranks(name, world, options, [&](int r, ShmAllReduce& comm) {
+    for (int rep = 0; rep < 3; ++rep) {  // interleaved with all-reduces: one round counter for both
+      comm.all_gather(inputs[r].data(), outputs[r].data(), numel * static_cast<int64_t>(sizeof(float)));
+      float x[3] = {1.0f, 2.0f, static_cast<float>(r)};
+      comm.all_reduce(x, 3, ShmDtype::kFloat32);
+      ASSERT_EQ(x[0], static_cast<float>(world));
+    }
+  });
+  for (int r = 0; r < world; ++r)
+    ASSERT_EQ(0, std::memcmp(outputs[r].data(), expected.data(), expected.size() * sizeof(float))) << "rank " << r;
+  EXPECT_FALSE(name_exists(name));
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, ShmAllGather,
+                         ::testing::Values(std::make_tuple(2, 321, int64_t{1} << 20),
+                                           std::make_tuple(3, 1037, int64_t{256}),  // 17 rounds, a short last one
+                                           std::make_tuple(4, 1, int64_t{64}),
+                                           std::make_tuple(1, 33, int64_t{64})));
+
+TEST(ShmAllGatherErrors, OverlapAndNegativeSizeAreRefused) {
+  run_ranks(unique_name("gather-bad"), 1, {}, [](int, ShmAllReduce& comm) {
+    std::vector<char> buf(64);
+    EXPECT_THROW(comm.all_gather(buf.data(), buf.data() + 8, 16), std::invalid_argument);
+    EXPECT_THROW(comm.all_gather(buf.data(), buf.data() + 32, -1), std::invalid_argument);
+  });
 }
 
 uint16_t to_bf16(float f) {  // truncation is enough to make inputs

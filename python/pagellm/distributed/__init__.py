@@ -1,8 +1,8 @@
 """Tensor parallelism: which rank this process is (parallel_state), the collectives the layers call
-(communication), how a checkpoint tensor is cut into this rank's part (sharding), and the checks that
-refuse an unsupported set-up at start-up (validation). Pipeline parallelism: the stage layout and the
-activations passed between stages (pipeline). The multi-process executor that starts the ranks
-lives in pagellm.engine.mp_executor."""
+(communication), how a checkpoint tensor is cut into this rank's part (sharding; MoE experts:
+expert_sharding), and the checks that refuse an unsupported set-up at start-up (validation). Pipeline
+parallelism: the stage layout and the activations passed between stages (pipeline). The multi-process
+executor that starts the ranks lives in pagellm.engine.mp_executor."""
 
 from pagellm.distributed.parallel_state import (
     PipelineParallelState,

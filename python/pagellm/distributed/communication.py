@@ -1,5 +1,5 @@
 """The collectives the tensor-parallel layers call (over the group in parallel_state; gloo on CPU, and the
-group's shared-memory all-reduce (shm_comm) when its ranks share this host).
+group's shared-memory segment (shm_comm) for the all-reduce and all-gather when its ranks share this host).
 
 With a single rank every function returns its input unchanged, so layers call them unconditionally.
 Every call is timed into `COLLECTIVE_TIMES` (seconds per kind) so a benchmark can report the
@@ -53,13 +53,18 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The ranks' `x` (same shape on each) concatenated along `dim` in rank order."""
+    """The ranks' `x` (same shape on each) concatenated along `dim` in rank order. Through the group's
+    shared memory when its all-reduce uses it (CPU tensors), else gloo."""
     state = get_tp_state()
     if state.size == 1:
         return x
+    t0 = time.perf_counter()
+    if state.shm is not None and x.device.type == "cpu":
+        out = state.shm.all_gather(x, dim)
+        _record("all_gather", t0)
+        return out
     import torch.distributed as dist  # noqa: PLC0415
 
-    t0 = time.perf_counter()
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(state.size)]
     dist.all_gather(parts, x, group=state.group)

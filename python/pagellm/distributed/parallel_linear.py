@@ -117,6 +117,16 @@ def row_parallel_apply(layer, x: torch.Tensor) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
+def row_parallel_partial(layer, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel `layer`'s output before the all-reduce (the bias added on rank 0 only), for a block that
+    sums several partial terms and reduces once (a MoE layer's shared expert); `layer(x)` when not split."""
+    plan = getattr(layer, "tp_plan", None)
+    if plan is None or plan.mode != "row":
+        return layer(x)
+    y = layer.linear_method.apply(layer, x, None)
+    return y + layer.bias if layer.bias is not None and get_tp_state().rank == 0 else y
+
+
 def checkpoint_shape(module, param, shard_id, local_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The full checkpoint shape of a tensor whose part on this rank has `local_shape` (what a weight update
     must supply): the local shape unless `module` is split (a Linear's tp_plan or a vocabulary layer's

@@ -11,7 +11,8 @@ Life cycle: the driver (engine/mp_executor.py) picks a unique base name per exec
 (`stage_segment_name`). Rank 0 of the group creates it, the others attach; the name is unlinked as soon as
 every rank attached, so a worker that dies later leaks nothing. The driver unlinks the names again at
 shutdown (`unlink_segments`) for a rank that died during set-up. Ranks on other nodes (the Ray executor)
-keep gloo.
+keep gloo. The vocab-parallel LM head's all-gather goes through the same segment (and the same round
+counter) whenever the all-reduce does.
 """
 
 from __future__ import annotations
@@ -105,3 +106,12 @@ class ShmCommunicator:
         x = x.contiguous()
         self._comm.all_reduce(x)
         return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """The ranks' `x` (same shape and dtype on each, CPU) concatenated along `dim` in rank order (one
+        copy into the segment, one out per rank, then the concatenation). Same failure rules as all_reduce."""
+        stacked = self._comm.all_gather(x)  # [world, *x.shape]
+        if stacked.shape[0] == 1:
+            return stacked[0]
+        dim = dim % x.dim()
+        return torch.cat(stacked.unbind(0), dim=dim) if dim else stacked.flatten(0, 1)

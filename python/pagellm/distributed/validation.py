@@ -6,7 +6,42 @@ from __future__ import annotations
 from pagellm.distributed.sharding import divide
 
 # HF architectures whose model code passes tp_mode to its linears and tp-local head counts to attention
-TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# (MoE ones shard their experts' intermediate dimension, distributed.expert_sharding), and whose model
+# builds only its pipeline stage's layers
+TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                                 "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                 "Gemma2ForCausalLM", "Gemma3ForCausalLM", "DeepseekV2ForCausalLM",
+                                 "DeepseekV3ForCausalLM")
+
+
+def _check_architecture(setting: str, kind: str, hf_config) -> None:
+    """ValueError unless the model's architecture can be split (`setting`: "tensor_parallel_size=2",
+    `kind`: "tensor-parallel")."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    arch = archs[0] if archs else None
+    if arch not in TENSOR_PARALLEL_ARCHITECTURES:
+        raise ValueError(f"{setting}: architecture {arch!r} has no {kind} support yet; supported: "
+                         f"{list(TENSOR_PARALLEL_ARCHITECTURES)}")
+
+
+def mlp_width_fields(hf_config) -> list[str]:
+    """The config fields holding the widths a tensor-parallel MLP splits: the dense MLPs' intermediate_size,
+    the experts' (moe_)intermediate_size and a shared expert's, for the layers the model has."""
+    arch = (list(getattr(hf_config, "architectures", None) or []) or [None])[0]
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        from pagellm.models.qwen2_moe import is_sparse_layer  # noqa: PLC0415  (models import this package)
+
+        sparse = [is_sparse_layer(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+        fields = ["moe_intermediate_size"] if any(sparse) else []
+        if any(sparse) and (getattr(hf_config, "shared_expert_intermediate_size", 0) or 0) > 0:
+            fields.append("shared_expert_intermediate_size")
+        return fields + (["intermediate_size"] if not all(sparse) else [])
+    if arch in ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"):  # shared experts: n x moe_intermediate_size
+        from pagellm.models.deepseek_v2 import is_moe_layer  # noqa: PLC0415
+
+        moe = [is_moe_layer(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+        return (["moe_intermediate_size"] if any(moe) else []) + (["intermediate_size"] if not all(moe) else [])
+    return ["intermediate_size"]
 
 
 def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", quantization: str | None = None,
@@ -15,10 +50,7 @@ def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", quant
     (each CPU rank needs at least one)."""
     if tp_size == 1:
         return
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs or archs[0] not in TENSOR_PARALLEL_ARCHITECTURES:
-        raise ValueError(f"tensor_parallel_size={tp_size}: architecture {archs[0] if archs else None!r} has no "
-                         f"tensor-parallel support yet; supported: {list(TENSOR_PARALLEL_ARCHITECTURES)}")
+    _check_architecture(f"tensor_parallel_size={tp_size}", "tensor-parallel", hf_config)
     if not device.startswith("cpu"):
         raise ValueError(f"tensor_parallel_size={tp_size}: only device='cpu' (gloo) is supported for now, got {device!r}")
     if allowed_cpus is not None and tp_size > allowed_cpus:
@@ -36,7 +68,8 @@ def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", quant
     elif tp_size % kv_heads:
         raise ValueError(f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads ({kv_heads}) "
                          f"when it is larger")
-    divide(hf_config.intermediate_size, tp_size, "intermediate_size")
+    for field in mlp_width_fields(hf_config):
+        divide(getattr(hf_config, field), tp_size, field)
 
 
 def cpu_slices(allowed: list[int], tp_size: int) -> list[list[int]]:
@@ -59,10 +92,7 @@ def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: st
     decoder layers, more ranks in all than allowed CPUs, or a feature the stages do not pass on yet."""
     if pp_size == 1:
         return
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    if not archs or archs[0] not in TENSOR_PARALLEL_ARCHITECTURES:
-        raise ValueError(f"pipeline_parallel_size={pp_size}: architecture {archs[0] if archs else None!r} has no "
-                         f"pipeline-parallel support yet; supported: {list(TENSOR_PARALLEL_ARCHITECTURES)}")
+    _check_architecture(f"pipeline_parallel_size={pp_size}", "pipeline-parallel", hf_config)
     num_layers = hf_config.num_hidden_layers
     if pp_size > num_layers:
         raise ValueError(f"pipeline_parallel_size ({pp_size}) is more than the model's {num_layers} decoder layers "

@@ -8,6 +8,10 @@ Projections (as transformers' DeepseekV2Attention / DeepseekV3Attention):
     latent   = [kv_a_layernorm(c) | rope(k_pe)]            the cached row, [T, L]
     out      = o_proj(attention)                           [T, H * d_v] -> [T, hidden]
 
+Tensor parallelism: the heads split (q_proj / q_b_proj and kv_b_proj column-parallel, whose rows are whole
+heads; o_proj row-parallel); q_a_proj, kv_a_proj_with_mqa and the norms are replicated, so every rank
+computes and caches the same latent rows (the latent cache is replicated, not split).
+
 Rope: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ... (GPT-J style). transformers' V3 with
 `rope_interleave` de-interleaves q_pe and k_pe alike while rotating, which permutes both the same way and
 leaves every q . k unchanged; rotating in place in the interleaved layout gives the same attention.
@@ -19,6 +23,8 @@ import torch
 from torch import nn
 
 from pagellm.attention.mla import MLALayerSpec, mla_forward
+from pagellm.distributed import get_tp_size
+from pagellm.distributed.sharding import divide
 from pagellm.layers.linear import Linear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import get_rope, rope_parameters_from_config, yarn_get_mscale
@@ -39,7 +45,8 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, config, layer_idx: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
+        total_heads = config.num_attention_heads
+        self.num_heads = divide(total_heads, get_tp_size(), "num_attention_heads")  # this rank's heads
         self.qk_nope_head_dim = config.qk_nope_head_dim
         self.qk_rope_head_dim = config.qk_rope_head_dim
         self.kv_lora_rank = config.kv_lora_rank
@@ -47,17 +54,17 @@ class MultiHeadLatentAttention(nn.Module):
         qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         hidden, bias = config.hidden_size, bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = Linear(hidden, self.num_heads * qk_head_dim, dtype=dtype)
+            self.q_proj = Linear(hidden, total_heads * qk_head_dim, dtype=dtype, tp_mode="column")
         else:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias, dtype=dtype)
             # transformers builds q_a_layernorm and kv_a_layernorm with the default eps 1e-6, not rms_norm_eps
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps=1e-6, dtype=dtype)
-            self.q_b_proj = Linear(self.q_lora_rank, self.num_heads * qk_head_dim, dtype=dtype)
+            self.q_b_proj = Linear(self.q_lora_rank, total_heads * qk_head_dim, dtype=dtype, tp_mode="column")
         self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias, dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-6, dtype=dtype)
-        self.kv_b_proj = Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + config.v_head_dim),
-                                dtype=dtype)
-        self.o_proj = Linear(self.num_heads * config.v_head_dim, hidden, bias=bias, dtype=dtype)
+        self.kv_b_proj = Linear(self.kv_lora_rank, total_heads * (self.qk_nope_head_dim + config.v_head_dim),
+                                dtype=dtype, tp_mode="column")
+        self.o_proj = Linear(total_heads * config.v_head_dim, hidden, bias=bias, dtype=dtype, tp_mode="row")
         rope_parameters = rope_parameters_from_config(config)
         interleaved = bool(getattr(config, "rope_interleave", True))
         self.rotary_emb = get_rope(self.qk_rope_head_dim, self.qk_rope_head_dim,

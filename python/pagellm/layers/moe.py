@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.distributed.communication import tensor_model_parallel_all_reduce
+from pagellm.distributed.expert_sharding import plan_experts
 from pagellm.ops.moe_reference import MOE_ACTIVATIONS
 from pagellm.ops.moe_reference import fused_moe as fused_moe_reference
 from pagellm.weight_utils import WeightShapeError, default_weight_loader
@@ -158,10 +160,17 @@ class FusedMoE(nn.Module):
     `quant_config`: a format that would quantize this layer (any method but the unquantized one for `prefix`,
     the layer's full name, e.g. "model.layers.0.mlp.experts") -> ValueError naming it; the model's dense
     layers may still be quantized.
+
+    Tensor parallelism (pagellm.distributed.expert_sharding): each rank holds every expert's 1/tp slice of
+    the intermediate dimension (`intermediate_size` is then the local width, `tp_shard` the slice; the
+    loaders cut full checkpoint tensors) and, with `reduce_results`, all-reduces its partial output. A block
+    that adds more partial terms (a shared expert) passes reduce_results=False and reduces once itself.
+    `intermediate_size_field`: the config field named when it does not divide by the number of ranks.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
-                 dtype: torch.dtype | None = None, quant_config=None, prefix: str = "") -> None:
+                 dtype: torch.dtype | None = None, quant_config=None, prefix: str = "", reduce_results: bool = True,
+                 intermediate_size_field: str = "moe_intermediate_size") -> None:
         super().__init__()
         if activation not in MOE_ACTIVATIONS:
             raise ValueError(f"unsupported MoE activation {activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}")
@@ -169,6 +178,10 @@ class FusedMoE(nn.Module):
             raise ValueError(f"FusedMoE sizes must be >= 1 (num_experts={num_experts}, hidden_size={hidden_size}, "
                              f"intermediate_size={intermediate_size})")
         self._refuse_quantized(quant_config, prefix)
+        self.tp_shard = plan_experts(intermediate_size, intermediate_size_field)
+        if self.tp_shard is not None:
+            intermediate_size = self.tp_shard.local
+        self.reduce_results = reduce_results
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
@@ -196,6 +209,8 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, expert_id: int | None = None,
                       shard: str | None = None) -> None:
         if expert_id is None and shard is None:
+            if self.tp_shard is not None:
+                loaded_weight = self.tp_shard.slice_stacked(loaded_weight, param is self.w13_weight)
             default_weight_loader(param, loaded_weight)
             return
         if shard not in EXPERT_SHARDS or param is not getattr(self, EXPERT_SHARDS[shard]):
@@ -203,6 +218,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert shard {shard!r} does not load into this parameter; allowed: {allowed}")
         if expert_id is None or not 0 <= expert_id < self.num_experts:
             raise WeightShapeError(f"expert id {expert_id} out of range [0, {self.num_experts})")
+        if self.tp_shard is not None:
+            loaded_weight = self.tp_shard.slice_per_expert(loaded_weight, shard)
         inter = self.intermediate_size
         target = param.data[expert_id]
         if shard == "gate":
@@ -216,7 +233,14 @@ class FusedMoE(nn.Module):
             target.copy_(loaded_weight)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], topk_weights float32 [T, k], topk_ids int32 [T, k] (from `select_experts`) -> [T, H]."""
+        """hidden [T, H], topk_weights float32 [T, k], topk_ids int32 [T, k] (from `select_experts`) -> [T, H]
+        (under tensor parallelism without reduce_results: this rank's partial sum)."""
+        out = self._experts(hidden, topk_weights, topk_ids)
+        if self.tp_shard is not None and self.reduce_results:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def _experts(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self._compiled is not None:
             return self._compiled(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.activation)
         # The reference loops over the experts the tokens chose, so its op sequence depends on the routing.
@@ -229,4 +253,4 @@ class FusedMoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
                 f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, "
-                f"compiled={self._compiled is not None}")
+                f"tp_shard={self.tp_shard}, compiled={self._compiled is not None}")

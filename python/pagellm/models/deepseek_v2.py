@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagellm.distributed import get_tp_size
+from pagellm.distributed.communication import tensor_model_parallel_all_reduce
+from pagellm.distributed.parallel_linear import row_parallel_partial
+from pagellm.distributed.pipeline import StageAbsent
 from pagellm.kv_cache.spec import KVCacheSpec, MLAAttentionSpec
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.linear import Linear, MergedLinear
@@ -94,17 +98,23 @@ def routing_options(config, sigmoid_routing: bool) -> dict:
 
 
 class DeepseekMLP(nn.Module):
-    """SwiGLU MLP (dense layers and the shared experts): gate_proj + up_proj merged as gate_up_proj."""
+    """SwiGLU MLP (dense layers and the shared experts): gate_proj + up_proj merged as gate_up_proj; under
+    tensor parallelism column- then row-parallel."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype,
                  bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, dtype=dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias=bias, dtype=dtype,
+                                         tp_mode="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias, dtype=dtype, tp_mode="row")
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output under tensor parallelism (not yet summed over the ranks)."""
+        return row_parallel_partial(self.down_proj, self.act_fn(self.gate_up_proj(x)))
 
 
 class DeepseekRouter(nn.Module):
@@ -129,8 +139,10 @@ class DeepseekMoE(nn.Module):
         num_experts = config.n_routed_experts
         self.top_k = config.num_experts_per_tok
         self.gate = DeepseekRouter(num_experts, config.hidden_size, dtype, correction_bias=sigmoid_routing)
-        self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size, dtype=dtype)
         shared = getattr(config, "n_shared_experts", None) or 0
+        # with shared experts, the routed and shared partial sums are all-reduced once, together
+        self.experts = FusedMoE(num_experts, config.hidden_size, config.moe_intermediate_size, dtype=dtype,
+                                reduce_results=not shared)
         self.shared_experts = (DeepseekMLP(config.hidden_size, config.moe_intermediate_size * shared, config.hidden_act,
                                            dtype, bool(getattr(config, "mlp_bias", False))) if shared else None)
         self.routing = routing_options(config, sigmoid_routing)
@@ -139,7 +151,10 @@ class DeepseekMoE(nn.Module):
         weights, ids = select_experts(self.gate(x), self.top_k, correction_bias=self.gate.e_score_correction_bias,
                                       **self.routing)
         out = self.experts(x, weights, ids)
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        if self.shared_experts is None:
+            return out
+        out = out + self.shared_experts.forward_partial(x)
+        return tensor_model_parallel_all_reduce(out) if get_tp_size() > 1 else out
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -193,11 +208,12 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
 
     # ---- KV cache: one latent row per token and layer --------------------------------------------
     def mla_layers(self) -> list[MultiHeadLatentAttention]:
-        return [layer.self_attn for layer in self.model.layers]
+        """This pipeline stage's (every layer on a single stage)."""
+        return [layer.self_attn for layer in self.model.layers if not isinstance(layer, StageAbsent)]
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.layers)
+        return len(self.mla_layers())
 
     @property
     def num_kv_heads(self) -> int:

@@ -16,6 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.distributed import get_pp_state, get_tp_state
+from pagellm.distributed.pipeline import StageAbsent, recv_activations, send_activations
+from pagellm.distributed.sharding import partition_heads
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import LMHead, VocabEmbedding
@@ -69,9 +72,9 @@ class GemmaMLP(nn.Module):
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [inter, inter], bias=False, dtype=dtype,
-                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", tp_mode="column")
         self.down_proj = Linear(inter, config.hidden_size, bias=False, dtype=dtype, quant_config=quant_config,
-                                prefix=f"{prefix}.down_proj")
+                                prefix=f"{prefix}.down_proj", tp_mode="row")
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
         self.act_fn = get_act_and_mul(act)
 
@@ -88,16 +91,18 @@ class Gemma2Attention(nn.Module):
     def __init__(self, config, layer_idx: int, dtype: torch.dtype, window_size: int = -1, quant_config=None,
                  prefix: str = "") -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        total_heads, total_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        tp = get_tp_state()  # this rank's heads (all of them on a single rank); soft-caps and norms are per head
+        heads = partition_heads(total_heads, total_kv_heads, tp.rank, tp.size)
+        self.num_heads, self.num_kv_heads = heads.num_heads, heads.num_kv_heads
         self.head_dim = config_head_dim(config)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False))
-        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=bias,
-                                  dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=bias, dtype=dtype, quant_config=quant_config,
-                             prefix=f"{prefix}.o_proj")
+        self.qkv_proj = QKVLinear(config.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=bias,
+                                  dtype=dtype, quant_config=quant_config, prefix=f"{prefix}.qkv_proj", tp_mode="column")
+        self.o_proj = Linear(total_heads * self.head_dim, config.hidden_size, bias=bias, dtype=dtype,
+                             quant_config=quant_config, prefix=f"{prefix}.o_proj", tp_mode="row")
         if self.qk_norm:
             self.q_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
             self.k_norm = GemmaRMSNorm(self.head_dim, eps=config.rms_norm_eps, dtype=dtype)
@@ -152,24 +157,41 @@ class Gemma2DecoderLayer(nn.Module):
 
 
 class Gemma2Model(nn.Module):
+    """A pipeline stage (pagellm.distributed.pipeline) builds its own layers only (others StageAbsent), the
+    embedding on the first stage (and the last when the head is tied to it), the final norm on the last;
+    stages pass (hidden, residual) on as the Llama model's do."""
+
     def __init__(self, config, dtype: torch.dtype, layer_cls: type[Gemma2DecoderLayer], quant_config=None,
-                 prefix: str = "model") -> None:
+                 prefix: str = "model", tied_head: bool = True) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                           quant_config=quant_config, prefix=f"{prefix}.embed_tokens")
+        pp = get_pp_state()
+        self.hidden_size, self.dtype = config.hidden_size, dtype
+        self.start_layer = pp.layer_start
+        self.end_layer = config.num_hidden_layers if pp.layer_end is None else pp.layer_end
+        self.embed_tokens = (VocabEmbedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                            quant_config=quant_config, prefix=f"{prefix}.embed_tokens")
+                             if pp.is_first_stage or (pp.is_last_stage and tied_head) else StageAbsent("embed_tokens"))
         # HF rounds sqrt(hidden) to the model dtype before multiplying (55.4256 -> 55.5 in bf16)
         self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5, dtype=dtype), persistent=False)
         self.layers = nn.ModuleList(
             [layer_cls(config, i, dtype, layer_window_size(config, i), quant_config=quant_config,
-                       prefix=f"{prefix}.layers.{i}") for i in range(config.num_hidden_layers)]
+                       prefix=f"{prefix}.layers.{i}") if self.start_layer <= i < self.end_layer
+             else StageAbsent(f"layer {i}") for i in range(config.num_hidden_layers)]
         )
-        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
+        self.norm = (GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype) if pp.is_last_stage
+                     else StageAbsent("norm"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) * self.normalizer
-        residual = None
-        for layer in self.layers:
+        pp = get_pp_state()
+        if pp.is_first_stage:
+            hidden, residual = self.embed_tokens(input_ids) * self.normalizer, None
+        else:
+            hidden, residual = recv_activations(input_ids.shape[0], self.hidden_size, self.dtype, input_ids.device)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, ctx)
+        if not pp.is_last_stage:
+            send_activations(hidden, residual)
+            return hidden
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
@@ -189,10 +211,12 @@ class Gemma2ForCausalLM(CausalLMBase):
         self.quant_config = quant_config
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         self.final_logit_softcapping = float(getattr(config, "final_logit_softcapping", None) or 0.0)
-        self.model = Gemma2Model(config, dtype, self.layer_cls, quant_config=quant_config)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
-                              tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
-                              quant_config=quant_config, prefix="lm_head")
+        self.model = Gemma2Model(config, dtype, self.layer_cls, quant_config=quant_config,
+                                 tied_head=self.tie_word_embeddings)
+        self.lm_head = (LMHead(config.vocab_size, config.hidden_size, dtype=dtype,
+                               tied_to=self.model.embed_tokens if self.tie_word_embeddings else None,
+                               quant_config=quant_config, prefix="lm_head")
+                        if get_pp_state().is_last_stage else StageAbsent("lm_head"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -30,7 +30,8 @@ class MixtralSparseMoe(nn.Module):
                            prefix=f"{prefix}.gate")
         self.experts = FusedMoE(config.num_local_experts, config.hidden_size, config.intermediate_size,
                                 activation=moe_activation_for(config.hidden_act), dtype=dtype,
-                                quant_config=quant_config, prefix=f"{prefix}.experts")
+                                quant_config=quant_config, prefix=f"{prefix}.experts",
+                                intermediate_size_field="intermediate_size")
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [T, H] -> [T, H]."""

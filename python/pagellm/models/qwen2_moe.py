@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagellm.distributed import get_tp_size
+from pagellm.distributed.communication import tensor_model_parallel_all_reduce
+from pagellm.distributed.parallel_linear import row_parallel_partial
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.linear import Linear, MergedLinear
 from pagellm.layers.moe import FusedMoE, check_routing, moe_activation_for, select_experts
@@ -35,19 +38,24 @@ def check_qwen_moe_config(config) -> None:
 
 
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)) of a given width, HF names gate_proj / up_proj / down_proj (a shared expert)."""
+    """down(act(gate(x)) * up(x)) of a given width, HF names gate_proj / up_proj / down_proj (a shared expert).
+    Under tensor parallelism gate/up are column-parallel and down row-parallel, as the routed experts."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, dtype: torch.dtype,
                  quant_config=None, prefix: str = "") -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], dtype=dtype,
-                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj")
+                                         quant_config=quant_config, prefix=f"{prefix}.gate_up_proj", tp_mode="column")
         self.down_proj = Linear(intermediate_size, hidden_size, dtype=dtype, quant_config=quant_config,
-                                prefix=f"{prefix}.down_proj")
+                                prefix=f"{prefix}.down_proj", tp_mode="row")
         self.act_fn = get_act_and_mul(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output under tensor parallelism (not yet summed over the ranks)."""
+        return row_parallel_partial(self.down_proj, self.act_fn(self.gate_up_proj(x)))
 
 
 class Qwen2MoeSparseMoe(nn.Module):
@@ -63,7 +71,8 @@ class Qwen2MoeSparseMoe(nn.Module):
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False, dtype=dtype, prefix=f"{prefix}.gate")
         self.experts = FusedMoE(config.num_experts, config.hidden_size, config.moe_intermediate_size,
                                 activation=moe_activation_for(config.hidden_act), dtype=dtype,
-                                quant_config=quant_config, prefix=f"{prefix}.experts")
+                                quant_config=quant_config, prefix=f"{prefix}.experts",
+                                reduce_results=not self.has_shared_expert)
         if self.has_shared_expert:
             self.shared_expert = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
                                           config.hidden_act, dtype, quant_config=quant_config,
@@ -76,7 +85,11 @@ class Qwen2MoeSparseMoe(nn.Module):
         topk_weights, topk_ids = select_experts(self.gate(hidden), self.top_k, renormalize=self.renormalize)
         out = self.experts(hidden, topk_weights, topk_ids)
         if self.has_shared_expert:
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert(hidden)
+            # the routed and shared experts' partial sums (per-token gate: it scales each rank's part alike),
+            # then one all-reduce for both under tensor parallelism
+            out = out + torch.sigmoid(self.shared_expert_gate(hidden)) * self.shared_expert.forward_partial(hidden)
+            if get_tp_size() > 1:
+                out = tensor_model_parallel_all_reduce(out)
         return out
 
 

@@ -1,0 +1,85 @@
+"""Helpers of the tensor- / pipeline-parallel tests (a plain module, not a conftest: a second conftest
+module would shadow tests/engine's, see git log 87d2d34): tiny random checkpoints, one greedy generation
+with prompt logprobs, and the comparison of a split run against the single-rank one."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+
+PROMPTS = [list(range(5, 11)), list(range(20, 57)), [7, 300, 3, 3, 3, 41, 99, 250, 18]]
+NEW_TOKENS = 16
+TOL = 1e-5  # float32: a split run differs from one rank by the order of a few sums
+
+
+@pytest.fixture(autouse=True, scope="module")
+def bounded_waits():
+    """Every wait of the mp executor bounded (PAGELLM_MP_STEP_TIMEOUT_S), so no test can hang."""
+    old = os.environ.get("PAGELLM_MP_STEP_TIMEOUT_S")
+    os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = "120"
+    yield
+    if old is None:
+        os.environ.pop("PAGELLM_MP_STEP_TIMEOUT_S")
+    else:
+        os.environ["PAGELLM_MP_STEP_TIMEOUT_S"] = old
+
+
+def write_tiny_checkpoint(path, tokenizer, cfg_cls, model_cls, **overrides):
+    """A random-weight HF checkpoint (hidden 64, 4 heads, float32) with the tokenizer, saved to `path`."""
+    fields = dict(vocab_size=len(tokenizer) + 1, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    cfg = cfg_cls(**{**fields, **overrides})
+    torch.manual_seed(0)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():  # larger logits than the default init: fewer argmax near-ties
+        for p in model.parameters():
+            p.normal_(0.0, 0.08) if p.dim() >= 2 else p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_llm(path, tp: int = 1, pp: int = 1) -> LLM:
+    return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16,
+               tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def generate_greedy(llm: LLM):
+    """PROMPTS, NEW_TOKENS greedy tokens each, with prompt and sampled-token logprobs."""
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0, logprobs=0,
+                            detokenize=False)
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+
+
+def assert_same_outputs(ref, got) -> None:
+    """Identical greedy tokens; every prompt and sampled-token logprob within TOL."""
+    assert len(ref) == len(got) == len(PROMPTS)
+    for a, b in zip(ref, got):
+        assert getattr(b, "error", None) is None
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for tok, la, lb in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+        for tok, la, lb in zip(a.outputs[0].token_ids, a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+
+
+def split_run_matches_single_rank(path, *, tp: int = 1, pp: int = 1, probe=None):
+    """Runs `path` on one rank in process and split over the mp executor; asserts the outputs match and
+    every worker process is gone after shutdown. Returns `collective_rpc(probe)` of the split run (None
+    without a probe)."""
+    ref = generate_greedy(make_llm(path))
+    llm = make_llm(path, tp=tp, pp=pp)
+    try:
+        assert llm.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
+        assert_same_outputs(ref, generate_greedy(llm))
+        probed = None if probe is None else llm.collective_rpc(probe)
+    finally:
+        llm.shutdown()
+    assert all(p.exitcode is not None for p in llm.llm_engine.executor.procs)
+    return probed
