@@ -16,12 +16,15 @@
 //   [64, 128)   qx of the high halves: x_{4Q+i}[16:32] at 64 + 16 i
 //   [128, 192)  dx of the block each int32 lane of the dot sums (16 floats: lanes 4i .. 4i + 3 = block 4Q + i)
 // and per row, K / G floats: group_sums. So a quad of one weight row costs 3 ALU ops to expand (shift, 2 ands)
-// and, per x row, 2 vpdpbusd + convert + multiply + FMA for 128 weights (half the ops of pairs of blocks).
+// and, per x row, 2 vpdpbusd for 128 weights; a tile of 4 weight rows then transposes its 4 dot vectors
+// (lane 4b + j: block b of row j) and pays one convert + scale product + FMA per x row for all 4 (NR = 4,
+// Rows4Accumulators), other tiles one each per row. The weight rows 16 below are prefetched as they go.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops/quant/awq_cpu_simd.h"
@@ -85,14 +88,75 @@ PAGELLM_AWQ_VNNI inline void quantize_row(const float* x, int64_t nb, int64_t bp
   }
 }
 
-// acc[i][j] += dx * s[j] * dot(q[j], qx) per lane for one quad: MR rows of x against NR weight rows, each
-// expanded once from its 64 bytes into low and high nibbles; sv[j]: the scale of each lane's block. x's three
-// vectors per row are loaded once per quad, not once per weight row.
+// The int32 dot of one quad of x row i with the 64 expanded bytes (lo, hi) of a weight row: lane l sums 4
+// products of block l / 4.
+PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE __m512i quad_dot(__m512i lo, __m512i hi, __m512i xlo, __m512i xhi) {
+  return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+}
+
+// Accumulators of a tile, one vector per (x row i, weight row j), each lane a block's partial sums; used where
+// NR != 4. acc[i][j] += dx * s[j] * dot(q[j], qx) per lane for one quad, sv[j]: the scale of each lane's block.
+template <int MR, int NR>
+struct RowAccumulators {
+  __m512 v[MR][NR];
+
+  PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void add_quad(const __m512i (&lo)[NR], const __m512i (&hi)[NR],
+                                                    const __m512 (&sv)[NR], const __m512i (&xlo)[MR],
+                                                    const __m512i (&xhi)[MR], const __m512 (&dx)[MR]) {
+    for (int j = 0; j < NR; ++j)
+      for (int i = 0; i < MR; ++i)
+        v[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(quad_dot(lo[j], hi[j], xlo[i], xhi[i])), _mm512_mul_ps(dx[i], sv[j]),
+                                  v[i][j]);
+  }
+  PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE float sum(int i, int j) const { return _mm512_reduce_add_ps(v[i][j]); }
+};
+
+// Four weight rows' dots (lane 4b + l: block b's partial sum l) -> lane 4b + j: block b's whole dot with row j,
+// a 4 x 4 transpose-and-add inside each 128-bit lane.
+PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE __m512i transpose_add4(const __m512i (&d)[4]) {
+  const __m512i d01 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[0], d[1]), _mm512_unpackhi_epi32(d[0], d[1]));
+  const __m512i d23 = _mm512_add_epi32(_mm512_unpacklo_epi32(d[2], d[3]), _mm512_unpackhi_epi32(d[2], d[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(d01, d23), _mm512_unpackhi_epi64(d01, d23));
+}
+
+// Accumulators of a 4-row tile, one vector per x row i, lane 4b + j: weight row j's sums over blocks b (mod 4).
+// The 4 x 4 transpose (integer shuffles and adds) buys one convert, one scale product and one FMA per quad for
+// the 4 rows instead of one each per row: the FP ports are what the one-row form saturates.
+template <int MR>
+struct Rows4Accumulators {
+  __m512 v[MR];
+
+  PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void add_quad(const __m512i (&lo)[4], const __m512i (&hi)[4],
+                                                    const __m512 (&sv)[4], const __m512i (&xlo)[MR],
+                                                    const __m512i (&xhi)[MR], const __m512 (&dx)[MR]) {
+    // lane 4b + j: row j's scale of block b (sv[j] holds it in all four lanes of block b)
+    const __m512 s = _mm512_mask_blend_ps(0x8888, _mm512_mask_blend_ps(0x4444, _mm512_mask_blend_ps(0x2222, sv[0], sv[1]), sv[2]), sv[3]);
+    for (int i = 0; i < MR; ++i) {
+      const __m512i d[4] = {quad_dot(lo[0], hi[0], xlo[i], xhi[i]), quad_dot(lo[1], hi[1], xlo[i], xhi[i]),
+                            quad_dot(lo[2], hi[2], xlo[i], xhi[i]), quad_dot(lo[3], hi[3], xlo[i], xhi[i])};
+      v[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(transpose_add4(d)), _mm512_mul_ps(dx[i], s), v[i]);
+    }
+  }
+  PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE float sum(int i, int j) const {
+    const __m128 r = _mm_add_ps(_mm_add_ps(_mm512_extractf32x4_ps(v[i], 0), _mm512_extractf32x4_ps(v[i], 1)),
+                                _mm_add_ps(_mm512_extractf32x4_ps(v[i], 2), _mm512_extractf32x4_ps(v[i], 3)));
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, r);
+    return lanes[j];
+  }
+};
+
+// The accumulators a (MR, NR) tile uses.
+template <int MR, int NR>
+using TileAccumulators = std::conditional_t<NR == 4, Rows4Accumulators<MR>, RowAccumulators<MR, NR>>;
+
+// acc += one quad of MR x rows against NR weight rows, each expanded once from its 64 bytes into low and high
+// nibbles (bytes[j]); sv[j]: the scale of each lane's block. x's three vectors per row are loaded once per quad.
 template <int MR, int NR>
 PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void accumulate_quad(const __m512i (&bytes)[NR], const __m512 (&sv)[NR],
-                                                         const QuantizedX& x, int64_t quad, __m512 (&acc)[MR][NR]) {
+                                                         const QuantizedX& x, int64_t quad, TileAccumulators<MR, NR>& acc) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512i xlo[MR], xhi[MR];
+  __m512i xlo[MR], xhi[MR], lo[NR], hi[NR];
   __m512 dx[MR];
   for (int i = 0; i < MR; ++i) {
     const uint8_t* xq = x.q + i * x.ldq + quad * kQuadBytes;
@@ -101,13 +165,10 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void accumulate_quad(const __m512i (&bytes)[
     dx[i] = _mm512_loadu_ps(xq + 128);
   }
   for (int j = 0; j < NR; ++j) {
-    const __m512i lo = _mm512_and_si512(bytes[j], low4);
-    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes[j], 4), low4);
-    for (int i = 0; i < MR; ++i) {
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo[i]), hi, xhi[i]);
-      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dx[i], sv[j]), acc[i][j]);
-    }
+    lo[j] = _mm512_and_si512(bytes[j], low4);
+    hi[j] = _mm512_and_si512(_mm512_srli_epi16(bytes[j], 4), low4);
   }
+  acc.add_quad(lo, hi, sv, xlo, xhi, dx);
 }
 
 // Software prefetch of the weight rows kPrefetchRows below the NR being read, the line this quad reads of
@@ -120,7 +181,7 @@ PAGELLM_AWQ_INLINE void prefetch_quad(const AwqWeightView& w, int64_t quad) {
 // Blocks per group a multiple of 4 (G = 128, 256, ...): a quad lies in one group, its NR scales broadcast.
 template <int MR, int NR>
 PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void quads_in_one_group(const AwqWeightView& w, const QuantizedX& x,
-                                                            __m512 (&acc)[MR][NR]) {
+                                                            TileAccumulators<MR, NR>& acc) {
   const int64_t ldq = w.row_bytes(), ldg = w.num_groups(), quads_per_group = w.blocks_per_group() / kQuadBlocks;
   for (int64_t g = 0; g < ldg; ++g) {
     __m512 sv[NR];
@@ -138,7 +199,7 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void quads_in_one_group(const AwqWeightView&
 // quad reads only its blocks (the padding meets qx = 0, dx = 0).
 template <int MR, int NR>
 PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void quads_across_groups(const AwqWeightView& w, const QuantizedX& x,
-                                                             __m512 (&acc)[MR][NR]) {
+                                                             TileAccumulators<MR, NR>& acc) {
   const int64_t ldq = w.row_bytes(), ldg = w.num_groups(), bpg = w.blocks_per_group(), nb = w.K / kBlockElems;
   int64_t g = 0, g_end = bpg;  // the group of the current block, and the first block past it
   for (int64_t quad = 0; quad < (nb + kQuadBlocks - 1) / kQuadBlocks; ++quad) {
@@ -185,17 +246,23 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE void subtract_zero_points(const AwqWeightVie
 // sums[i * lds + j] = quantized x row i . weight row j, i < MR, j < NR.
 template <int MR, int NR>
 PAGELLM_AWQ_VNNI void tile(const AwqWeightView& w, const QuantizedX& x, float* sums, int64_t lds) {
-  __m512 acc[MR][NR];
-  for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  TileAccumulators<MR, NR> acc;
+  __m512 zero_point_terms[MR][NR];
+  for (int i = 0; i < MR; ++i) {
+    if constexpr (NR == 4) acc.v[i] = _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) {
+      if constexpr (NR != 4) acc.v[i][j] = _mm512_setzero_ps();
+      zero_point_terms[i][j] = _mm512_setzero_ps();
+    }
+  }
   if (w.blocks_per_group() % kQuadBlocks == 0) {
     quads_in_one_group<MR, NR>(w, x, acc);
   } else {
     quads_across_groups<MR, NR>(w, x, acc);
   }
-  subtract_zero_points<MR, NR>(w, x, acc);
+  subtract_zero_points<MR, NR>(w, x, zero_point_terms);
   for (int i = 0; i < MR; ++i)
-    for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
+    for (int j = 0; j < NR; ++j) sums[i * lds + j] = acc.sum(i, j) + _mm512_reduce_add_ps(zero_point_terms[i][j]);
 }
 
 }  // namespace vnni
