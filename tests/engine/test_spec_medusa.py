@@ -60,10 +60,19 @@ def test_prompts(tiny_llama_dir, vocab):
     return {key: _tie_free_prompts(tiny_llama_dir, vocab, _greedy(), lens=lens) for key, lens in PROMPT_LENS.items()}
 
 
+_TRAINED_HEADS: dict[str, object] = {}  # trained once per session for every test module importing the fixture
+
+
 @pytest.fixture(scope="module")
-def trained_heads_dir(tmp_path_factory, hf_base, vocab, test_prompts):
+def trained_heads_dir(tmp_path_factory, tiny_llama_dir, hf_base, vocab, test_prompts):
     """Heads (own LM heads) briefly trained on the tiny model's greedy continuations of the test prompts
     (self-distillation), so that many drafts are accepted and some rejected."""
+    if str(tiny_llama_dir) not in _TRAINED_HEADS:
+        _TRAINED_HEADS[str(tiny_llama_dir)] = _train_heads(tmp_path_factory, hf_base, vocab, test_prompts)
+    return _TRAINED_HEADS[str(tiny_llama_dir)]
+
+
+def _train_heads(tmp_path_factory, hf_base, vocab, test_prompts):
     window = min(min(lens) for lens in PROMPT_LENS.values()) + MAX_TOKENS  # every generated position
     ids, hidden = [], []
     for prompt in {tuple(p) for prompts in test_prompts.values() for p in prompts}:

@@ -117,29 +117,64 @@ def test_chain_tree_equals_prefill(device, dtype):
     assert_close(out, prefill)
 
 
-def test_each_node_sees_its_path(device):
-    """Semantics independent of the reference: node j's output equals the prefill (causal) output of the last
-    token of a sequence whose tail is the path root..j (same K/V rows, gathered into a fresh chain)."""
-    torch.manual_seed(0)
-    parents, context, H, D, bs = random_parents(10, seed=7), 21, 4, 64, 8
-    out, _, query, args = _tree_case(device, [(context, parents)], H, H, D, bs, torch.float32, seed=7)
+def _decode_over(query_row, kc, vc, table, positions, block_size, scale, device):
+    """paged_attention_decode of one query [1, H, D] over the cache rows at `positions` (in that order), gathered
+    into fresh consecutive blocks of 16: what a plain decode sees once those keys are the sequence's context."""
+    L, fresh = len(positions), 16
+    num_blocks = (L + fresh - 1) // fresh
+
+    def blocks(c):  # [num_blocks, H, 16, D]
+        rows = torch.stack([c[table[p // block_size].long(), :, p % block_size] for p in positions])  # [L, H, D]
+        rows = torch.cat([rows, rows.new_zeros(num_blocks * fresh - L, *rows.shape[1:])])
+        return rows.view(num_blocks, fresh, *rows.shape[1:]).transpose(1, 2).contiguous()
+
+    out = torch.empty_like(query_row)
+    ops.paged_attention_decode(out, query_row.contiguous(), blocks(kc), blocks(vc),
+                               torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
+                               torch.tensor([L], dtype=torch.int32, device=device), scale)
+    return out
+
+
+@pytest.mark.parametrize("dtype,context", [(torch.float32, 21), (torch.bfloat16, 21), (torch.bfloat16, 254),
+                                           (torch.bfloat16, 600)])
+def test_each_node_is_a_plain_decode_of_its_path(device, dtype, context):
+    """Node j's output is, bit for bit, the decode op's over a sequence whose context is the committed one followed
+    by the path root..j (same K/V rows, gathered into a fresh chain): a bf16 Medusa tree step then decodes exactly
+    like plain decoding. Contexts: short, a path crossing the decode kernel's 256-key partition, several partitions."""
+    if device != "cpu":
+        pytest.skip("bit-identity with the decode kernel is the CPU kernel's contract (CUDA: close to the reference)")
+    parents, H, KV, D, bs = random_parents(10, seed=7), 8, 2, 64, 8
+    out, expected, query, args = _tree_case(device, [(context, parents)], H, KV, D, bs, dtype, seed=7)
+    assert_close(out, expected)
     kc, vc, tables, _, _, _, scale, _ = args
     ancestors = ops.tree_mask_from_parents(parents)
     for j in range(len(parents)):
         path = [context + i for i in range(len(parents)) if ancestors[j, i]]
-        positions = list(range(context)) + path  # the chain's positions in the original sequence
-        chain_k = torch.stack([kc[tables[0, p // bs].long(), :, p % bs] for p in positions])  # [L, H, D]
-        chain_v = torch.stack([vc[tables[0, p // bs].long(), :, p % bs] for p in positions])
-        kc1 = chain_k.transpose(0, 1).unsqueeze(0).contiguous()  # one block of L tokens: [1, H, L, D]
-        vc1 = chain_v.transpose(0, 1).unsqueeze(0).contiguous()
-        L = len(positions)
-        size = 1 << (L - 1).bit_length()  # power-of-two block size >= L
-        pad = lambda c: torch.cat([c, c.new_zeros(1, H, size - L, D)], dim=2)  # noqa: E731
-        expected = torch.empty_like(query[j : j + 1])
-        ops.paged_attention_decode(expected, query[j : j + 1].contiguous(), pad(kc1), pad(vc1),
-                                   torch.zeros(1, 1, dtype=torch.int32, device=device),
-                                   torch.tensor([L], dtype=torch.int32, device=device), scale)
-        assert_close(out[j : j + 1], expected)
+        alone = _decode_over(query[j : j + 1], kc, vc, tables[0], list(range(context)) + path, bs, scale, device)
+        assert torch.equal(out[j : j + 1], alone), f"node {j}"
+
+
+def test_mixed_batch_rows_take_the_plain_steps_kernels(device):
+    """In one call: a long chain (a prefill chunk) gets the prefill op's bits, a short chain and one-token rows the
+    decode op's per token, a tree its paths' decodes; and all of it matches the reference."""
+    if device != "cpu":
+        pytest.skip("bit-identity with the decode / prefill kernels is the CPU kernel's contract")
+    chain = lambda n: [-1] + list(range(n - 1))  # noqa: E731
+    trees = [(5, [-1]), (70, chain(40)), (300, random_parents(12, seed=3)), (17, chain(6)), (0, chain(1))]
+    H, KV, D, bs, dtype = 8, 2, 64, 16, torch.bfloat16
+    out, expected, query, args = _tree_case(device, trees, H, KV, D, bs, dtype, seed=11)
+    assert_close(out, expected)
+    kc, vc, tables, qsl, seq_lens, mask, scale, _ = args
+    prefill = torch.empty_like(query[1:41])
+    ops.paged_attention_prefill(prefill, query[1:41].contiguous(), kc, vc, tables[1:2].contiguous(),
+                                torch.tensor([0, 40], dtype=torch.int32), seq_lens[1:2].contiguous(), scale)
+    assert torch.equal(out[1:41], prefill)
+    for s, t0 in ((0, 0), (2, 41), (3, 53), (4, 59)):
+        context = int(seq_lens[s]) - (int(qsl[s + 1]) - t0)
+        for t in range(t0, int(qsl[s + 1])):
+            path = [context + i for i in range(int(qsl[s + 1]) - t0) if mask[t, i]]
+            alone = _decode_over(query[t : t + 1], kc, vc, tables[s], list(range(context)) + path, bs, scale, device)
+            assert torch.equal(out[t : t + 1], alone), f"sequence {s} token {t}"
 
 
 def test_empty_row_and_empty_sequence(device):

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstring>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -234,14 +235,25 @@ inline void decode_tile_scores(const PagedAttnArgs<T, C>& a, DecodeScratch& w, c
   }
 }
 
+// Where a query's keys sit when they are not the positions 0, 1, 2, ...: key k >= begin is the cache position
+// pos[k - begin] (tree attention: a candidate's ancestors, in lookahead slots with gaps). Plain decode: none.
+struct DecodeKeyTail {
+  int64_t begin = std::numeric_limits<int64_t>::max();
+  const int32_t* pos = nullptr;
+};
+
 // Rows (and, quantized, scales) of keys [start, start + n) into kp / vp / ks / vs.
 template <typename T, typename C>
 inline void decode_tile_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t start, int64_t n,
-                             DecodeScratch& w, const C** kp, const C** vp) {
+                             DecodeScratch& w, const C** kp, const C** vp, const DecodeKeyTail& tail) {
   int64_t idx = 0;
   for (int64_t j = 0; j < n; ++j) {
     const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
-    idx = block_start ? a.row_index(s, start + j, h) : idx + 1;  // rows are consecutive within a block
+    if (start + j >= tail.begin) {
+      idx = a.row_index(s, tail.pos[start + j - tail.begin], h);
+    } else {
+      idx = block_start ? a.row_index(s, start + j, h) : idx + 1;  // rows are consecutive within a block
+    }
     kp[j] = a.key_cache + idx * a.head_dim;
     vp[j] = a.value_cache + idx * a.head_dim;
     if constexpr (PagedAttnArgs<T, C>::kQuantized) {
@@ -254,7 +266,7 @@ inline void decode_tile_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h,
 // Attends keys [kbeg, kend) of sequence s for kv head h; leaves unnormalized acc [G, D], m [G], l [G].
 template <typename T, typename C>
 void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbeg, int64_t kend, DecodeScratch& w,
-                 float* acc, float* m, float* l) {
+                 float* acc, float* m, float* l, const DecodeKeyTail& tail = {}) {
   const int64_t G = a.group(), D = a.head_dim;
   for (int64_t g = 0; g < G; ++g) {
     if constexpr (use_bf16_dot<T, C>()) {
@@ -270,8 +282,9 @@ void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbe
   auto** vp = reinterpret_cast<const C**>(w.vp.data());
   for (int64_t start = kbeg; start < kend; start += kDecodeTile) {
     const int64_t n = std::min(kDecodeTile, kend - start);
-    decode_tile_rows(a, s, h, start, n, w, kp, vp);
+    decode_tile_rows(a, s, h, start, n, w, kp, vp, tail);
     // Next tile's rows (its blocks are random), prefetched by the score loop; past the end: this tile's rows.
+    // (A tail's keys are prefetched at their logical positions: rows of the same sequence, a harmless miss.)
     const int64_t nn = std::min(kDecodeTile, kend - start - n);
     for (int64_t j = 0; j < nn; ++j) {
       const bool block_start = j == 0 || ((start + n + j) & (a.block_size - 1)) == 0;
@@ -356,8 +369,9 @@ void decode_reduce(const PagedAttnArgs<T, C>& a, const std::vector<int64_t>& par
   });
 }
 
+// tails: nullptr, or one DecodeKeyTail per sequence (keys read out of position order).
 template <typename T, typename C>
-void paged_attention_decode_kernel(const PagedAttnArgs<T, C>& a) {
+void paged_attention_decode_kernel(const PagedAttnArgs<T, C>& a, const DecodeKeyTail* tails = nullptr) {
   std::vector<int64_t> part_off;
   const std::vector<DecodePart> parts = plan_decode(a, part_off);
   const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
@@ -372,7 +386,8 @@ void paged_attention_decode_kernel(const PagedAttnArgs<T, C>& a) {
       const DecodePart& p = parts[i / H];
       const int64_t h = i % H;
       float* it = split ? partials.data() + i * item_floats : own.data();
-      decode_item(a, p.seq, h, p.kbeg, p.kend, w, it, it + G * D, it + G * D + G);
+      decode_item(a, p.seq, h, p.kbeg, p.kend, w, it, it + G * D, it + G * D + G,
+                  tails != nullptr ? tails[p.seq] : DecodeKeyTail{});
       if (!split) {
         for (int64_t g = 0; g < G; ++g) write_normalized(a.out_row(p.seq, h * G + g), it + g * D, it[G * D + G + g], D);
       }
