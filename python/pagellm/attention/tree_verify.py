@@ -2,8 +2,10 @@
 
 `TreeVerifyAttention` wraps the step's backend for that one step: K/V are written as usual, then every row
 attends through `paged_tree_attention` with the step's tree mask (a decode row is a one-node tree, a prefill
-chunk a chain, a spec row its draft tree). Float KV caches and full-attention layers only: a tree verify step
-on a quantized cache or a sliding-window layer raises ValueError (the step's requests fail, the engine goes on).
+chunk a chain, a spec row its draft tree). Float KV caches and full-attention layers only (`tree_layer_refusal`):
+a tree proposer refuses such a model at start-up (`tree_verify_refusal`, run on each worker), and a tree verify
+step that meets one anyway raises ValueError (the step's requests fail, the engine goes on). Layers reading
+another layer's cache (cross-layer KV sharing) are fine: they write nothing and read the shared float cache.
 """
 
 from __future__ import annotations
@@ -12,7 +14,30 @@ import torch
 
 from pagellm import ops
 from pagellm.attention.base import AttentionLayerSpec, AttentionMetadata, BaseAttentionBackend
+from pagellm.kv_cache import PagedKVCache
+from pagellm.kv_cache.spec import SlidingWindowSpec
 from pagellm.ops import reference
+
+
+def tree_layer_refusal(kv_cache, window_size: int = -1) -> str | None:
+    """Why tree verification cannot run a layer with this cache (None: it can)."""
+    if not isinstance(kv_cache, PagedKVCache):
+        return "a latent (MLA) KV cache"
+    if kv_cache.k_scale is not None:
+        return f"a quantized KV cache ({kv_cache.spec.dtype}; tree verification reads float caches)"
+    if window_size != -1 or isinstance(kv_cache.spec, SlidingWindowSpec):
+        return "sliding-window attention"
+    return None
+
+
+def tree_verify_refusal(worker) -> str | None:
+    """On a worker (collective_rpc): why its model cannot run tree verification steps, or None."""
+    caches = worker.runner.kv_caches
+    for layer_id in caches.layer_ids:
+        reason = tree_layer_refusal(caches[layer_id])
+        if reason is not None:
+            return f"layer {layer_id} has {reason}"
+    return None
 
 
 def _tree_op():
@@ -48,10 +73,9 @@ class TreeVerifyAttention(BaseAttentionBackend):
         md = self.metadata
         if md is None:
             raise RuntimeError("TreeVerifyAttention.forward called before plan()")
-        if getattr(kv_cache, "k_scale", None) is not None or not hasattr(kv_cache, "key_cache"):
-            raise ValueError("tree verification needs a float paged KV cache (not a quantized or latent one)")
-        if layer.window_size != -1:
-            raise ValueError("tree verification does not support sliding-window attention layers")
+        reason = tree_layer_refusal(kv_cache, layer.window_size)
+        if reason is not None:
+            raise ValueError(f"tree verification cannot run layer {layer.layer_idx}: it has {reason}")
         n = md.num_tokens
         out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)  # padded tokens stay zero
         if key is not None:  # None: a layer reading another layer's cache, written already

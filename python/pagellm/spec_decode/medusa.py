@@ -16,7 +16,12 @@ child of n > 1 sampling, a preempted sequence being recomputed) gets no drafts t
 no forward of its own: one [B*k, H] pass through the ResBlocks and the target's LM head per step.
 
 Trees (`"tree": "default" | "mc_sim_7b_63" | [[0], [1], [0, 0], ...]`): `MedusaTreeProposer` gives greedy rows
-the heads' top-k candidate tree, verified in one forward (medusa_tree.py, engine/tree_step.py).
+the heads' top-k candidate tree, verified in one forward (medusa_tree.py, engine/tree_step.py). A target the tree
+step cannot run (a quantized KV cache, sliding-window or MLA layers) is refused at construction.
+
+Sampled rows: lossless rejection sampling by default; `"acceptance": "typical"` (+ `posterior_threshold`,
+`posterior_alpha`) accepts by Medusa's typical acceptance instead, more drafts on high-entropy rows but NOT
+lossless (sampling/typical.py). Greedy rows are exact either way.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from pagellm.attention.tree_verify import tree_verify_refusal
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
@@ -85,6 +91,7 @@ class MedusaProposer(BaseProposer):
         if tree.depth > config.num_speculative_tokens:
             raise ValueError(f"the Medusa tree is {tree.depth} deep: it needs num_speculative_tokens >= {tree.depth} "
                              f"(one head per level), got {config.num_speculative_tokens}")
+        check_tree_verification(context)
         return MedusaTreeProposer(heads, tree, lm_head)
 
     # ------------------------------------------------------------------ the engine's hidden states
@@ -175,6 +182,17 @@ class MedusaTreeProposer(MedusaProposer):
             else:
                 out[r.seq_id] = chain[: r.max_num_drafts]
         return out
+
+
+def check_tree_verification(context: ProposerContext) -> None:
+    """ValueError, at start-up, when the target cannot run tree verification steps (attention/tree_verify.py:
+    a quantized KV cache, sliding-window or MLA layers); chain drafts (no "tree") work there."""
+    if context.executor is None:
+        return
+    for reason in context.executor.collective_rpc(tree_verify_refusal):
+        if reason is not None:
+            raise ValueError(f"speculative_config: Medusa trees are verified with paged_tree_attention, which cannot "
+                             f"run this model ({reason}); drop 'tree' to verify chain drafts instead")
 
 
 def _target_model(worker):
