@@ -4,6 +4,7 @@ bf16 vs the GGUF blocks used natively (quantization="gguf", bf16 activations), i
 
     python benchmarks/bench_gguf.py                  # prompt 128, 64 new tokens, 3 rounds
     python benchmarks/bench_gguf.py --quick          # prompt 32, 16 new tokens, 3 rounds
+    python benchmarks/bench_gguf.py --op             # the op alone: M = 1, 2048 x 2048, Q4_K vs Q4_1 vs bf16
 
 Each round streams one request through each engine in turn (LLMEngine.add_request / step, greedy,
 `ignore_eos`); TPOT is the median over rounds. Weight bytes per decode token, as stored (uint8 GGUF
@@ -13,6 +14,12 @@ is the same tensor, an untied one adds one row per token) and the rest (norms); 
 context. MBU = those bytes / TPOT / copy bandwidth (a large tensor.copy_, read + write, measured in the
 same run).
 Writes benchmarks/results/gguf_<tag>.{md,json}.
+
+--op: gguf_linear alone at M = 1 (bf16 x [1, 2048]) on a 2048 x 2048 weight of random valid blocks: Q4_K and
+Q6_K (file layout, the only one they have), Q4_1 in the file's layout and row-packed (what a bf16 model holds on
+an AVX-512 VNNI CPU), against the dense bf16 weight through linear_small_m (the bf16 model's decode linear).
+Variants interleaved call by call in every round; per-call time is the median over rounds. Writes
+benchmarks/results/gguf_op_<tag>.{md,json}.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import time
 
 import common as C
 import torch
@@ -95,6 +103,67 @@ def run(args) -> dict:
     return {"copy_bandwidth": bw, "results": results}
 
 
+def _random_blocks(n: int, k: int, type_name: str) -> torch.Tensor:
+    """uint8 [n, row bytes]: random quant bytes with small positive fp16 scales where the type keeps them."""
+    from pagellm.ops.reference import GGUF_QTYPES, gguf_row_bytes
+
+    qtype = GGUF_QTYPES[type_name]
+    rows = torch.randint(0, 256, (n, gguf_row_bytes(qtype, k)), dtype=torch.uint8)
+    blocks = rows.view(n, -1, {"Q4_1": 20, "Q4_K": 144, "Q6_K": 210}[type_name])
+    scale_offsets = {"Q4_1": (0, 2), "Q4_K": (0, 2), "Q6_K": (208,)}[type_name]
+    for off in scale_offsets:
+        blocks[..., off:off + 2] = torch.full(blocks.shape[:2] + (1,), 1e-3, dtype=torch.float16).view(torch.uint8)
+    return rows
+
+
+def run_op(args) -> dict:
+    """Interleaved per-call timings of gguf_linear at M = 1 vs the bf16 dense linear (see --op in the docstring)."""
+    from pagellm.ops.reference import GGUF_QTYPES
+    from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows
+
+    n = k = args.op_size
+    x = torch.randn(1, k).to(torch.bfloat16)
+    out = torch.empty(1, n, dtype=torch.bfloat16)
+    dense = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    calls = {"bf16 dense (linear_small_m)": (dense.numel() * 2,
+                                             lambda: torch.ops.pagellm.linear_small_m(out, x, dense, None))}
+    for name in ("Q4_K", "Q6_K", "Q4_1"):
+        qw, qt = _random_blocks(n, k, name), GGUF_QTYPES[name]
+        calls[f"{name} file layout"] = (qw.numel(), lambda qw=qw, qt=qt: torch.ops.pagellm.gguf_linear(
+            out, x, qw, qt, k, None))
+    packed = pack_rows(_random_blocks(n, k, "Q4_1"), GGUF_QTYPES["Q4_1"])
+    calls["Q4_1 row-packed"] = (packed.numel(), lambda: torch.ops.pagellm.gguf_linear(
+        out, x, packed, GGUF_QTYPES["Q4_1"] | PACKED_FLAG, k, None))
+    per_call: dict[str, list[float]] = {name: [] for name in calls}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name, (_, fn) in calls.items():
+            t = time.perf_counter()
+            for _ in range(args.op_iters):
+                fn()
+            if r:
+                per_call[name].append((time.perf_counter() - t) / args.op_iters * 1e6)
+    base = statistics.median(per_call["bf16 dense (linear_small_m)"])
+    results = [{"variant": name, "weight_bytes": nbytes, "us_per_call": statistics.median(per_call[name]),
+                "gbs": nbytes / statistics.median(per_call[name]) / 1e3,
+                "speedup_vs_bf16": base / statistics.median(per_call[name]), "rounds_us": per_call[name]}
+               for name, (nbytes, _) in calls.items()]
+    return {"results": results}
+
+
+def render_op(data: dict) -> str:
+    e, a = data["env"], data["args"]
+    out = [f"# gguf_linear at M = 1: k-quants vs Q4_1 vs bf16 ({data['tag']})", "",
+           f"{e['time']}, {e['cpu']}, {e['nproc']} cores, torch {e['torch']} ({e['torch_threads']} threads), "
+           f"git {e['git_head']}. Load average before: {tuple(round(v, 2) for v in data['load']['load_at_start'])}, "
+           f"after: {tuple(round(v, 2) for v in data['load_at_end'])}.", "",
+           f"x bf16 [1, {a['op_size']}], weight {a['op_size']} x {a['op_size']}; {a['rounds']} interleaved rounds of "
+           f"{a['op_iters']} calls per variant, median per-call time.", ""]
+    rows = [[r["variant"], f"{r['weight_bytes'] / 1e6:.2f} MB", r["us_per_call"], r["gbs"],
+             f"{r['speedup_vs_bf16']:.2f}x"] for r in data["results"]]
+    out.append(C.md_table(["weight", "bytes", "us / call", "weight GB/s", "vs bf16"], rows))
+    return "\n".join(out)
+
+
 def render(data: dict) -> str:
     e, bw, a = data["env"], data["copy_bandwidth"], data["args"]
     base = data["results"][0]["tpot_ms"]
@@ -125,6 +194,9 @@ def main() -> None:
     ap.add_argument("--wait-timeout", type=float, default=300)
     ap.add_argument("--quick", action="store_true", help="prompt 32, 16 new tokens")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--op", action="store_true", help="time the op alone (M = 1) instead of the model")
+    ap.add_argument("--op-size", type=int, default=2048, help="--op: N = K (a multiple of 256)")
+    ap.add_argument("--op-iters", type=int, default=50, help="--op: calls per variant per round")
     args = ap.parse_args()
     if args.quick:
         args.prompt_len, args.output_len = 32, 16
@@ -133,11 +205,11 @@ def main() -> None:
         "waited_s": 0, "load_ok": None, "load_at_start": C.loadavg()}
     C.setup_threads(1 if args.threads == "auto" and not load["load_ok"] else
                     (None if args.threads == "auto" else int(args.threads)))
-    data = {"tag": tag, "env": C.env_info(), "load": load, "args": vars(args), **run(args)}
+    data = {"tag": tag, "env": C.env_info(), "load": load, "args": vars(args), **(run_op if args.op else run)(args)}
     data["load_at_end"] = C.loadavg()
-    md = render(data)
+    md = (render_op if args.op else render)(data)
     print("\n" + md, flush=True)
-    C.save_results(f"gguf_{tag}", md, data)
+    C.save_results(f"gguf_op_{tag}" if args.op else f"gguf_{tag}", md, data)
 
 
 if __name__ == "__main__":

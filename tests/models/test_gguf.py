@@ -48,9 +48,11 @@ def gguf_tensor_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_TO_GGUF['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_llama_gguf(path, hf, tokenizer, qtype_of) -> None:
+def write_llama_gguf(path, hf, tokenizer, qtype_of, quantize=None) -> None:
     """hf's weights and tokenizer as a llama GGUF, q/k rows permuted as llama.cpp's converter does; each tensor in
-    the type `qtype_of(hf_name, gguf_name, array)` gives (F32, F16 or a block type)."""
+    the type `qtype_of(hf_name, gguf_name, array)` gives (F32, F16 or a block type), its blocks made by
+    `quantize(array, qtype)` (default gguf.quants.quantize, which lacks the k-quants)."""
+    quantize = quantize or gguf.quants.quantize
     cfg = hf.config
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-llama")
@@ -90,7 +92,7 @@ def write_llama_gguf(path, hf, tokenizer, qtype_of) -> None:
         elif qtype == Q.F16:
             w.add_tensor(g, a.astype(np.float16))
         else:
-            w.add_tensor(g, gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(g, quantize(a, qtype), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

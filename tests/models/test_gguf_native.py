@@ -207,19 +207,25 @@ def test_unsupported_type_is_refused_before_building(tmp_path, cache, tiny_token
     write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer, types)
     files = open_model(path)  # the dequantized path reads it fine
     _refuse_construction(monkeypatch)
-    with pytest.raises(ValueError, match=r"'blk\.2\.ffn_(gate|up)\.weight' is stored as Q5_0.*\['Q4_0', 'Q4_1', 'Q8_0'\]"):
+    with pytest.raises(ValueError, match=r"'blk\.2\.ffn_(gate|up)\.weight' is stored as Q5_0.*"
+                                         r"\['Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K'\]"):
         build_model(files, "float32", quantization="gguf")
 
 
-def test_mixed_types_in_a_merged_layer_are_refused(tmp_path, cache, tiny_tokenizer, monkeypatch):
+def test_merged_layer_with_mixed_types_is_dequantized(tmp_path, cache, tiny_tokenizer):
+    """A merged layer whose shards differ in type (here q/v Q4_0, k Q8_0) loads as float weights, that layer only:
+    the same values as the dequantized path; the other layers keep their blocks."""
     types = [dict(t) for t in LAYER_TYPES]
     types[1]["attn_k"] = Q.Q8_0  # q and v are Q4_0
     path = tmp_path / "mixed.gguf"
     write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer, types)
     files = open_model(path)
-    _refuse_construction(monkeypatch)
-    with pytest.raises(ValueError, match=r"'blk\.1\.attn_[qkv]\.weight' is stored as Q[48]_0 but .*into model\.layers\.1\.self_attn\.qkv_proj"):
-        build_model(files, "float32", quantization="gguf")
+    native, deq = build_model(files, "float32", quantization="gguf"), build_model(files, "float32")
+    qkv = native.get_submodule("model.layers.1.self_attn.qkv_proj")
+    assert isinstance(qkv.linear_method, UnquantizedLinearMethod)
+    assert torch.equal(qkv.weight, deq.get_submodule("model.layers.1.self_attn.qkv_proj").weight)
+    assert isinstance(native.get_submodule("model.layers.1.self_attn.o_proj").linear_method, GGUFLinearMethod)
+    assert isinstance(native.get_submodule("model.layers.0.self_attn.qkv_proj").linear_method, GGUFLinearMethod)
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
@@ -227,8 +233,9 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
         build_model(open_model(tiny_llama_dir), "float32", quantization="gguf")
     with pytest.raises(ValueError, match="lists no GGUF layer types"):
         GGUFConfig.from_config({"quant_method": "gguf"})
-    with pytest.raises(ValueError, match=r"'Q6_K' is not supported natively; supported: \['Q4_0', 'Q4_1', 'Q8_0'\]"):
-        GGUFConfig({"model.layers.0.mlp.down_proj": "Q6_K"})
+    with pytest.raises(ValueError, match=r"'Q5_K' is not supported natively; supported: "
+                                         r"\['Q4_0', 'Q4_1', 'Q8_0', 'Q4_K', 'Q6_K'\]"):
+        GGUFConfig({"model.layers.0.mlp.down_proj": "Q5_K"})
 
 
 # ---- the default model (SmolLM2-135M-Instruct, Q4_1 linears, Q8_0 tied embedding) -------------------

@@ -154,10 +154,11 @@ print("ok")
 """
 
 
-def _run_with_isa(isa: str) -> subprocess.CompletedProcess:
+def _run_with_isa(isa: str, script: str = _ISA_SCRIPT) -> subprocess.CompletedProcess:
+    """`script` (formatted with the tests directory and whether x may be quantized) in a fresh process."""
     tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PAGELLM_GGUF_CPU_ISA=isa)
-    script = _ISA_SCRIPT.format(tests=tests_dir, int8_x=isa == "avx512_vnni")
+    script = script.format(tests=tests_dir, int8_x=isa == "avx512_vnni")
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -221,8 +222,8 @@ def test_python_wrapper_errors():
         ops.gguf_linear(out, torch.randn(2, 48), qw, QTYPES["Q8_0"], 48)
     with pytest.raises(ValueError, match=r"qweight shape \(4, 68\) must be \[N, 40\]"):
         ops.gguf_linear(out, x, qw, QTYPES["Q4_1"], 64)
-    with pytest.raises(ValueError, match=r"qtype must be one of \[2, 3, 8\]"):
-        ops.gguf_linear(out, x, qw, 12, 64)
+    with pytest.raises(ValueError, match=r"qtype must be one of \[2, 3, 8, 12, 14\]"):
+        ops.gguf_linear(out, x, qw, 13, 64)
     with pytest.raises(TypeError, match="qweight must have dtype torch.uint8"):
         ops.gguf_linear(out, x, qw.to(torch.int8), QTYPES["Q8_0"], 64)
     with pytest.raises(ValueError, match="out shape"):
@@ -235,7 +236,8 @@ def test_cpp_errors_name_the_argument():
     cases = [
         ("in_features must be a positive multiple of 32", lambda: OP.gguf_linear(out, torch.randn(2, 48), qw[:, :51].contiguous(), 8, 48, None)),
         (r"qweight must have shape \[N, in_features / 32 \* 20 = 40\]", lambda: OP.gguf_linear(out, x, qw, 3, 64, None)),
-        (r"qtype must be 2 \(Q4_0\), 3 \(Q4_1\) or 8 \(Q8_0\).*, got 14", lambda: OP.gguf_linear(out, x, qw, 14, 64, None)),
+        (r"qtype must be 2 \(Q4_0\), 3 \(Q4_1\), 8 \(Q8_0\), 12 \(Q4_K\) or 14 \(Q6_K\).*, got 13",
+         lambda: OP.gguf_linear(out, x, qw, 13, 64, None)),
         (r"x must have shape \[M, in_features = 96\]", lambda: OP.gguf_linear(out, x, qw, 8, 96, None)),
         ("qweight must have dtype", lambda: OP.gguf_linear(out, x, qw.view(torch.int8), 8, 64, None)),
         ("bias must have shape", lambda: OP.gguf_linear(out, x, qw, 8, 64, torch.randn(5))),

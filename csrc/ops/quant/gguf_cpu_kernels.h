@@ -64,9 +64,36 @@ inline float fp16_bits_to_float(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(bits);
 }
 
-// One block -> 32 floats, bit-identical to gguf.quants.dequantize (d*q, d*(q-8), d*q+m).
+// Sub-block s of a k-quant super-block -> 32 floats, w = a q + b (Q4_K) or a_or_b (q - 32) (Q6_K) with the
+// (a, b) of gguf_blocks.h: every product exact, one rounding, as gguf.quants' numpy.
+template <int QT>
+inline void dequant_k_sub(const uint8_t* blk, int s, float* out) {
+  if constexpr (QT == kQ4_K) {
+    int sc, mn;
+    q4k_scale_min(blk + 4, s, sc, mn);
+    const float a = fp16_bits_to_float(blk) * static_cast<float>(sc);
+    const float b = -(fp16_bits_to_float(blk + 2) * static_cast<float>(mn));
+    const uint8_t* qs = blk + 16 + 32 * (s / 2);
+    for (int e = 0; e < 32; ++e) out[e] = std::fma(a, static_cast<float>((qs[e] >> (4 * (s & 1))) & 0xF), b);
+  } else {
+    const float d = fp16_bits_to_float(blk + 208);
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const uint8_t* ql = blk + 64 * (s / 4) + 32 * (s % 2);
+    const uint8_t* qh = blk + 128 + 32 * (s / 4);
+    for (int e = 0; e < 32; ++e) {
+      const int q = ((ql[e] >> (4 * ((s / 2) % 2))) & 0xF) | (((qh[e] >> (2 * (s % 4))) & 3) << 4);
+      out[e] = d * static_cast<float>(scales[2 * s + e / 16]) * static_cast<float>(q - 32);
+    }
+  }
+}
+
+// One block -> block_elems(QT) floats, bit-identical to gguf.quants.dequantize (d*q, d*(q-8), d*q+m, k-quants above).
 template <int QT>
 inline void dequant_block(const uint8_t* blk, float* out) {
+  if constexpr (is_k_quant(QT)) {
+    for (int s = 0; s < sub_blocks(QT); ++s) dequant_k_sub<QT>(blk, s, out + 32 * s);
+    return;
+  }
   const float d = fp16_bits_to_float(blk);
   if constexpr (QT == kQ8_0) {
     for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(static_cast<int8_t>(blk[2 + i]));
@@ -90,16 +117,16 @@ struct ScalarTile {
   using XType = float;
   static constexpr int kMaxMR = 4;
   static void run(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
-    constexpr int kBytes = block_bytes(QT);
+    constexpr int kBytes = block_bytes(QT), kElems = block_elems(QT);
     float acc[MR][NR] = {};
-    float wb[NR][32];
+    float wb[NR][kElems];
     for (int64_t b = 0; b < nb; ++b) {
       for (int j = 0; j < NR; ++j) dequant_block<QT>(w + j * ldw + b * kBytes, wb[j]);
       for (int i = 0; i < MR; ++i) {
-        const float* xb = x + i * ldx + b * 32;
+        const float* xb = x + i * ldx + b * kElems;
         for (int j = 0; j < NR; ++j) {
           float s = 0.f;
-          for (int e = 0; e < 32; ++e) s += wb[j][e] * xb[e];
+          for (int e = 0; e < kElems; ++e) s += wb[j][e] * xb[e];
           acc[i][j] += s;
         }
       }
@@ -140,14 +167,20 @@ void rows_dot(const uint8_t* w, int64_t ldw, int nr, const void* x, int64_t ldx,
 
 using RowsDotFn = void (*)(const uint8_t*, int64_t, int, const void*, int64_t, int64_t, int64_t, float*);
 
-template <template <int, int, int> class Tile>
+// kKQuants: whether Tile handles Q4_K / Q6_K (the VNNI tiles take the 32-element types only).
+template <template <int, int, int> class Tile, bool kKQuants = true>
 RowsDotFn rows_dot_for_type(int qtype) {
   switch (qtype) {
     case kQ8_0: return &rows_dot<Tile, kQ8_0>;
     case kQ4_0: return &rows_dot<Tile, kQ4_0>;
     case kQ4_1: return &rows_dot<Tile, kQ4_1>;
-    default: return nullptr;
+    default: break;
   }
+  if constexpr (kKQuants) {
+    if (qtype == kQ4_K) return &rows_dot<Tile, kQ4_K>;
+    if (qtype == kQ6_K) return &rows_dot<Tile, kQ6_K>;
+  }
+  return nullptr;
 }
 
 // The fp32-activation tiles of `isa` (VNNI machines use the AVX-512 ones: fp32 x stays exact).
@@ -162,7 +195,7 @@ inline RowsDotFn rows_dot_fn(Isa isa, int qtype) {
 struct GgufLinearArgs {
   int64_t M, N, K;
   int64_t ldx, ldo;  // row strides of x and out (elements); rows contiguous
-  int64_t ldw;       // bytes per weight row (K / 32 * block_bytes(qtype))
+  int64_t ldw;       // bytes per weight row (K / block_elems(qtype) * block_bytes(qtype))
   int qtype;         // the block type
   bool packed = false;  // rows interleaved in groups of kPackRows (gguf_cpu_packed.h)
 };
@@ -258,10 +291,11 @@ void packed_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const G
 #endif
 
 // The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows). A packed
-// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile.
+// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile. The k-quants
+// have no int8 tiles: their half-precision x is converted to fp32 for the AVX-512 ones on VNNI CPUs too.
 template <typename T>
 void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa) {
-  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni;
+  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni && !is_k_quant(a.qtype);
 #ifdef PAGELLM_GGUF_X86
   if (vnni && a.packed) {
     switch (a.qtype) {
@@ -274,10 +308,10 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
   const PreparedX px = prepare_x(x, a, vnni);
   RowsDotFn dot = rows_dot_fn(isa, a.qtype);
 #ifdef PAGELLM_GGUF_X86
-  if (vnni) dot = rows_dot_for_type<VnniTile>(a.qtype);
+  if (vnni) dot = rows_dot_for_type<VnniTile, false>(a.qtype);
 #endif
   const int64_t elem = vnni ? 1 : static_cast<int64_t>(sizeof(float));
-  const int64_t nb = a.K / kBlockElems;
+  const int64_t nb = a.K / block_elems(a.qtype);
   const int64_t tiles = (a.N + kTileRows - 1) / kTileRows;
   // >= ~64 KiB of weight per task, so small matrices run inline and big ones split across threads.
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(kTileRows * a.ldw, 1));
@@ -307,7 +341,7 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
 template <typename T>
 void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int64_t K, T* dst, int64_t ldd, Isa isa,
                      bool packed = false, int64_t N = 0, int64_t n0 = 0) {
-  const int64_t nb = K / kBlockElems;
+  const int64_t nb = K / block_elems(qtype);
   auto run = [&](auto qt) {
     constexpr int QT = decltype(qt)::value;
     pagellm::cpu::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -325,7 +359,9 @@ void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int
         } else
 #endif
         {
-          for (int64_t b = 0; b < nb; ++b) dequant_block<QT>(row + b * block_bytes(QT), buf.data() + b * kBlockElems);
+          for (int64_t b = 0; b < nb; ++b) {
+            dequant_block<QT>(row + b * block_bytes(QT), buf.data() + b * block_elems(QT));
+          }
         }
         store_row(buf.data(), dst + r * ldd, K);
       }
@@ -335,6 +371,8 @@ void dequantize_rows(int qtype, const uint8_t* w, int64_t ldw, int64_t rows, int
     case kQ8_0: run(std::integral_constant<int, kQ8_0>{}); break;
     case kQ4_0: run(std::integral_constant<int, kQ4_0>{}); break;
     case kQ4_1: run(std::integral_constant<int, kQ4_1>{}); break;
+    case kQ4_K: run(std::integral_constant<int, kQ4_K>{}); break;
+    case kQ6_K: run(std::integral_constant<int, kQ6_K>{}); break;
     default: break;
   }
 }

@@ -54,34 +54,80 @@ PAGELLM_GGUF_AVX512 PAGELLM_GGUF_INLINE void dequant(const uint8_t* blk, __m512&
   }
 }
 
+// 16 bytes at p -> 16 int32 lanes, each byte shifted right by `shift` and masked to `mask`.
+PAGELLM_GGUF_AVX512 PAGELLM_GGUF_INLINE __m512i bits16(const uint8_t* p, int shift, int mask) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_and_si512(_mm512_srl_epi32(bytes, _mm_cvtsi32_si128(shift)), _mm512_set1_epi32(mask));
+}
+
+// Sub-block s (elements 32 s .. 32 s + 31) of block `blk` -> lo (first 16), hi (last 16). The 32-element types
+// have one sub-block; the k-quants' (a, b) parameters are those of gguf_blocks.h.
+template <int QT>
+PAGELLM_GGUF_AVX512 PAGELLM_GGUF_INLINE void dequant_sub(const uint8_t* blk, int s, __m512& lo, __m512& hi) {
+  if constexpr (QT == kQ4_K) {
+    int sc, mn;
+    q4k_scale_min(blk + 4, s, sc, mn);
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk));
+    const float dmin = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2));
+    const __m512 a = _mm512_set1_ps(d * static_cast<float>(sc)), b = _mm512_set1_ps(-(dmin * static_cast<float>(mn)));
+    const uint8_t* qs = blk + 16 + 32 * (s / 2);
+    lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits16(qs, 4 * (s & 1), 0xF)), a, b);  // a*q exact: one rounding
+    hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(bits16(qs + 16, 4 * (s & 1), 0xF)), a, b);
+  } else if constexpr (QT == kQ6_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 208));
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const uint8_t* ql = blk + 64 * (s / 4) + 32 * (s % 2);
+    const uint8_t* qh = blk + 128 + 32 * (s / 4);
+    const int shift_l = 4 * ((s / 2) % 2), shift_h = 2 * (s % 4);
+    const __m512i off = _mm512_set1_epi32(32);
+    __m512 half[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i q = _mm512_or_si512(bits16(ql + 16 * h, shift_l, 0xF),
+                                        _mm512_slli_epi32(bits16(qh + 16 * h, shift_h, 3), 4));
+      half[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(q, off)),
+                              _mm512_set1_ps(d * static_cast<float>(scales[2 * s + h])));
+    }
+    lo = half[0];
+    hi = half[1];
+  } else {
+    dequant<QT>(blk, lo, hi);
+  }
+}
+
 // sums[i * lds + j] = x row i . weight row j, for i < MR, j < NR.
 template <int QT, int MR, int NR>
 PAGELLM_GGUF_AVX512 void tile(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t num_blocks,
                               float* sums, int64_t lds) {
-  constexpr int kBytes = block_bytes(QT);
+  constexpr int kBytes = block_bytes(QT), kElems = block_elems(QT);
   __m512 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    __m512 lo[NR], hi[NR];
-    for (int j = 0; j < NR; ++j) dequant<QT>(w + j * ldw + b * kBytes, lo[j], hi[j]);
-    for (int i = 0; i < MR; ++i) {
-      const __m512 x0 = _mm512_loadu_ps(x + i * ldx + b * 32), x1 = _mm512_loadu_ps(x + i * ldx + b * 32 + 16);
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(hi[j], x1, _mm512_fmadd_ps(lo[j], x0, acc[i][j]));
+    for (int s = 0; s < sub_blocks(QT); ++s) {
+      __m512 lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j) dequant_sub<QT>(w + j * ldw + b * kBytes, s, lo[j], hi[j]);
+      for (int i = 0; i < MR; ++i) {
+        const float* xs = x + i * ldx + b * kElems + 32 * s;
+        const __m512 x0 = _mm512_loadu_ps(xs), x1 = _mm512_loadu_ps(xs + 16);
+        for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(hi[j], x1, _mm512_fmadd_ps(lo[j], x0, acc[i][j]));
+      }
     }
   }
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
-// dst[0 : 32 * nb] = the row's nb blocks dequantized (the GEMM path's tiles).
+// dst[0 : block_elems * nb] = the row's nb blocks dequantized (the GEMM path's tiles).
 template <int QT>
 PAGELLM_GGUF_AVX512 void dequant_row(const uint8_t* row, int64_t nb, float* dst) {
   for (int64_t b = 0; b < nb; ++b) {
-    __m512 lo, hi;
-    dequant<QT>(row + b * block_bytes(QT), lo, hi);
-    _mm512_storeu_ps(dst + 32 * b, lo);
-    _mm512_storeu_ps(dst + 32 * b + 16, hi);
+    for (int s = 0; s < sub_blocks(QT); ++s) {
+      __m512 lo, hi;
+      dequant_sub<QT>(row + b * block_bytes(QT), s, lo, hi);
+      float* out = dst + b * block_elems(QT) + 32 * s;
+      _mm512_storeu_ps(out, lo);
+      _mm512_storeu_ps(out + 16, hi);
+    }
   }
 }
 
@@ -90,41 +136,72 @@ PAGELLM_GGUF_AVX512 void dequant_row(const uint8_t* row, int64_t nb, float* dst)
 // ---------------------------------------------------------------- AVX2: a block = 4 x 8 lanes
 namespace avx2 {
 
-// Quarter q (elements 8q .. 8q+7) of block `blk`, d (and m) already broadcast.
+// The (a, b) parameters of sub-block s for the quarters below: d and m (Q4_1) or -8d (Q4_0, Q8_0: unused), or
+// the k-quants' (a, b) of gguf_blocks.h.
 template <int QT>
-PAGELLM_GGUF_AVX2 PAGELLM_GGUF_INLINE __m256 dequant_quarter(const uint8_t* blk, int q, __m256 d, __m256 m) {
+PAGELLM_GGUF_AVX2 PAGELLM_GGUF_INLINE void sub_params(const uint8_t* blk, int s, __m256& a, __m256& b) {
+  if constexpr (QT == kQ4_K) {
+    int sc, mn;
+    q4k_scale_min(blk + 4, s, sc, mn);
+    a = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)) * static_cast<float>(sc));
+    b = _mm256_set1_ps(-(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)) * static_cast<float>(mn)));
+  } else if constexpr (QT == kQ6_K) {
+    const float d = _cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 208));
+    const auto* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    a = _mm256_set1_ps(d * static_cast<float>(scales[2 * s]));
+    b = _mm256_set1_ps(d * static_cast<float>(scales[2 * s + 1]));
+  } else {
+    a = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
+    b = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)))
+                    : _mm256_mul_ps(a, _mm256_set1_ps(-8.f));
+  }
+}
+
+// 8 bytes at p -> 8 int32 lanes, each byte shifted right by `shift` and masked to `mask`.
+PAGELLM_GGUF_AVX2 PAGELLM_GGUF_INLINE __m256i bits8(const uint8_t* p, int shift, int mask) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  return _mm256_and_si256(_mm256_srl_epi32(bytes, _mm_cvtsi32_si128(shift)), _mm256_set1_epi32(mask));
+}
+
+// Quarter q (elements 8q .. 8q+7) of sub-block s of block `blk`, its (a, b) from sub_params.
+template <int QT>
+PAGELLM_GGUF_AVX2 PAGELLM_GGUF_INLINE __m256 dequant_quarter(const uint8_t* blk, int s, int q, __m256 a, __m256 b) {
   if constexpr (QT == kQ8_0) {
     const __m128i b8 = _mm_loadl_epi64((const __m128i*)(blk + 2 + 8 * q));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), d);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b8)), a);
+  } else if constexpr (QT == kQ4_K) {
+    const __m256i nib = bits8(blk + 16 + 32 * (s / 2) + 8 * q, 4 * (s & 1), 0xF);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib), a, b);
+  } else if constexpr (QT == kQ6_K) {
+    const __m256i lo4 = bits8(blk + 64 * (s / 4) + 32 * (s % 2) + 8 * q, 4 * ((s / 2) % 2), 0xF);
+    const __m256i hi2 = bits8(blk + 128 + 32 * (s / 4) + 8 * q, 2 * (s % 4), 3);
+    const __m256i v = _mm256_sub_epi32(_mm256_or_si256(lo4, _mm256_slli_epi32(hi2, 4)), _mm256_set1_epi32(32));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(v), q < 2 ? a : b);
   } else {
     constexpr int qs_offset = QT == kQ4_1 ? 4 : 2;
-    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(blk + qs_offset + 8 * (q & 1))));
-    const __m256i nib = q < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib), d, m);  // m = -8d for Q4_0 (exact, as above)
+    const __m256i nib = bits8(blk + qs_offset + 8 * (q & 1), q < 2 ? 0 : 4, 0xF);
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(nib), a, b);  // b = -8d for Q4_0 (exact, as above)
   }
 }
 
 template <int QT, int MR, int NR>
 PAGELLM_GGUF_AVX2 void tile(const uint8_t* w, int64_t ldw, const float* x, int64_t ldx, int64_t num_blocks,
                             float* sums, int64_t lds) {
-  constexpr int kBytes = block_bytes(QT);
+  constexpr int kBytes = block_bytes(QT), kElems = block_elems(QT);
   __m256 acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < num_blocks; ++b) {
-    __m256 d[NR], m[NR];
-    for (int j = 0; j < NR; ++j) {
-      const uint8_t* blk = w + j * ldw + b * kBytes;
-      d[j] = _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
-      m[j] = QT == kQ4_1 ? _mm256_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)))
-                         : _mm256_mul_ps(d[j], _mm256_set1_ps(-8.f));
-    }
-    for (int q = 0; q < 4; ++q) {
-      __m256 wq[NR];
-      for (int j = 0; j < NR; ++j) wq[j] = dequant_quarter<QT>(w + j * ldw + b * kBytes, q, d[j], m[j]);
-      for (int i = 0; i < MR; ++i) {
-        const __m256 xq = _mm256_loadu_ps(x + i * ldx + b * 32 + 8 * q);
-        for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wq[j], xq, acc[i][j]);
+    for (int s = 0; s < sub_blocks(QT); ++s) {
+      __m256 pa[NR], pb[NR];
+      for (int j = 0; j < NR; ++j) sub_params<QT>(w + j * ldw + b * kBytes, s, pa[j], pb[j]);
+      for (int q = 0; q < 4; ++q) {
+        __m256 wq[NR];
+        for (int j = 0; j < NR; ++j) wq[j] = dequant_quarter<QT>(w + j * ldw + b * kBytes, s, q, pa[j], pb[j]);
+        for (int i = 0; i < MR; ++i) {
+          const __m256 xq = _mm256_loadu_ps(x + i * ldx + b * kElems + 32 * s + 8 * q);
+          for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_fmadd_ps(wq[j], xq, acc[i][j]);
+        }
       }
     }
   }

@@ -24,6 +24,8 @@ cudaError_t launch_qtype(int qtype, void* out, const void* x, const uint8_t* qwe
     case gguf::kQ8_0: return launch_typed<T, gguf::kQ8_0>(out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);
     case gguf::kQ4_0: return launch_typed<T, gguf::kQ4_0>(out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);
     case gguf::kQ4_1: return launch_typed<T, gguf::kQ4_1>(out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);
+    case gguf::kQ4_K: return launch_typed<T, gguf::kQ4_K>(out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);
+    case gguf::kQ6_K: return launch_typed<T, gguf::kQ6_K>(out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);
   }
   return cudaErrorInvalidValue;
 }
@@ -33,7 +35,7 @@ cudaError_t launch_gguf_linear(void* out, const void* x, const uint8_t* qweight,
                                int64_t N, int64_t K, int64_t ldx, int64_t ldo, int64_t row_bytes, int qtype,
                                DType dtype, cudaStream_t stream) {
   if (M == 0 || N == 0) return cudaSuccess;
-  if (K % 32 != 0) return cudaErrorInvalidValue;
+  if (gguf::block_bytes(qtype) == 0 || K % gguf::block_elems(qtype) != 0) return cudaErrorInvalidValue;
   switch (dtype) {
     case DType::kFloat32:
       return launch_qtype<float>(qtype, out, x, qweight, bias, M, N, K, ldx, ldo, row_bytes, stream);

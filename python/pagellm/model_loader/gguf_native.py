@@ -3,13 +3,16 @@
 The model's config and tokenizer still come from the converted HF directory (gguf_convert.py); the
 weights are read from the .gguf itself:
 
-- decoder linears (attn_q/k/v/output, ffn_gate/up/down) stored as Q8_0, Q4_0 or Q4_1 are yielded as
-  `<hf module>.qweight`, uint8 [out, in / 32 * block_bytes], the file's rows as they are (q/k rows
-  un-permuted as gguf_convert.unpermute_qk does: a row of blocks moves as a unit), for
+- decoder linears (attn_q/k/v/output, ffn_gate/up/down) stored as Q8_0, Q4_0, Q4_1, Q4_K or Q6_K are
+  yielded as `<hf module>.qweight`, uint8 [out, in / block_elems * block_bytes], the file's rows as they are
+  (q/k rows un-permuted as gguf_convert.unpermute_qk does: a row of blocks moves as a unit), for
   `pagellm.quantization.gguf.GGUFLinearMethod`;
 - the token embedding and an untied LM head (token_embd, output) stored in one of those types are yielded
   the same way (`model.embed_tokens.qweight`, `lm_head.qweight`) for `GGUFEmbeddingMethod`; in any other
-  type they are dequantized (llama.cpp files often keep them as Q6_K: no native kernel, but not refused);
+  type they are dequantized (not refused);
+- a merged layer (qkv_proj, gate_up_proj) whose shards are stored in different types (Q4_K_M files keep
+  attn_v in Q6_K and attn_q / attn_k in Q4_K in some layers) is dequantized, that layer only, and named in
+  the log: one op call per layer needs one block type;
 - every other tensor (norms, and linears stored as F32/F16/BF16) is dequantized to float32 exactly as the
   default path does, and loads into an ordinary float parameter.
 
@@ -27,8 +30,11 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from pagellm.logger import init_logger
 from pagellm.model_loader.gguf_convert import _SKIP, dequantize_tensor, gguf_name_to_hf, unpermute_qk
 from pagellm.quantization.gguf import GGUF_METHOD, GGUFConfig, supported_gguf_types
+
+logger = init_logger(__name__)
 
 # GGUF tensor kinds that are decoder linear layers (the rest are norms, embedding, LM head)
 _LINEAR_KINDS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
@@ -47,6 +53,7 @@ class NativeGGUFPlan:
     n_head: int
     n_kv_head: int
     native_tensors: set[str] = field(default_factory=set)  # GGUF names loaded as qweight blocks
+    mixed_layers: dict[str, dict[str, str]] = field(default_factory=dict)  # dequantized merged layer -> shard types
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor of the file, one at a time."""
@@ -89,14 +96,15 @@ def _param_prefix(hf_name: str, stacked_params_mapping) -> tuple[str, object]:
 def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
     """Check every tensor type of `gguf_path` and build the GGUFConfig for `model_cls` (whose
     `stacked_params_mapping` says which HF linears share a merged layer): decoder linears, the token embedding
-    and an untied LM head in a supported block type stay blocks. Raises ValueError for a linear stored in a
-    type without a native kernel, or a merged layer whose shards are stored in different types."""
+    and an untied LM head in a supported block type stay blocks; a merged layer whose shards are stored in
+    different types is dequantized (`mixed_layers`). Raises ValueError for a linear stored in a type without a
+    native kernel."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
     layer_types: dict[str, str] = {}
     native: set[str] = set()
-    first_shard: dict[str, str] = {}
+    shard_types: dict[str, dict[str, str]] = {}  # layer prefix -> {GGUF tensor name: type}
     for t in reader.tensors:
         type_name = t.tensor_type.name
         if t.name in _VOCAB_LAYERS and type_name in supported_gguf_types():
@@ -109,17 +117,22 @@ def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
                              f"supported with quantization={GGUF_METHOD!r}: {supported_gguf_types()} (and float "
                              f"{list(_FLOAT_TYPES)}); load it without quantization= to dequantize it instead")
         prefix, _ = _param_prefix(gguf_name_to_hf(t.name), model_cls.stacked_params_mapping)
-        stored = layer_types.get(prefix, "float") if prefix in first_shard else None
-        if stored is not None and stored != (type_name if type_name not in _FLOAT_TYPES else "float"):
-            raise ValueError(f"{gguf_path}: tensor {t.name!r} is stored as {type_name} but {first_shard[prefix]!r}, "
-                             f"merged with it into {prefix}, is stored as {stored}; a merged layer needs one type")
-        first_shard.setdefault(prefix, t.name)
-        if type_name not in _FLOAT_TYPES:
+        shard_types.setdefault(prefix, {})[t.name] = type_name
+    mixed: dict[str, dict[str, str]] = {}
+    for prefix, shards in shard_types.items():
+        types = set(shards.values())
+        if len(types) > 1:
+            mixed[prefix] = shards
+        elif (type_name := types.pop()) not in _FLOAT_TYPES:
             layer_types[prefix] = type_name
-            native.add(t.name)
+            native.update(shards)
+    if mixed:
+        logger.info("%s: %d merged layer(s) mix block types across their shards and are dequantized (float "
+                    "weights): %s", gguf_path, len(mixed), ", ".join(f"{p} {sorted(set(s.values()))}"
+                                                                      for p, s in mixed.items()))
     if not layer_types:
         raise ValueError(f"{gguf_path}: no tensor is stored as {supported_gguf_types()}; nothing to load "
                          f"natively with quantization={GGUF_METHOD!r}")
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
-    return NativeGGUFPlan(Path(gguf_path), reader, GGUFConfig(layer_types), n_head, n_kv_head, native)
+    return NativeGGUFPlan(Path(gguf_path), reader, GGUFConfig(layer_types), n_head, n_kv_head, native, mixed)

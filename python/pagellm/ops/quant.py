@@ -11,10 +11,11 @@ def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype
                 bias: torch.Tensor | None = None) -> None:
     """out [M, N] = x [M, K] @ dequant(qweight)^T (+ bias [N]), fp32 accumulation, one rounding into x's dtype.
 
-    qweight: uint8 [N, K / 32 * block_bytes] in GGUF's block layout (rows of a .gguf tensor as stored);
-    qtype: the ggml type id, 2 (Q4_0), 3 (Q4_1) or 8 (Q8_0) (`reference.GGUF_QTYPES`); in_features = K, a
-    multiple of 32. Reference: `reference.gguf_linear`."""
-    from pagellm.ops.reference import GGUF_BLOCK_BYTES  # noqa: PLC0415
+    qweight: uint8 [N, K / block_elems * block_bytes] in GGUF's block layout (rows of a .gguf tensor as stored);
+    qtype: the ggml type id, 2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K) (`reference.GGUF_QTYPES`);
+    in_features = K, a multiple of the type's block size (32, or 256 for the k-quants). Reference:
+    `reference.gguf_linear`."""
+    from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_ELEMS, gguf_row_bytes  # noqa: PLC0415
 
     _float(x, "x")
     _dtype(qweight, torch.uint8, "qweight")
@@ -24,12 +25,15 @@ def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype
         _tensor(bias, "bias")
         _same(bias, x, "bias", "x")
     if qtype not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype!r}")
-    if not isinstance(in_features, int) or in_features <= 0 or in_features % 32:
-        raise ValueError(f"in_features must be a positive multiple of 32 (the GGUF block size), got {in_features!r}")
+        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), "
+                         f"got {qtype!r}")
+    elems = GGUF_BLOCK_ELEMS[qtype]
+    if not isinstance(in_features, int) or in_features <= 0 or in_features % elems:
+        raise ValueError(f"in_features must be a positive multiple of {elems} (the block size of qtype {qtype}), "
+                         f"got {in_features!r}")
     _ndim(x, 2, "x")
     _ndim(qweight, 2, "qweight")
-    row_bytes = in_features // 32 * GGUF_BLOCK_BYTES[qtype]
+    row_bytes = gguf_row_bytes(qtype, in_features)
     if x.shape[1] != in_features:
         raise ValueError(f"x shape {tuple(x.shape)} must be [M, in_features={in_features}]")
     if qweight.shape[1] != row_bytes:

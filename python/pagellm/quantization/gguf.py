@@ -1,6 +1,7 @@
-"""GGUF quantized blocks used natively: Q8_0, Q4_0 and Q4_1 weights stay in the .gguf file's block layout
-and are multiplied by `torch.ops.pagellm.gguf_linear` (which dequantizes in registers), so a decode step
-reads the quantized bytes instead of a dequantized copy (Q4_1: 0.625 bytes per weight instead of 2 in bf16).
+"""GGUF quantized blocks used natively: Q8_0, Q4_0, Q4_1, Q4_K and Q6_K weights stay in the .gguf file's block
+layout and are multiplied by `torch.ops.pagellm.gguf_linear` (which dequantizes in registers), so a decode step
+reads the quantized bytes instead of a dequantized copy (Q4_1: 0.625 bytes per weight, Q4_K 0.5625, instead of 2
+in bf16).
 
     LLM("model.gguf", quantization="gguf")      # or LLM(quantization="gguf") for the default model
 
@@ -9,7 +10,8 @@ types); a layer whose tensor is F32/F16/BF16 in the file stays an ordinary float
 and the LM head too: the head is a `gguf_linear` over the blocks, the embedding dequantizes only the rows it
 looks up, and a tied pair holds the blocks once (`GGUFEmbeddingMethod`). On a CPU with AVX-512 VNNI a
 half-precision model's blocks are rearranged once after loading into gguf_linear's row-packed layout
-(`gguf_packing`: 16 rows interleaved per block, the same bytes), which its VNNI kernel streams ~2-4x faster.
+(`gguf_packing`: 16 rows interleaved per block, the same bytes), which its VNNI kernel streams ~2-4x faster
+(the 32-element types only: Q4_K / Q6_K super-blocks keep the file's layout).
 """
 
 from __future__ import annotations
@@ -19,9 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_QTYPES, gguf_dequantize
+from pagellm.ops.reference import GGUF_BLOCK_ELEMS, GGUF_QTYPES, gguf_dequantize, gguf_row_bytes
 from pagellm.ops.reference import gguf_linear as _reference_gguf_linear
-from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows, packing_pays_off, unpack_positions, unpack_rows
+from pagellm.quantization.gguf_packing import (
+    PACKABLE_QTYPES, PACKED_FLAG, pack_rows, packing_pays_off, unpack_positions, unpack_rows,
+)
 from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, new_linear_param
 from pagellm.quantization.registry import register_quantization_config
 from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
@@ -45,7 +49,7 @@ def supported_gguf_types() -> list[str]:
 
 
 class GGUFLinearMethod(LinearMethodBase):
-    """qweight uint8 [out, in / 32 * block_bytes]: the GGUF tensor's rows as stored (one row of blocks per output
+    """qweight uint8 [out, in / block_elems * block_bytes]: the GGUF tensor's rows as stored (one row of blocks per output
     feature), so a merged layer's shards (q/k/v, gate/up) load into their row ranges like a float weight
     (`output_dim` 0, fixed bytes per row). Optional bias [out] in the model dtype.
 
@@ -63,10 +67,11 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
-        if input_size % 32:
+        block_elems = GGUF_BLOCK_ELEMS[self.qtype]
+        if input_size % block_elems:
             raise ValueError(f"{getattr(layer, 'prefix', '') or 'linear layer'}: in_features={input_size} is not a "
-                             f"multiple of 32, the GGUF block size")
-        row_bytes = input_size // 32 * GGUF_BLOCK_BYTES[self.qtype]
+                             f"multiple of {block_elems}, the {self.type_name} block size")
+        row_bytes = gguf_row_bytes(self.qtype, input_size)
         self.params_dtype = params_dtype
         layer.register_parameter("qweight", new_linear_param((output_size, row_bytes), torch.uint8, extra))
         if bias:
@@ -74,7 +79,8 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight = layer.qweight
-        if _gguf_linear is _reference_gguf_linear or not packing_pays_off(qweight.device, self.params_dtype):
+        if (_gguf_linear is _reference_gguf_linear or self.qtype not in PACKABLE_QTYPES
+                or not packing_pays_off(qweight.device, self.params_dtype)):
             return
         qweight.data.copy_(pack_rows(qweight.data, self.qtype))  # in place: a tied LM head shares this Parameter
         if hasattr(qweight, "weight_loader"):
@@ -98,7 +104,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
 
 class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
-    """The token embedding / LM head in GGUF blocks: qweight uint8 [vocab, hidden / 32 * block_bytes]. The head
+    """The token embedding / LM head in GGUF blocks: qweight uint8 [vocab, hidden / block_elems * block_bytes]. The head
     is `gguf_linear` (logits in the model dtype); a lookup gathers the looked-up rows of blocks and dequantizes
     just those ([num_tokens, hidden] per step, pure torch, exactly as gguf-py), then rounds to the model dtype as
     the float path's weight was rounded when loaded."""
@@ -121,7 +127,8 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 @register_quantization_config(GGUF_METHOD)
 class GGUFConfig(QuantizationConfig):
     """`layer_types`: layer name (its prefix, e.g. "model.layers.0.self_attn.qkv_proj", "model.embed_tokens",
-    "lm_head") -> GGUF block type ("Q8_0", "Q4_0", "Q4_1"); layers not listed are unquantized (float in the
+    "lm_head") -> GGUF block type ("Q8_0", "Q4_0", "Q4_1", "Q4_K",
+    "Q6_K"); layers not listed are unquantized (float in the
     file, or a block type without a native kernel, dequantized by the loader)."""
 
     def __init__(self, layer_types: dict[str, str]) -> None:

@@ -18,6 +18,7 @@ from pagellm.ops.reference import GGUF_BLOCK_BYTES
 
 PACK_ROWS = 16
 PACKED_FLAG = 0x100
+PACKABLE_QTYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the k-quants' super-blocks keep the file's layout
 
 
 def _block_source_bytes(qtype: int) -> list[tuple[int, int]]:
@@ -42,8 +43,8 @@ def _group_gather_index(qtype: int, row_bytes: int) -> torch.Tensor:
 
 
 def _check(qweight: torch.Tensor, qtype: int) -> None:
-    if qtype not in GGUF_BLOCK_BYTES:
-        raise ValueError(f"qtype must be one of {sorted(GGUF_BLOCK_BYTES)} (Q4_0, Q4_1, Q8_0), got {qtype}")
+    if qtype not in PACKABLE_QTYPES:
+        raise ValueError(f"qtype must be one of {sorted(PACKABLE_QTYPES)} (Q4_0, Q4_1, Q8_0), got {qtype}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] % GGUF_BLOCK_BYTES[qtype]:
         raise ValueError(f"qweight must be uint8 [N, K / 32 * {GGUF_BLOCK_BYTES[qtype]}], got {qweight.dtype} "
                          f"{list(qweight.shape)}")

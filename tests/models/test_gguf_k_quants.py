@@ -1,0 +1,113 @@
+"""GGUF k-quants used natively (quantization="gguf"): a tiny random Llama written as a GGUF the way Q4_K_M files
+are typed (Q4_K linears, Q6_K attn_v / ffn_down in some layers, a Q6_K LM head, a Q4_K embedding), loaded natively
+vs through the dequantized path. Blocks come from the test quantizer (tests/ops/gguf_k_blocks.py): gguf-py does
+not quantize k-quants.
+
+Tolerance: float32, where the native kernels dequantize exactly as the dequantized path's weights were and
+differ only in summation order: greedy tokens equal, prompt and sampled-token logprobs within 1e-4.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from ops.gguf_k_blocks import quantize_k
+from paged_model_utils import (
+    available_backends, make_backend, make_tiny_hf, paged_greedy, paged_prompt_logprobs, random_prompts,
+)
+from pagellm.model_loader import build_model, open_model
+from pagellm.ops.reference import gguf_dequantize
+from pagellm.quantization import GGUFEmbeddingMethod, GGUFLinearMethod, UnquantizedLinearMethod
+from test_gguf import write_llama_gguf
+from test_gguf_native import _generate
+
+gguf = pytest.importorskip("gguf")
+Q = gguf.GGMLQuantizationType
+
+# Q4_K_M-like: layer 0's attn_v is Q6_K beside Q4_K q / k (a merged qkv_proj of two types: dequantized)
+LAYER_TYPES = [
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
+     "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
+    {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q4_K, "attn_output": Q.Q6_K, "ffn_gate": Q.Q6_K,
+     "ffn_up": Q.Q6_K, "ffn_down": Q.Q4_K},
+]
+GLOBAL_TYPES = {"token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K}
+
+
+def _quantize(array: np.ndarray, qtype) -> np.ndarray:
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        return quantize_k(array, int(qtype))
+    return gguf.quants.quantize(array, qtype)
+
+
+def _qtype_of(name: str, gguf_name: str, array) -> object:
+    if array.ndim != 2:
+        return Q.F32
+    if gguf_name in GLOBAL_TYPES:
+        return GLOBAL_TYPES[gguf_name]
+    parts = gguf_name.split(".")  # blk.N.kind.weight
+    return LAYER_TYPES[int(parts[1])].get(parts[2], Q.F32)
+
+
+@pytest.fixture
+def k_quant_gguf(tmp_path, monkeypatch, tiny_tokenizer):
+    monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))
+    # hidden and intermediate sizes: multiples of 256, the k-quant super-block
+    hf = make_tiny_hf(tf.LlamaConfig, tf.LlamaForCausalLM, seed=7, vocab_size=len(tiny_tokenizer), hidden_size=256,
+                      intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    path = tmp_path / "tiny-q4_k_m.gguf"
+    write_llama_gguf(path, hf, tiny_tokenizer, _qtype_of, _quantize)
+    return path
+
+
+def test_k_quant_layers_hold_the_files_blocks(k_quant_gguf):
+    files = open_model(k_quant_gguf)
+    native = build_model(files, "float32", quantization="gguf")
+    deq = build_model(files, "float32")
+    for i, types in enumerate(LAYER_TYPES):
+        for merged, kind in (("self_attn.qkv_proj", "attn_q"), ("self_attn.o_proj", "attn_output"),
+                             ("mlp.gate_up_proj", "ffn_gate"), ("mlp.down_proj", "ffn_down")):
+            layer = native.get_submodule(f"model.layers.{i}.{merged}")
+            ref = deq.get_submodule(f"model.layers.{i}.{merged}")
+            if merged == "self_attn.qkv_proj" and types["attn_v"] != types["attn_q"]:
+                assert isinstance(layer.linear_method, UnquantizedLinearMethod)  # mixed: dequantized
+                assert torch.equal(layer.weight, ref.weight)
+                continue
+            assert isinstance(layer.linear_method, GGUFLinearMethod), (i, merged)
+            assert layer.linear_method.type_name == types[kind].name
+            assert not layer.linear_method.packed  # k-quants keep the file's layout
+            w = gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features)
+            assert torch.equal(w, ref.weight), (i, merged)
+    for name, gguf_name in (("model.embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
+        layer, ref = native.get_submodule(name), deq.get_submodule(name)
+        assert isinstance(layer.linear_method, GGUFEmbeddingMethod), name
+        assert layer.linear_method.type_name == GLOBAL_TYPES[gguf_name].name
+        assert torch.equal(gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features), ref.weight)
+    ids = torch.tensor([[0, 3, files.hf_config.vocab_size - 1]])
+    assert torch.equal(native.model.embed_tokens(ids), deq.model.embed_tokens(ids))
+
+
+def test_k_quant_native_matches_dequantized_path(k_quant_gguf):
+    files = open_model(k_quant_gguf)
+    native = build_model(files, "float32", quantization="gguf")
+    deq = build_model(files, "float32")
+    be = make_backend("cpu" if "cpu" in available_backends() else available_backends()[0])
+    prompts = random_prompts([5, 33, 70], files.hf_config.vocab_size, seed=4)  # prefill: M < 16 and M >= 16 paths
+    for a, b in zip(paged_prompt_logprobs(native, be, prompts, 16), paged_prompt_logprobs(deq, be, prompts, 16)):
+        assert (a - b).abs().max().item() < 1e-4
+    assert paged_greedy(native, be, prompts, 24, 16) == paged_greedy(deq, be, prompts, 24, 16)
+
+
+def test_llm_k_quant_native_equals_dequantized_fp32(k_quant_gguf):
+    """Through LLM (decode steps replayed from step graphs): greedy tokens equal, logprobs within 1e-4."""
+    tokens, lps, graphs = _generate(k_quant_gguf, "float32", quantization="gguf")
+    ref_tokens, ref_lps, _ = _generate(k_quant_gguf, "float32")
+    assert graphs.num_replays > 0
+    assert tokens == ref_tokens
+    for steps, ref_steps in zip(lps, ref_lps):
+        for step, ref_step in zip(steps, ref_steps):
+            assert step.keys() == ref_step.keys()
+            assert max(abs(step[t] - ref_step[t]) for t in step) < 1e-4
