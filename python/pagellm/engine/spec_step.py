@@ -32,6 +32,7 @@ class SpecDecodeStep:
     def _init_speculation(self, proposer: BaseProposer | None) -> None:
         """At construction: the given proposer, else the one `config.speculative_config` names."""
         spec = self.config.speculative_config
+        self.sampler.set_acceptance(None if spec is None else spec.typical_acceptance)  # sampled rows' rule
         if proposer is None and spec is not None:
             context = ProposerContext(engine_config=self.config, model_files=self.model_files,
                                       tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor)

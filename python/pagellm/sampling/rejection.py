@@ -15,6 +15,9 @@ normalize(max(p_j - q_j, 0)); after all k accepted, a draw from p_k. q is one-ho
 proposer gives no probabilities. The emitted tokens are distributed exactly as sampling from p one token
 at a time.
 
+Sampled rows with `acceptance` (sampling/typical.py, opt-in, NOT lossless): a draft is accepted when its target
+probability exceeds the typical-acceptance threshold, and the token after the accepted ones is a draw from p_j.
+
 Randomness, in a fixed order: rows in batch order; a sampled row draws k uniforms, then one Exp(1) noise
 vector [V] (its final token is argmax(dist / noise)), from its own generator when seeded, else from the
 sampler's. Greedy rows draw nothing.
@@ -29,6 +32,7 @@ import torch
 
 from pagellm.sampling.logprobs_mode import logprob_values
 from pagellm.sampling.metadata import SamplingMetadata, SamplingRow
+from pagellm.sampling.typical import TypicalAcceptance
 from pagellm.sampling.processors import (
     LogprobsTensors,
     apply_logit_processors,
@@ -103,13 +107,17 @@ class _Targets:
 
 
 def _sample_row(t: _Targets, start: int, drafts: Sequence[int], draft_start: int, draft_probs: torch.Tensor | None,
-                gen: torch.Generator | None) -> tuple[int, int]:
-    """Rejection-sample one row: (number of accepted drafts, the token emitted after them)."""
+                gen: torch.Generator | None, typical: TypicalAcceptance | None = None) -> tuple[int, int]:
+    """Rejection-sample one row (typical: accept by that rule instead): (number of accepted drafts, the token
+    emitted after them)."""
     k = len(drafts)
     probs = t.probs
     cpu = gen.device if gen is not None else torch.device("cpu")
-    u = torch.rand(k, generator=gen, device=cpu)
+    u = torch.rand(k, generator=gen, device=cpu)  # drawn by both rules: the noise stream does not depend on the rule
     noise = torch.empty(probs.shape[1], device=cpu).exponential_(generator=gen).to(probs.device)
+    if typical is not None:
+        num_ok = typical.num_accepted(probs[start : start + k], list(drafts))
+        return num_ok, int((probs[start + num_ok] / noise).argmax())
     if k:
         ids = torch.tensor(drafts, dtype=torch.int64, device=probs.device)
         p = probs[start : start + k].gather(1, ids.unsqueeze(1)).squeeze(1)
@@ -134,13 +142,15 @@ def _sample_row(t: _Targets, start: int, drafts: Sequence[int], draft_start: int
 
 @torch.inference_mode()
 def verify_drafts(target_logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]], md: SamplingMetadata,
-                  draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> VerifyOutput:
+                  draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None,
+                  typical: TypicalAcceptance | None = None) -> VerifyOutput:
     """Verify each row's drafts against the target model.
 
     target_logits: [sum(1 + k_i), V] (any float dtype), row by row. draft_token_ids: k_i >= 0 drafts
     per row. md: one row per target position (build_sampling_metadata(expand_rows_for_verify(...))).
     draft_probs: [sum(k_i), V] the proposer's distributions q, or None for a deterministic proposer
-    (one-hot q). generator: the noise of unseeded sampled rows. Raises ValueError on mismatched shapes
+    (one-hot q). generator: the noise of unseeded sampled rows. typical: accept sampled rows' drafts by
+    typical acceptance (not lossless) instead of rejection sampling. Raises ValueError on mismatched shapes
     or draft ids outside the vocabulary.
     """
     _check_inputs(target_logits, draft_token_ids, md, draft_probs)
@@ -156,7 +166,7 @@ def verify_drafts(target_logits: torch.Tensor, draft_token_ids: Sequence[Sequenc
             token = t.greedy[start + num_ok]
         else:
             gen = md.generators.get(start, generator)
-            num_ok, token = _sample_row(t, start, drafts, draft_start, draft_probs, gen)
+            num_ok, token = _sample_row(t, start, drafts, draft_start, draft_probs, gen, typical)
         row = list(drafts[:num_ok]) + [token]
         if k:  # filler after the emitted token: logprobs there are never read
             tokens[start : start + k] = torch.tensor(list(drafts), dtype=torch.int64)

@@ -31,6 +31,7 @@ from pagellm.sampling.processors import (  # noqa: F401 (re-exported)
     compute_logprobs_tensors,
 )
 from pagellm.sampling.rejection import verify_drafts
+from pagellm.sampling.typical import TypicalAcceptance
 
 
 class Sampler(torch.nn.Module):
@@ -39,6 +40,14 @@ class Sampler(torch.nn.Module):
     def __init__(self, generator: torch.Generator | None = None) -> None:
         super().__init__()
         self.generator = generator
+        self.typical_acceptance: TypicalAcceptance | None = None  # None: lossless rejection sampling
+
+    def set_acceptance(self, rule: TypicalAcceptance | None) -> None:
+        """How verify() accepts sampled rows' drafts: None = rejection sampling (lossless), a
+        TypicalAcceptance = Medusa's typical acceptance (not lossless; sampling/typical.py)."""
+        if rule is not None and not isinstance(rule, TypicalAcceptance):
+            raise TypeError(f"rule must be a TypicalAcceptance or None, got {type(rule).__name__}")
+        self.typical_acceptance = rule
 
     @torch.inference_mode()
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -66,7 +75,7 @@ class Sampler(torch.nn.Module):
                draft_probs: torch.Tensor | None = None):
         """Verify draft tokens: target_logits [sum(1 + k_i), V], k_i drafts per row, md with one row per
         target position -> VerifyOutput (accepted drafts + one token per row); see sampling/rejection.py."""
-        return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator)
+        return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
 
     def _sample(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1): a draw from probs (Gumbel-max in another guise)."""

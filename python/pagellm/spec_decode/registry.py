@@ -18,10 +18,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
+from pagellm.sampling.typical import TypicalAcceptance, acceptance_rule
 from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer
 
 # keys every method accepts; the rest of the dict are the method's own options (its OPTIONS)
 COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
+
+# keys every method also accepts among its options: how sampled rows' drafts are accepted (sampling/typical.py)
+ACCEPTANCE_KEYS = ("acceptance", "posterior_threshold", "posterior_alpha")
 
 _PROPOSERS: dict[str, type[BaseProposer]] = {}
 
@@ -53,14 +57,21 @@ class SpeculativeConfig:
         limit = config.get("disable_by_batch_size")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be None or an integer >= 1, got {limit!r}")
-        allowed = tuple(getattr(_PROPOSERS[method], "OPTIONS", ()))
+        allowed = tuple(getattr(_PROPOSERS[method], "OPTIONS", ())) + ACCEPTANCE_KEYS
         options = {key: v for key, v in config.items() if key not in COMMON_KEYS}
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ValueError(f"speculative_config: unknown keys {unknown} for method {method!r}; allowed: "
                              f"{sorted(COMMON_KEYS + allowed)}")
         _PROPOSERS[method].check_options(options)
+        typical_acceptance_of(options)  # ValueError for a bad acceptance / threshold
         return cls(method, k, limit, options)
+
+    @property
+    def typical_acceptance(self) -> TypicalAcceptance | None:
+        """None: sampled rows' drafts go through rejection sampling (lossless); else the typical-acceptance
+        rule of "acceptance": "typical" (+ "posterior_threshold", "posterior_alpha"), not lossless."""
+        return typical_acceptance_of(self.options)
 
     def to_dict(self) -> dict[str, Any]:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, **self.options}
@@ -80,6 +91,15 @@ class ProposerContext:
     tokenizer: Any
     vocab_size: int
     executor: Any = None
+
+
+def typical_acceptance_of(options: Mapping[str, Any]) -> TypicalAcceptance | None:
+    """The acceptance rule in a config's options (None: rejection sampling); ValueError naming what is allowed."""
+    try:
+        return acceptance_rule(options.get("acceptance", "rejection"), options.get("posterior_threshold"),
+                               options.get("posterior_alpha"))
+    except ValueError as e:
+        raise ValueError(f"speculative_config: {e}") from None
 
 
 def register_proposer(name: str) -> Callable[[type[BaseProposer]], type[BaseProposer]]:
