@@ -54,15 +54,16 @@ PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE __m512i lane_block() {
   return _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
 }
 
-// One block of x (32 floats) -> q[0:32] int8 and its scale (round to nearest even, as cvtps does).
-PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE float quantize_block(const float* x, int8_t* q) {
+// One block of x (32 floats) -> q[0:32] int8, its scale and the sum of q (round to nearest even, as cvtps does).
+PAGELLM_AWQ_VNNI PAGELLM_AWQ_INLINE float quantize_block(const float* x, int8_t* q, int* q_sum) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
   const float dx = amax / 127.f;
   const __m512 inv = _mm512_set1_ps(dx != 0.f ? 1.f / dx : 0.f);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x0, inv))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16),
-                   _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x1, inv))));
+  const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(q0));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(q1));
+  *q_sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));  // |x / dx| <= 127: no saturation to differ
   return dx;
 }
 
@@ -76,9 +77,8 @@ PAGELLM_AWQ_VNNI inline void quantize_row(const float* x, int64_t nb, int64_t bp
       const int64_t b = quad * kQuadBlocks + i;
       alignas(64) int8_t q[kBlockElems] = {};
       if (b < nb) {
-        dx[i] = quantize_block(x + b * kBlockElems, q);
         int sum = 0;
-        for (int e = 0; e < kBlockElems; ++e) sum += q[e];
+        dx[i] = quantize_block(x + b * kBlockElems, q, &sum);
         group_sums[b / bpg] += dx[i] * static_cast<float>(sum);
       }
       std::memcpy(out + 16 * i, q, 16);
