@@ -82,6 +82,12 @@ def measure(model: str, tp: int, dtype: str, prompt_len: int, new_tokens: int) -
             "all_reduce_share": (ar_s / steps) / tpot if tp > 1 else 0.0}
 
 
+def print_row(r: dict) -> None:
+    print(f"| {r['tp']} | {r['backend']} | {r['tpot_ms']:.2f} | {r['all_reduce_ms_per_step']:.2f} | "
+          f"{r['all_reduces_per_step']:.0f} | {r['all_gather_ms_per_step']:.2f} | "
+          f"{100 * r['all_reduce_share']:.0f}% |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tiny", action="store_true", help="a tiny random model (smoke run)")
@@ -104,23 +110,19 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(write_random_llama(Path(tmp) / "llama", TINY if a.tiny else ONE_B,
                                                   getattr(torch, dtype)))
-        rows = []
-        for _ in range(a.rounds):
+        print(f"decode TPOT, batch 1, prompt {a.prompt_len}, {a.new_tokens} new tokens, {dtype}, {cpus} CPUs, "
+              f"load at start {os.getloadavg()[0]:.1f}")
+        print("| TP | collectives | TPOT ms | all-reduce ms/step | all-reduces/step | all-gather ms/step "
+              "| all-reduce share |")
+        print("|---|---|---:|---:|---:|---:|---:|", flush=True)
+        for _ in range(a.rounds):  # each row printed when measured: a long run that dies keeps its rows
             os.environ["PAGELLM_NUM_THREADS"] = str(cpus)  # TP=1: every CPU
-            rows.append({"backend": "-", **measure(model, 1, dtype, a.prompt_len, a.new_tokens)})
+            print_row({"backend": "-", **measure(model, 1, dtype, a.prompt_len, a.new_tokens)})
             del os.environ["PAGELLM_NUM_THREADS"]  # TP=2: each rank its half (its affinity)
             for backend in backends:
                 os.environ["PAGELLM_TP_ALLREDUCE"] = backend  # the spawned ranks inherit it
-                rows.append({"backend": backend, **measure(model, 2, dtype, a.prompt_len, a.new_tokens)})
+                print_row({"backend": backend, **measure(model, 2, dtype, a.prompt_len, a.new_tokens)})
                 del os.environ["PAGELLM_TP_ALLREDUCE"]
-    print(f"decode TPOT, batch 1, prompt {a.prompt_len}, {a.new_tokens} new tokens, {dtype}, {cpus} CPUs, "
-          f"load {os.getloadavg()[0]:.1f}")
-    print("| TP | collectives | TPOT ms | all-reduce ms/step | all-reduces/step | all-gather ms/step "
-          "| all-reduce share |")
-    print("|---|---|---:|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['tp']} | {r['backend']} | {r['tpot_ms']:.2f} | {r['all_reduce_ms_per_step']:.2f} | "
-              f"{r['all_reduces_per_step']:.0f} | {r['all_gather_ms_per_step']:.2f} | {100 * r['all_reduce_share']:.0f}% |")
     return 0
 
 

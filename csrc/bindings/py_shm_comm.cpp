@@ -39,7 +39,8 @@ void all_reduce_tensor(ShmAllReduce& comm, at::Tensor& x) {
 
 // out [world, *x.shape] = every rank's x in rank order (any dtype: the bytes are copied).
 at::Tensor all_gather_tensor(ShmAllReduce& comm, const at::Tensor& x) {
-  if (!x.device().is_cpu()) throw py::value_error("ShmAllReduce.all_gather: the tensor must be on the CPU, got " + x.device().str());
+  if (!x.device().is_cpu())
+    throw py::value_error("ShmAllReduce.all_gather: the tensor must be on the CPU, got " + x.device().str());
   const at::Tensor src = x.contiguous();
   std::vector<int64_t> shape{comm.world_size()};
   shape.insert(shape.end(), src.sizes().begin(), src.sizes().end());
