@@ -9,10 +9,11 @@ import torch
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
-from test_draft_tokens import MAX_TOKENS, _generate, _greedy, _make_llm  # noqa: E402
+from test_draft_tokens import MAX_TOKENS, _assert_all_blocks_free, _generate, _greedy, _make_llm  # noqa: E402
 from test_spec_medusa import hf_base, test_prompts, trained_heads_dir, vocab  # noqa: E402,F401 (fixtures)
 
 from pagellm import SamplingParams  # noqa: E402
+from pagellm.engine.tree_step import longest_accepted_path, typical_tree_path  # noqa: E402
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, expand_rows_for_verify  # noqa: E402
 from pagellm.sampling.typical import TypicalAcceptance  # noqa: E402
 from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
@@ -122,6 +123,36 @@ def test_config_round_trip():
     assert plain.typical_acceptance is None
 
 
+# ---------------------------------------------------------------- trees: the longest accepted path
+
+
+def test_longest_accepted_path_and_typical_tree_path():
+    parents = [-1, -1, 0, 0, 1, 3, 4]  # depth: 0 0 1 1 1 2 2
+    assert longest_accepted_path(parents, [1, 1, 1, 1, 1, 0, 1]) == [1, 4, 6]  # node 5 refused: 1 -> 4 -> 6 wins
+    assert longest_accepted_path(parents, [1, 1, 1, 1, 1, 1, 1]) == [0, 3, 5]  # tie at depth 3: first in order
+    assert longest_accepted_path(parents, [0, 1, 1, 1, 0, 1, 1]) == [1]  # children of a refused node do not count
+    assert longest_accepted_path(parents, [0] * 7) == []
+    # typical: position 0 (after the root) is flat over tokens 0..3, position 1 + j follows draft j
+    vocab, rule = 8, TypicalAcceptance()
+    probs = torch.zeros(1 + len(parents), vocab)
+    probs[0, :4] = 0.25
+    probs[1:, 5] = 0.97  # every later position is sure of token 5 ...
+    probs[1:, 6] = 0.03  # ... and 6 is below min(0.09, 0.3 * exp(-H)) there
+    drafts = [2, 7, 5, 6, 5, 5, 5]  # node 1 (token 7) has probability 0 at the root: refused
+    assert typical_tree_path(probs, drafts, parents, rule) == [0, 2]  # node 3 (token 6) fails; 5 is under it
+    drafts[3] = 5  # now node 3 passes and so does its child 5: depth 3
+    assert typical_tree_path(probs, drafts, parents, rule) == [0, 3, 5]
+
+
+def test_tree_rows_see_their_ancestors_as_outputs():
+    params = SamplingParams(temperature=1.0, presence_penalty=0.5)  # a penalty: positions read the outputs
+    row = SamplingRow(params, [1], [9], None)
+    expanded = expand_rows_for_verify([row], [[4, 5, 6]], [[-1, -1, 1]])  # node 2 under node 1
+    assert [list(r.output_token_ids) for r in expanded] == [[9], [9, 4], [9, 5], [9, 5, 6]]
+    chain = expand_rows_for_verify([row], [[4, 5, 6]])
+    assert [list(r.output_token_ids) for r in chain] == [[9], [9, 4], [9, 4, 5], [9, 4, 5, 6]]
+
+
 # ---------------------------------------------------------------- the engine, Medusa drafts
 
 
@@ -156,3 +187,26 @@ def test_engine_typical_acceptance(tiny_llama_dir, test_prompts, trained_heads_d
     again, _ = _sampled_acceptance(typical, prompts, sampled)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+
+
+def test_engine_sampled_rows_take_trees_under_typical_acceptance(tiny_llama_dir, test_prompts, trained_heads_dir):
+    prompts = test_prompts[4][:2]
+    sampled = [SamplingParams(temperature=1.0, seed=21 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+               for i in range(len(prompts))]
+    llm = _medusa_llm(tiny_llama_dir, trained_heads_dir, acceptance="typical", tree="default")
+    proposer = llm.llm_engine.proposer
+    tree_rows = []
+    original = proposer.propose
+
+    def recording(requests):
+        out = original(requests)
+        tree_rows.extend(proposer._tree_rows)
+        return out
+
+    proposer.propose = recording
+    outs, rate = _sampled_acceptance(llm, prompts, sampled)
+    assert tree_rows and rate > 0  # sampled rows took trees and paths were accepted
+    again, _ = _sampled_acceptance(llm, prompts, sampled)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outs)
+    _assert_all_blocks_free(llm.llm_engine)

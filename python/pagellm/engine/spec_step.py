@@ -9,7 +9,14 @@ import numpy as np
 import torch
 
 from pagellm.engine.step_update import StepUpdate, finished_status
-from pagellm.engine.tree_step import TreePaths, chain_parents, choose_tree_paths, move_kv_slots, reordered_drafts
+from pagellm.engine.tree_step import (
+    TreePaths,
+    chain_parents,
+    choose_tree_paths,
+    move_kv_slots,
+    reordered_drafts,
+    typical_tree_paths,
+)
 from pagellm.logger import init_logger
 from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
@@ -76,9 +83,10 @@ class SpecDecodeStep:
             if req is not None and not seq.finished:
                 requests.append(req)
         if requests:
-            if getattr(self.proposer, "proposes_trees", False):  # trees for greedy rows only (exact verification)
+            if getattr(self.proposer, "proposes_trees", False):  # greedy rows (exact); sampled ones under typical
+                typical = self.sampler.typical_acceptance is not None  # acceptance only (not lossless anyway)
                 self.proposer.set_tree_seq_ids(r.seq_id for r in requests
-                                               if self.output_processor.seq(r.seq_id)[0].params.is_greedy)
+                                               if typical or self.output_processor.seq(r.seq_id)[0].params.is_greedy)
             proposals = self._call_proposer(requests)
             drafts = check_proposals(requests, proposals, self.proposer.num_speculative_tokens, self.vocab_size)
             for sid, tokens in drafts.items():
@@ -133,15 +141,18 @@ class SpecDecodeStep:
                 for p in (parents if parents is not None else chain_parents(int(sched_out.num_draft_tokens[r])))]
         return np.asarray(flat, dtype=np.int32)
 
-    def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor) -> TreePaths | None:
-        """The greedy path of every tree row (None: no tree this step)."""
+    def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor, rows) -> TreePaths | None:
+        """The path of every tree row (greedy; sampled rows: typical acceptance's; None: no tree this step)."""
         self._tree_last_rows = {}
         parents = getattr(self, "_step_tree_parents", None)
         if not parents:
             return None
         seq_ids = [sched_out.request_ids[r] for r in split.spec_rows]
         target_ids = spec_logits.argmax(dim=-1).tolist()
-        return choose_tree_paths(split, [parents.get(int(r)) for r in split.spec_rows], target_ids, seq_ids)
+        row_parents = [parents.get(int(r)) for r in split.spec_rows]
+        chosen = typical_tree_paths(split, row_parents, rows, spec_logits, self.sampler.typical_acceptance,
+                                    self.vocab_size)
+        return choose_tree_paths(split, row_parents, target_ids, seq_ids, chosen)
 
     def _commit_tree_paths(self, sched_out, seq_ids: list[str], paths: TreePaths, accepted: list[list[int]]) -> None:
         """Tree rows: move the accepted path's KV into the row's first lookahead slots, put its tokens first
@@ -186,7 +197,7 @@ class SpecDecodeStep:
         rows = [SamplingRow(st.params, st.prompt_token_ids, seq.output_token_ids,
                             self._generator(seq.seq_id, st.params, seq.index)) for st, seq in seqs]
         spec_logits = logits[split.spec_logit_rows]
-        paths = self._tree_paths(sched_out, split, spec_logits)
+        paths = self._tree_paths(sched_out, split, spec_logits, rows)
         if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
             split, spec_logits = paths.chain_split, spec_logits[paths.chain_logit_rows]
         md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,

@@ -19,6 +19,9 @@ import numpy as np
 import torch
 
 from pagellm.ops.tree import tree_depths, tree_mask_from_parents
+from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
+from pagellm.sampling.rejection import target_probs
+from pagellm.sampling.typical import TypicalAcceptance
 from pagellm.spec_decode.batch import SpecRows
 
 
@@ -52,21 +55,65 @@ def tree_step_inputs(sched_out, draft_parents: np.ndarray) -> tuple[np.ndarray, 
     return positions, mask
 
 
+def longest_accepted_path(parents: Sequence[int], accepted: Sequence[bool]) -> list[int]:
+    """The longest root-to-node path of accepted nodes (parents before children; the first such node in node
+    order on ties), as draft indices, shallowest first."""
+    length = [0] * len(parents)
+    best = -1
+    for j, p in enumerate(parents):
+        if accepted[j] and (p < 0 or length[p] > 0):
+            length[j] = 1 + (length[p] if p >= 0 else 0)
+            if best < 0 or length[j] > length[best]:
+                best = j
+    path = []
+    while best >= 0:
+        path.append(best)
+        best = parents[best]
+    return path[::-1]
+
+
 def greedy_tree_path(target_ids: Sequence[int], drafts: Sequence[int], parents: Sequence[int]) -> list[int]:
     """The longest root-to-node path the target agrees with. target_ids [1 + k]: the target's token after
     the row's first token (index 0) and after each draft j (index 1 + j); drafts / parents [k]. Returns the
     path's draft indices, shallowest first."""
-    children: dict[int, list[int]] = {}
-    for j, p in enumerate(parents):
-        children.setdefault(int(p), []).append(j)
-    path: list[int] = []
-    node, target = -1, int(target_ids[0])
-    while True:
-        nxt = next((c for c in children.get(node, ()) if int(drafts[c]) == target), None)
-        if nxt is None:
-            return path
-        path.append(nxt)
-        node, target = nxt, int(target_ids[1 + nxt])
+    return longest_accepted_path(parents, [int(d) == int(target_ids[p + 1]) for d, p in zip(drafts, parents)])
+
+
+def typical_tree_path(probs: torch.Tensor, drafts: Sequence[int], parents: Sequence[int],
+                      rule: TypicalAcceptance) -> list[int]:
+    """The longest root-to-node path whose every node passes typical acceptance (sampling/typical.py). probs
+    [1 + k, V]: the row's target distributions after its first token (0) and after each draft j (1 + j)."""
+    if not len(drafts):
+        return []
+    pos = torch.tensor([p + 1 for p in parents], dtype=torch.int64, device=probs.device)
+    ids = torch.tensor(list(drafts), dtype=torch.int64, device=probs.device)
+    p_draft = probs[pos, ids]
+    return longest_accepted_path(parents, (p_draft > rule.thresholds(probs)[pos]).tolist())
+
+
+def typical_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], rows: Sequence[SamplingRow],
+                       spec_logits: torch.Tensor, rule: TypicalAcceptance | None, vocab_size: int) -> dict[int, list[int]]:
+    """Under typical acceptance, the path of every sampled tree row (by spec row index; {} without a rule):
+    each node judged on the row's processed target distribution at its parent, the context being the row's
+    outputs plus the node's ancestors. spec_logits [sum(1 + k_i), V]; rows: the spec rows' SamplingRows."""
+    if rule is None:
+        return {}
+    starts = np.concatenate([[0], np.cumsum([1 + len(d) for d in split.draft_token_ids])])
+    picked = [i for i, (row, parents) in enumerate(zip(rows, parents_per_row))
+              if parents is not None and not row.params.is_greedy and split.draft_token_ids[i]]
+    if not picked:
+        return {}
+    drafts = [split.draft_token_ids[i] for i in picked]
+    parents = [parents_per_row[i] for i in picked]
+    md = build_sampling_metadata(expand_rows_for_verify([rows[i] for i in picked], drafts, parents), vocab_size,
+                                 device=spec_logits.device)
+    logit_rows = np.concatenate([np.arange(starts[i], starts[i + 1]) for i in picked])
+    probs = target_probs(spec_logits[torch.as_tensor(logit_rows, device=spec_logits.device)], md)
+    out, start = {}, 0
+    for i, d, p in zip(picked, drafts, parents):
+        out[i] = typical_tree_path(probs[start : start + 1 + len(d)], d, p, rule)
+        start += 1 + len(d)
+    return out
 
 
 def move_kv_slots(worker, src_slots: list[int], dst_slots: list[int]) -> None:
@@ -103,18 +150,21 @@ class TreePaths:
 
 
 def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], target_ids: Sequence[int],
-                      seq_ids: Sequence[str]) -> TreePaths:
+                      seq_ids: Sequence[str], chosen: dict[int, list[int]] | None = None) -> TreePaths:
     """Per spec row (parents None: a chain) the path to verify. target_ids [sum(1 + k_i)]: the target's raw
-    argmax at every spec logits row; seq_ids: the spec rows' sequences."""
+    argmax at every spec logits row (greedy paths); seq_ids: the spec rows' sequences; chosen: paths already
+    picked by another rule (typical acceptance), by spec row index."""
     chains, rows, paths, is_tree, depths = [], [], [], [], {}
     start = 0
-    for drafts, parents, sid in zip(split.draft_token_ids, parents_per_row, seq_ids):
+    for i, (drafts, parents, sid) in enumerate(zip(split.draft_token_ids, parents_per_row, seq_ids)):
         k = len(drafts)
         if parents is None:
             path = list(range(k))
             depths[sid] = k
         else:
-            path = greedy_tree_path(target_ids[start : start + 1 + k], drafts, parents)
+            path = (chosen or {}).get(i)
+            if path is None:
+                path = greedy_tree_path(target_ids[start : start + 1 + k], drafts, parents)
             depths[sid] = max(tree_depths(parents)) + 1 if k else 0
         paths.append(path)
         is_tree.append(parents is not None)

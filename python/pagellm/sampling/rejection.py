@@ -51,18 +51,29 @@ class VerifyOutput:
     logprobs: LogprobsTensors | None = None
 
 
-def expand_rows_for_verify(rows: Sequence[SamplingRow], draft_token_ids: Sequence[Sequence[int]]) -> list[SamplingRow]:
-    """One SamplingRow per target position: position j of row i has the row's outputs plus its first j
-    drafts (copied only when the row's penalties or min_tokens read them)."""
+def expand_rows_for_verify(rows: Sequence[SamplingRow], draft_token_ids: Sequence[Sequence[int]],
+                           draft_parents: Sequence[Sequence[int] | None] | None = None) -> list[SamplingRow]:
+    """One SamplingRow per target position: position j of row i has the row's outputs plus the drafts that
+    lead to it (a chain: its first j drafts; a tree, parents[i] given: draft j - 1 and its ancestors), copied
+    only when the row's penalties or min_tokens read them."""
     out: list[SamplingRow] = []
-    for row, drafts in zip(rows, draft_token_ids):
+    for i, (row, drafts) in enumerate(zip(rows, draft_token_ids)):
         p = row.params
         reads_outputs = (p.presence_penalty != 0 or p.frequency_penalty != 0 or p.repetition_penalty != 1.0
                          or (p.min_tokens and len(row.output_token_ids) < p.min_tokens))
+        parents = None if draft_parents is None else draft_parents[i]
+        leading: list[list[int]] = [[]]  # leading[j]: the drafts before position j, in order (when read)
+        for j in range(len(drafts) if reads_outputs else 0):
+            leading.append(leading[parents[j] + 1] + [drafts[j]] if parents is not None else list(drafts[: j + 1]))
         for j in range(len(drafts) + 1):
-            outs = list(row.output_token_ids) + list(drafts[:j]) if reads_outputs and j else row.output_token_ids
+            outs = list(row.output_token_ids) + leading[j] if reads_outputs and j else row.output_token_ids
             out.append(SamplingRow(p, row.prompt_token_ids, outs, row.generator))
     return out
+
+
+def target_probs(target_logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """[N, V] float32: the distributions sampled rows draw from (logits processing, filters, softmax)."""
+    return _Targets(target_logits, md).probs
 
 
 def _check_inputs(target_logits: torch.Tensor, draft_token_ids: Sequence[Sequence[int]], md: SamplingMetadata,

@@ -136,7 +136,8 @@ class MedusaProposer(BaseProposer):
 
 
 class MedusaTreeProposer(MedusaProposer):
-    """Tree drafts for greedy rows, top-1 chains for the others. `num_speculative_tokens` (the lookahead slots
+    """Tree drafts for the rows the engine allows (greedy ones; sampled ones too under typical acceptance), top-1
+    chains for the others. `num_speculative_tokens` (the lookahead slots
     a row reserves) is the tree's node count; `tree.depth` heads are used and must exist."""
 
     proposes_trees = True  # the engine asks draft_parents() and tells set_tree_seq_ids() which rows may take trees
@@ -148,11 +149,11 @@ class MedusaTreeProposer(MedusaProposer):
         super().__init__(tree.depth, heads, lm_head)  # ValueError when the heads are fewer than the tree's depth
         self.tree = tree
         self.num_speculative_tokens = max(tree.num_nodes, tree.depth)
-        self._tree_ok: set[str] = set()  # sequences that may take a tree this step (greedy ones)
+        self._tree_ok: set[str] = set()  # sequences that may take a tree this step
         self._tree_rows: set[str] = set()  # sequences whose last drafts were a tree
 
     def set_tree_seq_ids(self, seq_ids: Iterable[str]) -> None:
-        """The sequences of the next propose() that may take a tree (greedy); the others get chains."""
+        """The sequences of the next propose() that may take a tree; the others get chains."""
         self._tree_ok = set(seq_ids)
 
     def draft_parents(self, seq_id: str, num_drafts: int) -> list[int] | None:

@@ -12,7 +12,9 @@ are kept in (depth, path) order, so parents come before children and every prefi
 Greedy rows get the whole tree as drafts (in node order) and `draft_parents` says each node's parent (-1: the
 row's last committed token); the engine verifies them with `paged_tree_attention` (engine/tree_step.py) and
 commits the longest root-to-node path the target's argmax agrees with. Sampled rows keep the lossless chain of
-top-1 drafts (rejection sampling over a tree path would be biased by the choice of path).
+top-1 drafts (rejection sampling over a tree path would be biased by the choice of path), unless the config asks
+for typical acceptance (not lossless anyway): then they take trees too, and the longest path whose every node
+passes the rule wins (engine/tree_step.py typical_tree_paths).
 """
 
 from __future__ import annotations
