@@ -177,6 +177,26 @@ def test_mixed_batch_rows_take_the_plain_steps_kernels(device):
             assert torch.equal(out[t : t + 1], alone), f"sequence {s} token {t}"
 
 
+def test_chain_rows_split_like_the_cpu_backend(device):
+    """A chain of up to MULTI_QUERY_MAX_LEN tokens attends like the cpu backend's multi-query decode (one decode per
+    token), a longer one like its prefill call: the kernel's split matches attention/cpu_backend.py's."""
+    if device != "cpu":
+        pytest.skip("the split between the decode and prefill kernels is the CPU kernel's")
+    from pagellm.attention.cpu_backend import MULTI_QUERY_MAX_LEN
+
+    n = MULTI_QUERY_MAX_LEN
+    trees = [(50, [-1] + list(range(n - 1))), (50, [-1] + list(range(n)))]
+    out, _, query, args = _tree_case(device, trees, 8, 2, 64, 16, torch.bfloat16, seed=13)
+    kc, vc, tables, qsl, seq_lens, _, scale, _ = args
+    for t in range(n):  # the short chain: token t is a decode of 50 + t + 1 keys
+        alone = _decode_over(query[t : t + 1], kc, vc, tables[0], list(range(51 + t)), 16, scale, device)
+        assert torch.equal(out[t : t + 1], alone), f"token {t}"
+    prefill = torch.empty_like(query[n:])
+    ops.paged_attention_prefill(prefill, query[n:].contiguous(), kc, vc, tables[1:2].contiguous(),
+                                torch.tensor([0, n + 1], dtype=torch.int32), seq_lens[1:2].contiguous(), scale)
+    assert torch.equal(out[n:], prefill)
+
+
 def test_empty_row_and_empty_sequence(device):
     """A token that sees nothing (no context, empty mask row) gets zeros; a sequence without tree tokens is fine."""
     seq_lens, qsl, mask = _batch([(0, [-1, 0]), (5, [])], device, pad_value=False)
