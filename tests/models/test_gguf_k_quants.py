@@ -20,14 +20,15 @@ from paged_model_utils import (
 )
 from pagellm.model_loader import build_model, open_model
 from pagellm.ops.reference import gguf_dequantize
-from pagellm.quantization import GGUFEmbeddingMethod, GGUFLinearMethod, UnquantizedLinearMethod
+from pagellm.quantization import GGUFEmbeddingMethod, GGUFLinearMethod
+from pagellm.quantization.gguf_mixed import GGUFMixedLinearMethod
 from test_gguf import write_llama_gguf
 from test_gguf_native import _generate
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
-# Q4_K_M-like: layer 0's attn_v is Q6_K beside Q4_K q / k (a merged qkv_proj of two types: dequantized)
+# Q4_K_M-like: layer 0's attn_v is Q6_K beside Q4_K q / k (a merged qkv_proj of two types, one op call per shard)
 LAYER_TYPES = [
     {"attn_q": Q.Q4_K, "attn_k": Q.Q4_K, "attn_v": Q.Q6_K, "attn_output": Q.Q4_K, "ffn_gate": Q.Q4_K,
      "ffn_up": Q.Q4_K, "ffn_down": Q.Q6_K},
@@ -73,8 +74,10 @@ def test_k_quant_layers_hold_the_files_blocks(k_quant_gguf):
             layer = native.get_submodule(f"model.layers.{i}.{merged}")
             ref = deq.get_submodule(f"model.layers.{i}.{merged}")
             if merged == "self_attn.qkv_proj" and types["attn_v"] != types["attn_q"]:
-                assert isinstance(layer.linear_method, UnquantizedLinearMethod)  # mixed: dequantized
-                assert torch.equal(layer.weight, ref.weight)
+                method = layer.linear_method  # each shard's blocks, in its own type
+                assert isinstance(method, GGUFMixedLinearMethod)
+                assert [s.qtype for s in method.segments] == [int(types[k]) for k in ("attn_q", "attn_k", "attn_v")]
+                assert torch.equal(method.dequantize(layer), ref.weight)
                 continue
             assert isinstance(layer.linear_method, GGUFLinearMethod), (i, merged)
             assert layer.linear_method.type_name == types[kind].name
@@ -111,3 +114,36 @@ def test_llm_k_quant_native_equals_dequantized_fp32(k_quant_gguf):
         for step, ref_step in zip(steps, ref_steps):
             assert step.keys() == ref_step.keys()
             assert max(abs(step[t] - ref_step[t]) for t in step) < 1e-4
+
+
+def test_mixed_method_shards_bias_and_reference_fallback(monkeypatch):
+    """GGUFMixedLinearMethod: shards loaded one by one (a wrong shape refused naming the shard), apply on
+    [batch, seq, in] with a bias equals x @ W^T + b of gguf-py's dequantized shards, with the compiled op and with
+    the pure-torch reference that runs when pagellm._C is missing."""
+    from pagellm.layers import MergedLinear
+    from pagellm.quantization import GGUFConfig
+    from pagellm.quantization import gguf as gguf_method
+    from pagellm.weight_utils import WeightShapeError
+
+    config = GGUFConfig({"mlp.gate_up_proj": {0: "Q4_K", 1: "Q6_K"}})
+    layer = MergedLinear(512, [40, 24], bias=True, quant_config=config, prefix="mlp.gate_up_proj")
+    assert isinstance(layer.linear_method, GGUFMixedLinearMethod)
+    assert tuple(layer.qweight.shape) == (40 * 2 * 144 + 24 * 2 * 210,)
+    rng = np.random.default_rng(1)
+    shards = [rng.standard_normal((40, 512)).astype(np.float32) / 20, rng.standard_normal((24, 512)).astype(np.float32)]
+    blocks = [quantize_k(shards[0], int(Q.Q4_K)), quantize_k(shards[1], int(Q.Q6_K))]
+    with pytest.raises(WeightShapeError, match=r"shard 1: expected uint8 blocks \[24, 420\]"):
+        layer.weight_loader(layer.qweight, torch.from_numpy(blocks[0]), 1)
+    for shard_id, b in enumerate(blocks):
+        layer.weight_loader(layer.qweight, torch.from_numpy(b), shard_id)
+        layer.weight_loader(layer.bias, torch.arange(len(b), dtype=torch.float32) / 10 * (shard_id + 1), shard_id)
+    dense = torch.from_numpy(np.concatenate([gguf.quants.dequantize(b, t).reshape(-1, 512)
+                                             for b, t in zip(blocks, (Q.Q4_K, Q.Q6_K))]))
+    assert torch.equal(layer.linear_method.dequantize(layer), dense)
+    for m in (3, 20):  # small-M and GEMM paths
+        x = torch.randn(2, m, 512)
+        expected = x @ dense.T + layer.bias
+        torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+        with monkeypatch.context() as patch:
+            patch.setattr(gguf_method, "_gguf_linear", gguf_method._reference_gguf_linear)
+            torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)

@@ -212,20 +212,31 @@ def test_unsupported_type_is_refused_before_building(tmp_path, cache, tiny_token
         build_model(files, "float32", quantization="gguf")
 
 
-def test_merged_layer_with_mixed_types_is_dequantized(tmp_path, cache, tiny_tokenizer):
-    """A merged layer whose shards differ in type (here q/v Q4_0, k Q8_0) loads as float weights, that layer only:
-    the same values as the dequantized path; the other layers keep their blocks."""
+def test_merged_layer_shards_of_different_types(tmp_path, cache, tiny_tokenizer):
+    """A merged layer whose shards differ in block type (layer 1: q / v Q4_0, k Q8_0) keeps each shard's blocks;
+    one mixing a float shard with a block shard (layer 2: gate F16, up Q4_0) loads as float weights, that layer
+    only. Both hold the dequantized path's values, and the model's logits match it."""
+    from pagellm.quantization.gguf_mixed import GGUFMixedLinearMethod
+
     types = [dict(t) for t in LAYER_TYPES]
-    types[1]["attn_k"] = Q.Q8_0  # q and v are Q4_0
+    types[1]["attn_k"] = Q.Q8_0
+    types[2]["ffn_gate"] = Q.F16
     path = tmp_path / "mixed.gguf"
     write_gguf(path, tiny_hf(tiny_tokenizer), tiny_tokenizer, types)
     files = open_model(path)
     native, deq = build_model(files, "float32", quantization="gguf"), build_model(files, "float32")
     qkv = native.get_submodule("model.layers.1.self_attn.qkv_proj")
-    assert isinstance(qkv.linear_method, UnquantizedLinearMethod)
-    assert torch.equal(qkv.weight, deq.get_submodule("model.layers.1.self_attn.qkv_proj").weight)
-    assert isinstance(native.get_submodule("model.layers.1.self_attn.o_proj").linear_method, GGUFLinearMethod)
-    assert isinstance(native.get_submodule("model.layers.0.self_attn.qkv_proj").linear_method, GGUFLinearMethod)
+    assert isinstance(qkv.linear_method, GGUFMixedLinearMethod)
+    assert [s.qtype for s in qkv.linear_method.segments] == [2, 8, 2]
+    assert torch.equal(qkv.linear_method.dequantize(qkv), deq.get_submodule("model.layers.1.self_attn.qkv_proj").weight)
+    gate_up = native.get_submodule("model.layers.2.mlp.gate_up_proj")
+    assert isinstance(gate_up.linear_method, UnquantizedLinearMethod)
+    assert torch.equal(gate_up.weight, deq.get_submodule("model.layers.2.mlp.gate_up_proj").weight)
+    assert isinstance(native.get_submodule("model.layers.2.mlp.down_proj").linear_method, GGUFLinearMethod)
+    be = make_backend("cpu" if "cpu" in available_backends() else available_backends()[0])
+    prompts = random_prompts([5, 40], files.hf_config.vocab_size, seed=2)
+    for a, b in zip(paged_prompt_logprobs(native, be, prompts, 16), paged_prompt_logprobs(deq, be, prompts, 16)):
+        assert (a - b).abs().max().item() < 1e-4
 
 
 def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):

@@ -10,9 +10,10 @@ weights are read from the .gguf itself:
 - the token embedding and an untied LM head (token_embd, output) stored in one of those types are yielded
   the same way (`model.embed_tokens.qweight`, `lm_head.qweight`) for `GGUFEmbeddingMethod`; in any other
   type they are dequantized (not refused);
-- a merged layer (qkv_proj, gate_up_proj) whose shards are stored in different types (Q4_K_M files keep
-  attn_v in Q6_K and attn_q / attn_k in Q4_K in some layers) is dequantized, that layer only, and named in
-  the log: one op call per layer needs one block type;
+- a merged layer (qkv_proj, gate_up_proj) whose shards are stored in different block types (Q4_K_M files keep
+  attn_v in Q6_K and attn_q / attn_k in Q4_K in some layers) keeps each shard's blocks
+  (`GGUFMixedLinearMethod`: one op call per shard); one that mixes a float shard with block shards is
+  dequantized, that layer only, and named in the log;
 - every other tensor (norms, and linears stored as F32/F16/BF16) is dequantized to float32 exactly as the
   default path does, and loads into an ordinary float parameter.
 
@@ -53,7 +54,7 @@ class NativeGGUFPlan:
     n_head: int
     n_kv_head: int
     native_tensors: set[str] = field(default_factory=set)  # GGUF names loaded as qweight blocks
-    mixed_layers: dict[str, dict[str, str]] = field(default_factory=dict)  # dequantized merged layer -> shard types
+    dequantized_layers: dict[str, dict[str, str]] = field(default_factory=dict)  # float + block shards -> types
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, tensor) for every tensor of the file, one at a time."""
@@ -96,15 +97,15 @@ def _param_prefix(hf_name: str, stacked_params_mapping) -> tuple[str, object]:
 def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
     """Check every tensor type of `gguf_path` and build the GGUFConfig for `model_cls` (whose
     `stacked_params_mapping` says which HF linears share a merged layer): decoder linears, the token embedding
-    and an untied LM head in a supported block type stay blocks; a merged layer whose shards are stored in
-    different types is dequantized (`mixed_layers`). Raises ValueError for a linear stored in a type without a
-    native kernel."""
+    and an untied LM head in a supported block type stay blocks, a merged layer's shards too when they differ in
+    block type; a merged layer mixing float and block shards is dequantized (`dequantized_layers`). Raises
+    ValueError for a linear stored in a type without a native kernel."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
-    layer_types: dict[str, str] = {}
+    layer_types: dict[str, str | dict] = {}
     native: set[str] = set()
-    shard_types: dict[str, dict[str, str]] = {}  # layer prefix -> {GGUF tensor name: type}
+    shard_types: dict[str, dict[str, tuple[object, str]]] = {}  # layer prefix -> {GGUF name: (shard id, type)}
     for t in reader.tensors:
         type_name = t.tensor_type.name
         if t.name in _VOCAB_LAYERS and type_name in supported_gguf_types():
@@ -116,23 +117,23 @@ def plan_native_gguf(gguf_path: Path, model_cls, hf_config) -> NativeGGUFPlan:
             raise ValueError(f"{gguf_path}: tensor {t.name!r} is stored as {type_name}, which has no native kernel; "
                              f"supported with quantization={GGUF_METHOD!r}: {supported_gguf_types()} (and float "
                              f"{list(_FLOAT_TYPES)}); load it without quantization= to dequantize it instead")
-        prefix, _ = _param_prefix(gguf_name_to_hf(t.name), model_cls.stacked_params_mapping)
-        shard_types.setdefault(prefix, {})[t.name] = type_name
-    mixed: dict[str, dict[str, str]] = {}
+        prefix, shard_id = _param_prefix(gguf_name_to_hf(t.name), model_cls.stacked_params_mapping)
+        shard_types.setdefault(prefix, {})[t.name] = (shard_id, type_name)
+    dequantized: dict[str, dict[str, str]] = {}
     for prefix, shards in shard_types.items():
-        types = set(shards.values())
-        if len(types) > 1:
-            mixed[prefix] = shards
-        elif (type_name := types.pop()) not in _FLOAT_TYPES:
-            layer_types[prefix] = type_name
-            native.update(shards)
-    if mixed:
-        logger.info("%s: %d merged layer(s) mix block types across their shards and are dequantized (float "
-                    "weights): %s", gguf_path, len(mixed), ", ".join(f"{p} {sorted(set(s.values()))}"
-                                                                      for p, s in mixed.items()))
+        types = {type_name for _, type_name in shards.values()}
+        if types & set(_FLOAT_TYPES):
+            if len(types) > 1:
+                dequantized[prefix] = {name: type_name for name, (_, type_name) in shards.items()}
+            continue
+        layer_types[prefix] = types.pop() if len(types) == 1 else {sid: t for sid, t in shards.values()}
+        native.update(shards)
+    if dequantized:
+        logger.info("%s: %d merged layer(s) mix float and block shards and are dequantized (float weights): %s",
+                    gguf_path, len(dequantized), ", ".join(dequantized))
     if not layer_types:
         raise ValueError(f"{gguf_path}: no tensor is stored as {supported_gguf_types()}; nothing to load "
                          f"natively with quantization={GGUF_METHOD!r}")
     n_head = hf_config.num_attention_heads
     n_kv_head = getattr(hf_config, "num_key_value_heads", None) or n_head
-    return NativeGGUFPlan(Path(gguf_path), reader, GGUFConfig(layer_types), n_head, n_kv_head, native, mixed)
+    return NativeGGUFPlan(Path(gguf_path), reader, GGUFConfig(layer_types), n_head, n_kv_head, native, dequantized)

@@ -27,6 +27,7 @@ from pagellm.quantization.gguf_packing import (
     PACKABLE_QTYPES, PACKED_FLAG, pack_rows, packing_pays_off, unpack_positions, unpack_rows,
 )
 from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, new_linear_param
+from pagellm.quantization.gguf_mixed import GGUFMixedLinearMethod
 from pagellm.quantization.registry import register_quantization_config
 from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
@@ -127,15 +128,17 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
 @register_quantization_config(GGUF_METHOD)
 class GGUFConfig(QuantizationConfig):
     """`layer_types`: layer name (its prefix, e.g. "model.layers.0.self_attn.qkv_proj", "model.embed_tokens",
-    "lm_head") -> GGUF block type ("Q8_0", "Q4_0", "Q4_1", "Q4_K",
-    "Q6_K"); layers not listed are unquantized (float in the
-    file, or a block type without a native kernel, dequantized by the loader)."""
+    "lm_head") -> GGUF block type ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"), or for a merged layer whose shards
+    are stored in different types, shard id -> type ({"q": "Q4_K", "k": "Q4_K", "v": "Q6_K"}:
+    `GGUFMixedLinearMethod`); layers not listed are unquantized (float in the file, or a block type without a
+    native kernel, dequantized by the loader)."""
 
-    def __init__(self, layer_types: dict[str, str]) -> None:
-        bad = {name: t for name, t in layer_types.items() if t not in GGUF_QTYPES}
-        if bad:
-            name, t = next(iter(bad.items()))
-            raise ValueError(f"{name}: GGUF type {t!r} is not supported natively; supported: {supported_gguf_types()}")
+    def __init__(self, layer_types: dict[str, str | dict]) -> None:
+        for name, t in layer_types.items():
+            for shard_type in (t.values() if isinstance(t, dict) else [t]):
+                if shard_type not in GGUF_QTYPES:
+                    raise ValueError(f"{name}: GGUF type {shard_type!r} is not supported natively; supported: "
+                                     f"{supported_gguf_types()}")
         self.layer_types = dict(layer_types)
 
     @classmethod
@@ -153,6 +156,8 @@ class GGUFConfig(QuantizationConfig):
 
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         type_name = self.layer_types.get(prefix)
+        if isinstance(type_name, dict):
+            return GGUFMixedLinearMethod(type_name)
         return UnquantizedLinearMethod() if type_name is None else GGUFLinearMethod(type_name)
 
     def get_embedding_method(self, layer: nn.Module, prefix: str) -> EmbeddingMethodBase:
