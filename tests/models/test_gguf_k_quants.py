@@ -147,3 +147,12 @@ def test_mixed_method_shards_bias_and_reference_fallback(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(gguf_method, "_gguf_linear", gguf_method._reference_gguf_linear)
             torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+
+
+def test_llm_k_quant_bf16_replay_is_bit_identical_to_eager(k_quant_gguf):
+    """bfloat16 (k-quant blocks stay in the file's layout, the mixed qkv makes one call per shard): the replayed
+    decode makes exactly the eager calls."""
+    eager = _generate(k_quant_gguf, "bfloat16", quantization="gguf", enforce_eager=True)
+    replayed = _generate(k_quant_gguf, "bfloat16", quantization="gguf")
+    assert replayed[2].num_replays > 0
+    assert replayed[:2] == eager[:2]
