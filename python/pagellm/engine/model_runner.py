@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
+from pagellm.attention.cpu_backend import MULTI_QUERY_MAX_LEN
 from pagellm.attention.tree_verify import TreeVerifyAttention
 from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
@@ -65,8 +66,8 @@ class ModelRunner:
         self.lora_state = None  # a LoRAStepState when LoRA is on (set by the Worker)
         if use_step_graph is None:
             use_step_graph = os.environ.get(STEP_GRAPH_ENV, "1") != "0"
-        # Decode-only steps on CPU are captured once per (batch size, block-table width) and replayed from
-        # C++: the per-op Python cost is a third of a batch-1 step on a small model (see step_graph/).
+        # Steps of short rows on CPU (decodes, verify rows) are captured once per (tokens, block-table width) and
+        # replayed from C++: the per-op Python cost is a third of a batch-1 step on a small model (see step_graph/).
         self.step_graphs: StepGraphCache | None = None
         if use_step_graph and self.device.type == "cpu" and attn_backend.step_graph_safe and _C_AVAILABLE:
             self.step_graphs = StepGraphCache(iter_tensors([model, kv_caches]),
@@ -107,7 +108,7 @@ class ModelRunner:
         return contextlib.nullcontext() if token_slots is None else self.lora_state.step(token_slots)
 
     def _decode_with_graph(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A decode-only step through the step graph of its shape (captured from `_forward`)."""
+        """A decode-only step (one token per row) through the step graph of its shape (captured from `_forward`)."""
         width = md.block_tables.shape[1]
         padded = _block_table_width(width)
         block_tables = md.block_tables
@@ -151,9 +152,8 @@ class ModelRunner:
         if backend is not None:
             with self._lora_scope(token_slots):
                 hidden = self._forward(metadata, input_ids, positions, backend)
-        elif (token_slots is None and self.step_graphs is not None
-                and 0 < metadata.num_reqs == metadata.num_decode_reqs == metadata.num_tokens):
-            hidden = self._decode_with_graph(metadata, input_ids, positions)
+        elif token_slots is None and self.step_graphs is not None and _replays_as_decode(metadata):
+            hidden = self._decode_with_graph(_rows_as_decode_tokens(metadata), input_ids, positions)
         elif token_slots is not None:  # LoRA steps run eagerly: their hooks read the slots (pagellm.lora.layers)
             with self.lora_state.step(token_slots):
                 hidden = self._forward(metadata, input_ids, positions)
@@ -175,6 +175,30 @@ class ModelRunner:
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
                                  hidden_states=hidden_states)
+
+
+def _replays_as_decode(md: AttentionMetadata) -> bool:
+    """Steps whose rows all have at most MULTI_QUERY_MAX_LEN tokens (decodes, speculative verify rows of 1 + k,
+    short prompts) replay through the decode graphs: the cpu backend, the only one step graphs run with,
+    attends such rows one decode-kernel query per token anyway (attention/cpu_backend.py)."""
+    return md.num_tokens > 0 and md.num_reqs > 0 and md.max_query_len <= MULTI_QUERY_MAX_LEN
+
+
+def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
+    """A step of short rows as one decode per token: its row's block table, its own context length (position
+    + 1). The same kernel calls with the same arguments as the backend's multi-query plan, so the same bits;
+    graphs are then keyed by the number of tokens, whatever mix of rows makes them up."""
+    if md.num_decode_reqs == md.num_reqs == md.num_tokens:
+        return md
+    n, qsl = md.num_tokens, md.query_start_loc[: md.num_reqs + 1].to(torch.int64)
+    q_lens = qsl[1:] - qsl[:-1]
+    rows = torch.repeat_interleave(torch.arange(md.num_reqs, device=q_lens.device), q_lens, output_size=n)
+    offset = torch.arange(n, device=q_lens.device) - qsl[rows]  # the token's index inside its row
+    seq_lens = (md.seq_lens[: md.num_reqs].to(torch.int64)[rows] - q_lens[rows] + offset + 1).to(torch.int32)
+    return AttentionMetadata(num_reqs=n, num_tokens=n, num_decode_reqs=n, max_query_len=1, max_seq_len=md.max_seq_len,
+                             slot_mapping=md.slot_mapping, block_tables=md.block_tables.index_select(0, rows),
+                             seq_lens=seq_lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32,
+                                                                             device=q_lens.device))
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,

@@ -59,6 +59,7 @@ class StepGraphCache:
         self._seen: dict[Hashable, int] = {}
         self.num_captures = 0
         self.num_replays = 0
+        self.num_replays_by_key: dict[Hashable, int] = {}  # which shapes replay (tests, profiling)
         self.invalidate(constants)
 
     def invalidate(self, constants: Iterable[torch.Tensor]) -> None:
@@ -79,6 +80,7 @@ class StepGraphCache:
         if graph is not None:
             self._graphs.move_to_end(key)
             self.num_replays += 1
+            self.num_replays_by_key[key] = self.num_replays_by_key.get(key, 0) + 1
             out = graph.run(inputs)[0]
             if self.check:
                 self._check(key, out, step(inputs))
