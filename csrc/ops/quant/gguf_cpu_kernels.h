@@ -230,6 +230,7 @@ PreparedX prepare_x(const T* x, const GgufLinearArgs& a, bool vnni) {
       switch (a.qtype) {
         case kQ8_0: vnni::quantize_row<kQ8_0>(xf + m * p.ld, nb, dst); break;
         case kQ4_0: vnni::quantize_row<kQ4_0>(xf + m * p.ld, nb, dst); break;
+        case kQ4_K: vnni::quantize_row<kQ4_K>(xf + m * p.ld, nb, dst); break;
         default: vnni::quantize_row<kQ4_1>(xf + m * p.ld, nb, dst); break;
       }
     }
@@ -291,11 +292,11 @@ void packed_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const G
 #endif
 
 // The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows). A packed
-// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile. The k-quants
-// have no int8 tiles: their half-precision x is converted to fp32 for the AVX-512 ones on VNNI CPUs too.
+// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile. Q6_K has no
+// int8 tile: its half-precision x is converted to fp32 for the AVX-512 ones on VNNI CPUs too.
 template <typename T>
 void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa) {
-  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni && !is_k_quant(a.qtype);
+  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni && a.qtype != kQ6_K;
 #ifdef PAGELLM_GGUF_X86
   if (vnni && a.packed) {
     switch (a.qtype) {
@@ -308,7 +309,7 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
   const PreparedX px = prepare_x(x, a, vnni);
   RowsDotFn dot = rows_dot_fn(isa, a.qtype);
 #ifdef PAGELLM_GGUF_X86
-  if (vnni) dot = rows_dot_for_type<VnniTile, false>(a.qtype);
+  if (vnni) dot = a.qtype == kQ4_K ? &rows_dot<VnniTile, kQ4_K> : rows_dot_for_type<VnniTile, false>(a.qtype);
 #endif
   const int64_t elem = vnni ? 1 : static_cast<int64_t>(sizeof(float));
   const int64_t nb = a.K / block_elems(a.qtype);

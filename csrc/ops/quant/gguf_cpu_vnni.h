@@ -5,15 +5,17 @@
 //   Q4_0  sum d (q - 8) x = d dx (sum q qx - 8 sum qx)         (the -8 sum qx term preloaded into the dot)
 //   Q8_0  sum d q x      = d dx (sum (q + 128) qx - 128 sum qx) (q + 128: vpdpbusd wants unsigned weights)
 //   Q4_1  sum (d q + m) x = d dx sum q qx + m dx sum qx
+//   Q4_K  per pair of sub-blocks (2u, 2u + 1: the low and high nibbles of 32 bytes), as Q4_1 with a = d sc and
+//         b = -dmin mn of each sub-block (k_params) in place of d and m
 // The int8 rounding of x (relative error ~0.4% of each block's largest |x|) is of the order of bf16's own
 // rounding of the output; fp32 activations never take this path (they get the exact FMA tiles).
 //
 // Quantized x, per row, per pair of blocks p (the last pair zero-padded when K / 32 is odd), kPairBytes bytes:
-//   [0, 64)    qx, int8, in the order the pair's weight bytes are expanded: Q8_0 [x0[0:32] | x1[0:32]],
+//   [0, 64)    qx, int8, in the order the pair's weight bytes are expanded: Q8_0, Q4_K [x0[0:32] | x1[0:32]],
 //              Q4_0/Q4_1 [x0[0:16] | x1[0:16] | x0[16:32] | x1[16:32]] (low nibbles, then high nibbles)
 //   [64, 128)  dx of the block each int32 lane of the dot belongs to (16 floats)
 //   [128, 192) Q4_0/Q8_0: -8 / -128 x the lane's sum of qx (16 int32, the dot's initial value);
-//              Q4_1: dx x the lane's sum of qx (16 floats, multiplied by m)
+//              Q4_1, Q4_K: dx x the lane's sum of qx (16 floats, multiplied by m / b)
 #pragma once
 
 #include <cstdint>
@@ -34,7 +36,7 @@ constexpr int kMaxMR = 4;
 // Which block of the pair (0 / 1) each int32 lane of a dot belongs to.
 template <int QT>
 PAGELLM_GGUF_VNNI PAGELLM_GGUF_INLINE __m512i lane_block() {
-  return QT == kQ8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+  return QT == kQ8_0 || QT == kQ4_K ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                      : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
 }
 
@@ -57,7 +59,7 @@ PAGELLM_GGUF_VNNI void quantize_row(const float* x, int64_t nb, uint8_t* dst) {
     float dx[2] = {0.f, 0.f};
     for (int h = 0; h < 2 && 2 * p + h < nb; ++h) dx[h] = quantize_block(x + (2 * p + h) * 32, q[h]);
     uint8_t* out = dst + p * kPairBytes;
-    if constexpr (QT == kQ8_0) {
+    if constexpr (QT == kQ8_0 || QT == kQ4_K) {
       std::memcpy(out, q[0], 32);
       std::memcpy(out + 32, q[1], 32);
     } else {
@@ -71,7 +73,7 @@ PAGELLM_GGUF_VNNI void quantize_row(const float* x, int64_t nb, uint8_t* dst) {
                                                                                0, dx[1], dx[0]));
     const __m512i lane_sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), qx);
     _mm512_storeu_ps(out + 64, dxv);
-    if constexpr (QT == kQ4_1) {
+    if constexpr (QT == kQ4_1 || QT == kQ4_K) {
       _mm512_storeu_ps(out + 128, _mm512_mul_ps(dxv, _mm512_cvtepi32_ps(lane_sum)));
     } else {
       _mm512_storeu_si512(out + 128, _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lane_sum),
@@ -154,14 +156,51 @@ PAGELLM_GGUF_VNNI void tile(const uint8_t* w, int64_t ldw, const uint8_t* x, int
     for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// The Q4_K tile: nb super-blocks per row, x quantized by quantize_row<kQ4_K> (4 pairs per super-block).
+template <int MR, int NR>
+PAGELLM_GGUF_VNNI void q4_k_tile(const uint8_t* w, int64_t ldw, const uint8_t* x, int64_t ldx, int64_t nb,
+                                 float* sums, int64_t lds) {
+  constexpr int kBytes = block_bytes(kQ4_K);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(64) float params[NR][32];  // a[0:8], b[8:16] per row
+    for (int j = 0; j < NR; ++j) avx512::k_params<kQ4_K>(w + j * ldw + b * kBytes, params[j]);
+    for (int u = 0; u < 4; ++u) {
+      for (int j = 0; j < NR; ++j) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(w + j * ldw + b * kBytes + 16 + 32 * u));
+        const __m512i wq = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+                                            _mm512_set1_epi8(0x0F));
+        const float* p = params[j];
+        const __m512 av = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(p[2 * u]), _mm512_set1_ps(p[2 * u + 1]));
+        const __m512 bv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(p[8 + 2 * u]), _mm512_set1_ps(p[9 + 2 * u]));
+        for (int i = 0; i < MR; ++i) {
+          const uint8_t* xp = x + i * ldx + (4 * b + u) * kPairBytes;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wq, _mm512_loadu_si512(xp));
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(av, _mm512_loadu_ps(xp + 64)), acc[i][j]);
+          acc[i][j] = _mm512_fmadd_ps(bv, _mm512_loadu_ps(xp + 128), acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 }  // namespace vnni
 
+// Q8_0 / Q4_0 / Q4_1 / Q4_K (Q6_K has no int8 tile).
 template <int QT, int MR, int NR>
 struct VnniTile {
   using XType = uint8_t;  // x quantized by vnni::quantize_row
   static constexpr int kMaxMR = vnni::kMaxMR;
   static void run(const uint8_t* w, int64_t ldw, const uint8_t* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
-    vnni::tile<QT, MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+    if constexpr (QT == kQ4_K) {
+      vnni::q4_k_tile<MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+    } else {
+      vnni::tile<QT, MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+    }
   }
 };
 
