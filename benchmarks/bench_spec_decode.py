@@ -14,7 +14,10 @@ Each round runs every (workload, batch, method, k) once, engines in turn; median
 tokens/s (new tokens / wall time of the batch), TPOT (median over the requests of RequestMetrics.tpot),
 the ratio of tokens/s to no speculation in the same round, and from RequestMetrics.spec_decode the
 acceptance rate and mean accepted length (tokens per spec step, the target's own included).
-`--disable-by-batch-size N` overrides each method's default off-switch (ngram: off above 4 sequences).
+By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
+batch size (the adaptive switch, spec_decode/switch.py; no fixed batch limit); `--adaptive off` drafts for
+every sequence below each method's default limit (off above 4 sequences), `--disable-by-batch-size N`
+sets the limit. Kernel threads come from PAGELLM_NUM_THREADS (the engine's own setting).
 Writes benchmarks/results/spec_decode_<tag>.{md,json}.
 
 Another method is one entry in METHODS: name -> (k, args) -> speculative_config (None: no speculation).
@@ -127,6 +130,8 @@ def run(args) -> dict:
             spec = METHODS[method](k, args)
             if spec is not None and args.disable_by_batch_size is not None:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
+            if spec is not None and args.adaptive == "off":
+                spec["adaptive"] = False
             engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
                                                      max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
     for llm in engines.values():  # warm-up: one-time kernel and step-graph costs off the measurements
@@ -165,9 +170,10 @@ def render(data: dict) -> str:
            f"git {e['git_head']}. Load average before: {tuple(round(x, 2) for x in data['load']['load_at_start'])}, "
            f"after: {tuple(round(x, 2) for x in data['load_at_end'])}.", "",
            f"Default model, bf16, greedy, {a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
-           f"workload, {a['rounds']} interleaved rounds, medians; disable_by_batch_size "
-           f"{a['disable_by_batch_size'] or 'per method default'}. 'same as none': share of requests whose tokens "
-           "equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).", ""]
+           f"workload, {a['rounds']} interleaved rounds, medians; adaptive switch {a.get('adaptive', 'on')}, "
+           f"disable_by_batch_size {a['disable_by_batch_size'] or 'default'}. 'same as none': share of requests "
+           "whose tokens equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).",
+           ""]
     rows = [[r["workload"], r["batch"], r["method"], r["k"] or "-", r["tok_s"], r["tpot_ms"], f"{r['ratio']:.2f}x",
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
              f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
@@ -190,6 +196,8 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--adaptive", choices=["on", "off"], default="on",
+                    help="off: every sequence drafts (below the batch limit) whatever its acceptance")
     ap.add_argument("--threads", default="auto",
                     help="torch threads; auto: torch's default if the load wait succeeded, else 1")
     ap.add_argument("--wait-load", type=float, default=2.5)

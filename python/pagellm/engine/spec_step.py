@@ -29,6 +29,7 @@ from pagellm.spec_decode import (
     create_proposer,
     split_spec_rows,
 )
+from pagellm.spec_decode.switch import SpecSwitch
 
 logger = init_logger(__name__)
 
@@ -44,18 +45,24 @@ class SpecDecodeStep:
             context = ProposerContext(engine_config=self.config, model_files=self.model_files,
                                       tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor)
             proposer = create_proposer(spec, context)
-        self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size)
+        self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size,
+                          adaptive=True if spec is None else spec.adaptive)
 
-    def set_proposer(self, proposer: BaseProposer | None, disable_by_batch_size: int | None = None) -> None:
+    def set_proposer(self, proposer: BaseProposer | None, disable_by_batch_size: int | None = None,
+                     adaptive: bool = False) -> None:
         """Speculative decoding with `proposer` from the next step on (None: off). Outputs stay those of
         plain decoding (greedy: token-identical; sampled: same distribution), with fewer steps when
         drafts are accepted. No drafts in a step with more decode-ready sequences than
-        `disable_by_batch_size` (None: the proposer's `default_disable_by_batch_size`). Resets
-        `spec_stats`. Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a
-        waiting prompt plus num_speculative_tokens lookahead slots no longer fits the KV cache."""
+        `disable_by_batch_size` (None: no limit when adaptive, else the proposer's
+        `default_disable_by_batch_size`). `adaptive` (a speculative_config's default; off
+        here, where the caller hands its own proposer): a sequence drafts only while its recent acceptance
+        pays for the verify cost measured at the step's batch size (spec_decode/switch.py; re-probed now
+        and then), which turns drafting off at the batch sizes where it cannot pay. Resets `spec_stats`.
+        Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a waiting prompt plus
+        num_speculative_tokens lookahead slots no longer fits the KV cache."""
         if proposer is not None and not isinstance(proposer, BaseProposer):
             raise TypeError(f"proposer must be a BaseProposer or None, got {type(proposer).__name__}")
-        if disable_by_batch_size is None and proposer is not None:
+        if disable_by_batch_size is None and proposer is not None and not adaptive:
             disable_by_batch_size = proposer.default_disable_by_batch_size
         if disable_by_batch_size is not None and (isinstance(disable_by_batch_size, bool)
                                                   or not isinstance(disable_by_batch_size, int)
@@ -64,6 +71,7 @@ class SpecDecodeStep:
         self.scheduler.set_num_lookahead_tokens(0 if proposer is None else proposer.num_speculative_tokens)
         self.proposer = proposer
         self.spec_disable_by_batch_size = disable_by_batch_size
+        self.spec_switch = SpecSwitch(proposer.num_speculative_tokens) if proposer is not None and adaptive else None
         self.spec_stats = SpecDecodeStats()
 
     def _propose_drafts(self, in_step: list[str]) -> None:
@@ -71,13 +79,19 @@ class SpecDecodeStep:
         The decode-ready sequences are appended to `in_step`: a failure here fails their requests."""
         requests = []
         ready = self.scheduler.decode_ready_request_ids()
-        limit = self.spec_disable_by_batch_size
+        switch, limit = self.spec_switch, self.spec_disable_by_batch_size
+        may_draft = switch is None or switch.begin_step(ready, self._decode_only_step(ready))
         if limit is not None and len(ready) > limit:
             self.spec_stats.num_steps_over_batch_limit += 1
             return
         in_step.extend(ready)
         for sid in ready:
             st, seq = self.output_processor.seq(sid)
+            # seeded sampled rows always draft: which steps verify drafts changes their random stream, and a
+            # seed promises the same output run after run, whatever the timing the switch measures
+            seeded = st.params.seed is not None and not st.params.is_greedy
+            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready))):
+                continue
             req = DraftRequest.for_sequence(sid, st.prompt_token_ids, seq.output_token_ids, st.params.max_tokens,
                                             self.max_model_len, self.proposer.num_speculative_tokens)
             if req is not None and not seq.finished:
@@ -87,10 +101,20 @@ class SpecDecodeStep:
                 typical = self.sampler.typical_acceptance is not None  # acceptance only (not lossless anyway)
                 self.proposer.set_tree_seq_ids(r.seq_id for r in requests
                                                if typical or self.output_processor.seq(r.seq_id)[0].params.is_greedy)
+            start = switch.clock() if switch is not None else 0.0
             proposals = self._call_proposer(requests)
             drafts = check_proposals(requests, proposals, self.proposer.num_speculative_tokens, self.vocab_size)
             for sid, tokens in drafts.items():
                 self.scheduler.set_draft_tokens(sid, tokens)
+            if switch is not None:
+                switch.record_proposals(sum(map(len, drafts.values())), switch.clock() - start, len(requests))
+
+    def _decode_only_step(self, ready: list[str]) -> bool:
+        """Whether the coming step holds decode-ready rows only (none mid-prefill, no waiting request it can
+        admit): its time is a clean sample of a decode or verify step for the switch."""
+        running = self.scheduler.num_running
+        return running == len(ready) and (self.scheduler.num_waiting == 0
+                                          or running >= self.config.scheduler_config.max_num_seqs)
 
     def _hidden_state_rows(self, sched_out) -> list[int]:
         """The sampling rows whose final hidden states the proposer reads (none unless it needs_hidden_states)."""
@@ -219,6 +243,8 @@ class SpecDecodeStep:
             self.num_generation_tokens_total += kept
             num_drafts = len(drafts) if paths is None else paths.depths[seq.seq_id]  # a tree counts its depth
             self.spec_stats.record(num_drafts, len(tokens) - 1, kept)
+            if self.spec_switch is not None:
+                self.spec_switch.record_verify(seq.seq_id, num_drafts, len(tokens) - 1)
             if st.metrics.spec_decode is None:
                 st.metrics.spec_decode = SpecDecodeMetrics()
             st.metrics.spec_decode.record(num_drafts, len(tokens) - 1)

@@ -22,7 +22,7 @@ from pagellm.sampling.typical import TypicalAcceptance, acceptance_rule
 from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer
 
 # keys every method accepts; the rest of the dict are the method's own options (its OPTIONS)
-COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size")
+COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "adaptive")
 
 # keys every method also accepts among its options: how sampled rows' drafts are accepted (sampling/typical.py)
 ACCEPTANCE_KEYS = ("acceptance", "posterior_threshold", "posterior_alpha")
@@ -33,12 +33,15 @@ _PROPOSERS: dict[str, type[BaseProposer]] = {}
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Validated `speculative_config`. `disable_by_batch_size`: no drafts in a step with more decode-ready
-    sequences than this (None: the method's own default policy). `options`: the method's own keys."""
+    sequences than this (None: the method's own default policy). `adaptive` (default True): each sequence
+    drafts only while its recent acceptance pays for the measured verify cost (spec_decode/switch.py).
+    `options`: the method's own keys."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
@@ -57,6 +60,9 @@ class SpeculativeConfig:
         limit = config.get("disable_by_batch_size")
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise ValueError(f"speculative_config: disable_by_batch_size must be None or an integer >= 1, got {limit!r}")
+        adaptive = config.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
         allowed = tuple(getattr(_PROPOSERS[method], "OPTIONS", ())) + ACCEPTANCE_KEYS
         options = {key: v for key, v in config.items() if key not in COMMON_KEYS}
         unknown = sorted(set(options) - set(allowed))
@@ -65,7 +71,7 @@ class SpeculativeConfig:
                              f"{sorted(COMMON_KEYS + allowed)}")
         _PROPOSERS[method].check_options(options)
         typical_acceptance_of(options)  # ValueError for a bad acceptance / threshold
-        return cls(method, k, limit, options)
+        return cls(method, k, limit, options, adaptive)
 
     @property
     def typical_acceptance(self) -> TypicalAcceptance | None:
@@ -77,6 +83,8 @@ class SpeculativeConfig:
         out = {"method": self.method, "num_speculative_tokens": self.num_speculative_tokens, **self.options}
         if self.disable_by_batch_size is not None:
             out["disable_by_batch_size"] = self.disable_by_batch_size
+        if not self.adaptive:
+            out["adaptive"] = False
         return out
 
 

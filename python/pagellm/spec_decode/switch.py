@@ -1,0 +1,156 @@
+"""When drafting pays: per request, from its recent acceptance and the measured cost of verifying.
+
+A decode step of n rows emits n tokens in `plain_s(n)` seconds, so one token is worth `plain_s(n) / n`.
+A request's k drafts make the step longer by `k * extra_s` (the verify's extra tokens through the forward,
+measured as spec-step time minus plain-step time per draft token) plus its share of the proposer's time,
+and return on average `accepted` more tokens (an EWMA of its recent verifies). The request drafts while
+
+    (accepted - 0.1) * plain_s(n) / n  >  k * extra_s + proposer_s / num_proposed
+
+and not otherwise, re-probing every `probe_every` steps so that a request whose text turns repetitive gets
+its drafts back (a request whose re-probes keep failing waits up to 8x longer). At batch 1 this is "tokens
+per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k * extra_s / plain_s) above
+1" (less a 0.1-token margin); at larger batches one token is cheaper, so the same drafts
+must be accepted more often to pay, which switches speculation off where it cannot pay at that size.
+
+Until a cost is measured every request drafts (the second timed step at a batch size runs without drafts
+to measure plain_s(n)). Steps with waiting or prefilling requests, and steps much slower than the median (the engine
+sat idle between steps), are not timed. Outputs never depend on this: it only decides who gets drafts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Callable
+
+WINDOW = 9  # timing samples kept per kind (median: robust to a noisy shared machine)
+IDLE_FACTOR = 4.0  # a step this many times the median plain step is not timed (the engine idled)
+# a request whose re-probes keep failing waits probe_every, then 2x, 4x, 8x as long before the next one
+MAX_BACKOFF_DOUBLINGS = 3
+# drafts must win at least this many tokens per verify beyond their cost: where a verify costs next to nothing
+# (a tiny model, timer noise) an acceptance decaying towards 0 would otherwise never switch off
+MIN_NET_TOKENS = 0.1
+
+
+@dataclass
+class _StepInFlight:
+    start_s: float
+    num_rows: int
+    num_draft_tokens: int = 0
+    proposer_s: float = 0.0
+    num_proposed: int = 0
+
+
+class SpecSwitch:
+    """Per-request on/off of speculation from acceptance and measured step costs (see the module doc)."""
+
+    def __init__(self, num_speculative_tokens: int, probe_every: int = 16, decay: float = 0.3,
+                 initial_acceptance: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        if not isinstance(probe_every, int) or probe_every < 2:
+            raise ValueError(f"probe_every must be an integer >= 2, got {probe_every!r}")
+        if not 0.0 < decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {decay!r}")
+        self.k = num_speculative_tokens
+        self.clock = clock  # seconds; every time the switch compares comes from it (tests pass a fake one)
+        self.probe_every = probe_every
+        self.decay = decay
+        # a new request starts from the acceptance of recent verifies of any request (the same kind of text,
+        # usually), before the first verify from this optimistic guess
+        self.initial_acceptance = num_speculative_tokens / 2 if initial_acceptance is None else initial_acceptance
+        self._pool_accepted = self.initial_acceptance
+        self._accepted: dict[str, float] = {}  # seq_id -> EWMA of accepted drafts per verify
+        self._steps_off: dict[str, int] = {}  # seq_id -> steps since it last drafted while switched off
+        self._num_reprobes: dict[str, int] = {}  # seq_id -> re-probes since it was last on (backs the probes off)
+        self._num_timed: dict[int, int] = {}  # num rows -> timed steps seen
+        self._plain_s: dict[int, deque] = {}  # num rows -> seconds of recent draft-free decode steps
+        self._extra_s: dict[int, deque] = {}  # num rows -> seconds per draft token a spec step adds
+        self._proposer_s: deque = deque(maxlen=WINDOW)  # proposer seconds per request asked
+        self._step: _StepInFlight | None = None
+        self.num_switched_off = 0  # request-steps without drafts because they did not pay (stats, tests)
+
+    def begin_step(self, ready_seq_ids: list[str], timed: bool) -> bool:
+        """A step starts with these decode-ready sequences: close the previous step's timing, forget
+        sequences that left. `timed`: only decode-ready rows in this step. Returns False when this step
+        runs without drafts to measure a plain step at this batch size."""
+        now_s = self.clock()
+        self._close_step(now_s)
+        n = len(ready_seq_ids)
+        live = set(ready_seq_ids)
+        for table in (self._accepted, self._steps_off, self._num_reprobes):
+            for sid in [s for s in table if s not in live]:
+                del table[sid]
+        self._step = None
+        if not (timed and n):
+            return True
+        self._step = _StepInFlight(now_s, n)
+        seen = self._num_timed[n] = self._num_timed.get(n, 0) + 1
+        # no plain time at this size yet: the second timed step (the first may hold one-time costs) goes plain
+        return not (n not in self._plain_s and seen % self.probe_every == 2)
+
+    def wants_drafts(self, seq_id: str, num_rows: int) -> bool:
+        """Whether this sequence should draft in a step of num_rows decode-ready rows."""
+        cost = self._draft_cost_s(num_rows)
+        plain = self._plain_s.get(num_rows)
+        if cost is None or not plain:
+            return True
+        token_s = median(plain) / num_rows
+        if (self.acceptance(seq_id) - MIN_NET_TOKENS) * token_s > cost:
+            self._steps_off.pop(seq_id, None)
+            self._num_reprobes.pop(seq_id, None)
+            return True
+        off = self._steps_off[seq_id] = self._steps_off.get(seq_id, 0) + 1
+        reprobes = self._num_reprobes.get(seq_id, 0)
+        if off >= self.probe_every << min(reprobes, MAX_BACKOFF_DOUBLINGS):  # a verify refreshes its acceptance
+            self._steps_off[seq_id] = 0
+            self._num_reprobes[seq_id] = reprobes + 1
+            return True
+        self.num_switched_off += 1
+        return False
+
+    def record_proposals(self, num_draft_tokens: int, proposer_s: float, num_proposed: int) -> None:
+        """What this step's proposer call produced and cost."""
+        if self._step is not None:
+            self._step.num_draft_tokens += num_draft_tokens
+            self._step.proposer_s += proposer_s
+            self._step.num_proposed += num_proposed
+
+    def record_verify(self, seq_id: str, num_drafts: int, num_accepted: int) -> None:
+        """One verified spec row of this sequence."""
+        if num_drafts <= 0:
+            return
+        prev = self.acceptance(seq_id)
+        self._accepted[seq_id] = prev + self.decay * (num_accepted - prev)
+        self._pool_accepted += self.decay * (num_accepted - self._pool_accepted)
+
+    def acceptance(self, seq_id: str) -> float:
+        """The sequence's current EWMA of accepted drafts per verify."""
+        return self._accepted.get(seq_id, self._pool_accepted)
+
+    def _draft_cost_s(self, num_rows: int) -> float | None:
+        """Seconds k drafts add to a step of num_rows rows (verify + the proposer's share), None until measured."""
+        extra = self._extra_s.get(num_rows)
+        if not extra:
+            return None
+        proposer = median(self._proposer_s) if self._proposer_s else 0.0
+        return self.k * median(extra) + proposer
+
+    def _close_step(self, now_s: float) -> None:
+        step, self._step = self._step, None
+        if step is None:
+            return
+        elapsed = now_s - step.start_s
+        plain = self._plain_s.get(step.num_rows)
+        extra = self._extra_s.setdefault(step.num_rows, deque(maxlen=WINDOW))
+        known = plain and (extra or not step.num_draft_tokens)  # an expected time to compare with
+        if known and elapsed > IDLE_FACTOR * (median(plain) + step.num_draft_tokens * (median(extra) if extra else 0.0)
+                                              + step.proposer_s):
+            return
+        if step.num_proposed:
+            self._proposer_s.append(step.proposer_s / step.num_proposed)
+        if step.num_draft_tokens == 0:
+            self._plain_s.setdefault(step.num_rows, deque(maxlen=WINDOW)).append(elapsed - step.proposer_s)
+        elif plain:
+            extra.append(max((elapsed - step.proposer_s - median(plain)) / step.num_draft_tokens, 0.0))

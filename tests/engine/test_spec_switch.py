@@ -1,0 +1,134 @@
+"""The acceptance-aware switch (spec_decode/switch.py): on a fake clock, then in the engine with proposers
+that are always wrong / always right. Outputs never change, only who drafts."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
+
+from test_draft_tokens import OracleProposer, _assert_all_blocks_free, _greedy, _make_llm, _prompts  # noqa: E402
+
+from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
+from pagellm.spec_decode.switch import SpecSwitch  # noqa: E402
+
+K = 3
+
+
+def _drive(switch: SpecSwitch, num_rows: int, accepted: int, steps: int, plain_s: float, extra_per_draft_s: float,
+           idle_every: int = 0) -> list[int]:
+    """Steps on a fake clock: a step takes plain_s plus extra_per_draft_s per draft token. Returns, per step,
+    how many rows drafted."""
+    now, drafted = [0.0], []
+    switch.clock = lambda: now[0]
+    ids = [f"s{i}" for i in range(num_rows)]
+    for step in range(steps):
+        may = switch.begin_step(ids, timed=True)
+        on = [sid for sid in ids if may and switch.wants_drafts(sid, num_rows)]
+        switch.record_proposals(K * len(on), 0.0, len(on))
+        for sid in on:
+            switch.record_verify(sid, K, accepted)
+        now[0] += plain_s + extra_per_draft_s * K * len(on)
+        if idle_every and step % idle_every == 0:
+            now[0] += 100 * plain_s  # the engine sat idle: never a timing sample
+        drafted.append(len(on))
+    return drafted
+
+
+def test_always_wrong_drafts_switch_off_but_reprobe():
+    switch = SpecSwitch(K, probe_every=16)
+    drafted = _drive(switch, 1, accepted=0, steps=200, plain_s=0.010, extra_per_draft_s=0.001)
+    assert drafted[:3] == [1, 0, 1]  # optimistic start, the plain-step probe, a verify that measures the cost
+    off_from = drafted.index(0, 2)  # switched off once acceptance and cost are known
+    assert off_from < 16
+    assert 0 < sum(drafted[off_from:]) <= 4  # re-probes only, ever rarer: after 16, 32, 64, 128 steps off
+    assert switch.num_switched_off > 180
+
+
+def test_always_right_drafts_stay_on():
+    switch = SpecSwitch(K, probe_every=16)
+    drafted = _drive(switch, 1, accepted=K, steps=200, plain_s=0.010, extra_per_draft_s=0.001)
+    assert switch.num_switched_off == 0
+    assert sum(drafted) >= 200 - 2  # at most the plain-step probe that measured plain_s(1)
+
+
+def test_same_acceptance_pays_at_batch_1_not_at_batch_8():
+    # one accepted draft per verify of 3: at batch 1 a token is worth 10 ms and 3 drafts cost 6 ms; at batch 8
+    # a token is worth 12 / 8 = 1.5 ms and the same drafts still cost 6 ms
+    alone = _drive(SpecSwitch(K), 1, accepted=1, steps=120, plain_s=0.010, extra_per_draft_s=0.002)
+    batched = _drive(SpecSwitch(K), 8, accepted=1, steps=120, plain_s=0.012, extra_per_draft_s=0.002)
+    assert sum(alone[60:]) >= 58
+    assert sum(batched[60:]) <= 8 * (60 // 16 + 1)
+
+
+def test_idle_gaps_are_not_timed():
+    busy = SpecSwitch(K)
+    _drive(busy, 1, accepted=1, steps=60, plain_s=0.010, extra_per_draft_s=0.002, idle_every=3)
+    assert busy.num_switched_off == 0  # idle time counted as verify cost would have switched it off
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="probe_every"):
+        SpecSwitch(K, probe_every=1)
+    with pytest.raises(ValueError, match="decay"):
+        SpecSwitch(K, decay=0.0)
+    with pytest.raises(ValueError, match="adaptive"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"})
+    config = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 2, "adaptive": False})
+    assert not config.adaptive and config.to_dict()["adaptive"] is False
+
+
+# ---------------------------------------------------------------- in the engine
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir, tiny_tokenizer):
+    vocab = len(tiny_tokenizer)
+    prompts = _prompts(vocab, [21, 30], seed=11)
+    outs = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256).generate(
+        [{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return vocab, prompts, tokens
+
+
+class TickClock:
+    """1 ms per reading: a step reads it once, plus twice around the proposer when one is asked, so a plain
+    step takes 1 ms and a spec step 3 ms of which 1 ms is the proposer's (drafts cost 2 ms per 3 drafts).
+    The real clock on a loaded 2-core machine would make the verdict depend on the load, not on the wiring."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        self.now += 1e-3
+        return self.now
+
+
+def _spec_run(path, prompts, proposer):
+    llm = _make_llm(path, max_num_seqs=1, max_model_len=256)
+    eng = llm.llm_engine
+    eng.set_proposer(proposer, adaptive=True)
+    eng.spec_switch.clock = TickClock()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    _assert_all_blocks_free(eng)
+    return [list(o.outputs[0].token_ids) for o in outs], eng
+
+
+def test_engine_switches_off_an_always_wrong_proposer(tiny_llama_dir, plain):
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    out, eng = _spec_run(tiny_llama_dir, prompts, OracleProposer(K, reference, vocab, wrong_from=0))
+    assert out == tokens
+    stats = eng.spec_stats
+    assert stats.num_accepted_draft_tokens == 0
+    assert eng.spec_switch.num_switched_off > 100  # of ~238 decode steps
+    assert stats.num_spec_rows < 120
+
+
+def test_engine_keeps_an_always_right_proposer_on(tiny_llama_dir, plain):
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    out, eng = _spec_run(tiny_llama_dir, prompts, OracleProposer(K, reference, vocab))
+    assert out == tokens
+    assert eng.spec_switch.num_switched_off == 0
+    assert eng.spec_stats.num_accepted_draft_tokens == eng.spec_stats.num_draft_tokens > 100
