@@ -4,8 +4,8 @@ random blocks at odd sizes (K = 256 x odd, odd N, M = 1 / 3 / 17 / 64: small-M a
 path, opcheck, and bad input.
 
 Tolerances: those of test_gguf_linear.check (fp32: summation order only; bf16: the output's rounding and, on the
-GEMM path, the weight's; Q4_K's small-M path on AVX-512 VNNI quantizes half-precision x to int8 per 32-block like
-the 32-element types: their int8 tolerance). Q6_K has no int8 path.
+GEMM path, the weight's; the small-M path on AVX-512 VNNI quantizes half-precision x to int8 per 32-block like for
+the 32-element types: their int8 tolerance).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def test_gguf_linear_matches_reference_and_gguf_py(qtype_name, m, dtype, with_bi
 
         expected = torch.empty_like(out)
         reference.gguf_linear(expected, x, qw, qtype, k, bias)
-        int8_x = qtype == Q4_K and int8_x_possible(x)
+        int8_x = int8_x_possible(x)
         check(out, expected, k, int8_x)
         w64 = gguf_py_dequantize(qw, qtype, k).double()
         exact = x.cpu().double() @ w64.T + (0 if bias is None else bias.cpu().double())
@@ -75,7 +75,7 @@ def test_strided_x_and_fp16(device):
         OP.gguf_linear(out, x, qw, qtype, k, None)
         expected = torch.empty_like(out)
         reference.gguf_linear(expected, x.contiguous(), qw, qtype, k)
-        check(out, expected, k, qtype == Q4_K and int8_x_possible(x))
+        check(out, expected, k, int8_x_possible(x))
 
 
 _K_ISA_SCRIPT = r"""
@@ -95,7 +95,7 @@ for qtype in (Q4_K, Q6_K):
             torch.ops.pagellm.gguf_linear(out, x, qw, qtype, k, bias)
             expected = torch.empty_like(out)
             reference.gguf_linear(expected, x, qw, qtype, k, bias)
-            check(out, expected, k, {int8_x} and qtype == Q4_K and dtype != torch.float32 and m < 16)
+            check(out, expected, k, {int8_x} and dtype != torch.float32 and m < 16)
 print("ok")
 """
 
@@ -104,7 +104,7 @@ print("ok")
                                       ("avx512_vnni", "avx512_vnni")])
 def test_each_simd_path(isa, flag):
     """Every small-M path (and the GEMM path's dequantization, M = 20), forced by PAGELLM_GGUF_CPU_ISA in a fresh
-    process; on avx512_vnni Q4_K meets int8-quantized half-precision x, Q6_K the AVX-512 fp32 tiles."""
+    process; on avx512_vnni half-precision x is quantized to int8 (the k-quants' VNNI tiles)."""
     if flag is not None and flag not in _cpu_flags():
         pytest.skip(f"this CPU lacks {flag}")
     r = _run_with_isa(isa, _K_ISA_SCRIPT)

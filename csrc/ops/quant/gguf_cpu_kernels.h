@@ -167,20 +167,16 @@ void rows_dot(const uint8_t* w, int64_t ldw, int nr, const void* x, int64_t ldx,
 
 using RowsDotFn = void (*)(const uint8_t*, int64_t, int, const void*, int64_t, int64_t, int64_t, float*);
 
-// kKQuants: whether Tile handles Q4_K / Q6_K (the VNNI tiles take the 32-element types only).
-template <template <int, int, int> class Tile, bool kKQuants = true>
+template <template <int, int, int> class Tile>
 RowsDotFn rows_dot_for_type(int qtype) {
   switch (qtype) {
     case kQ8_0: return &rows_dot<Tile, kQ8_0>;
     case kQ4_0: return &rows_dot<Tile, kQ4_0>;
     case kQ4_1: return &rows_dot<Tile, kQ4_1>;
-    default: break;
+    case kQ4_K: return &rows_dot<Tile, kQ4_K>;
+    case kQ6_K: return &rows_dot<Tile, kQ6_K>;
+    default: return nullptr;
   }
-  if constexpr (kKQuants) {
-    if (qtype == kQ4_K) return &rows_dot<Tile, kQ4_K>;
-    if (qtype == kQ6_K) return &rows_dot<Tile, kQ6_K>;
-  }
-  return nullptr;
 }
 
 // The fp32-activation tiles of `isa` (VNNI machines use the AVX-512 ones: fp32 x stays exact).
@@ -231,6 +227,7 @@ PreparedX prepare_x(const T* x, const GgufLinearArgs& a, bool vnni) {
         case kQ8_0: vnni::quantize_row<kQ8_0>(xf + m * p.ld, nb, dst); break;
         case kQ4_0: vnni::quantize_row<kQ4_0>(xf + m * p.ld, nb, dst); break;
         case kQ4_K: vnni::quantize_row<kQ4_K>(xf + m * p.ld, nb, dst); break;
+        case kQ6_K: vnni::quantize_row<kQ6_K>(xf + m * p.ld, nb, dst); break;
         default: vnni::quantize_row<kQ4_1>(xf + m * p.ld, nb, dst); break;
       }
     }
@@ -292,11 +289,10 @@ void packed_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const G
 #endif
 
 // The small-M path (correct for any M; the weight tile is re-read from L1 for every kChunkM rows). A packed
-// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile. Q6_K has no
-// int8 tile: its half-precision x is converted to fp32 for the AVX-512 ones on VNNI CPUs too.
+// weight takes packed_small_m on VNNI with half-precision x, else its rows are unpacked tile by tile.
 template <typename T>
 void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a, Isa isa) {
-  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni && a.qtype != kQ6_K;
+  const bool vnni = !std::is_same_v<T, float> && isa == Isa::kAvx512Vnni;
 #ifdef PAGELLM_GGUF_X86
   if (vnni && a.packed) {
     switch (a.qtype) {
@@ -309,7 +305,7 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
   const PreparedX px = prepare_x(x, a, vnni);
   RowsDotFn dot = rows_dot_fn(isa, a.qtype);
 #ifdef PAGELLM_GGUF_X86
-  if (vnni) dot = a.qtype == kQ4_K ? &rows_dot<VnniTile, kQ4_K> : rows_dot_for_type<VnniTile, false>(a.qtype);
+  if (vnni) dot = rows_dot_for_type<VnniTile>(a.qtype);
 #endif
   const int64_t elem = vnni ? 1 : static_cast<int64_t>(sizeof(float));
   const int64_t nb = a.K / block_elems(a.qtype);

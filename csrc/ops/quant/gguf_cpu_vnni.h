@@ -7,14 +7,16 @@
 //   Q4_1  sum (d q + m) x = d dx sum q qx + m dx sum qx
 //   Q4_K  per pair of sub-blocks (2u, 2u + 1: the low and high nibbles of 32 bytes), as Q4_1 with a = d sc and
 //         b = -dmin mn of each sub-block (k_params) in place of d and m
+//   Q6_K  per pair of sub-blocks (64 consecutive elements: 64 ql nibbles and 2 bits from each of 32 qh bytes),
+//         sum a (q - 32) x = dx sum_groups a_g (sum q qx - 32 sum qx), one scale a_g per 16 elements = 4 lanes
 // The int8 rounding of x (relative error ~0.4% of each block's largest |x|) is of the order of bf16's own
 // rounding of the output; fp32 activations never take this path (they get the exact FMA tiles).
 //
 // Quantized x, per row, per pair of blocks p (the last pair zero-padded when K / 32 is odd), kPairBytes bytes:
-//   [0, 64)    qx, int8, in the order the pair's weight bytes are expanded: Q8_0, Q4_K [x0[0:32] | x1[0:32]],
+//   [0, 64)    qx, int8, in the order the pair's weight bytes are expanded: Q8_0, Q4_K, Q6_K [x0[0:32] | x1[0:32]],
 //              Q4_0/Q4_1 [x0[0:16] | x1[0:16] | x0[16:32] | x1[16:32]] (low nibbles, then high nibbles)
 //   [64, 128)  dx of the block each int32 lane of the dot belongs to (16 floats)
-//   [128, 192) Q4_0/Q8_0: -8 / -128 x the lane's sum of qx (16 int32, the dot's initial value);
+//   [128, 192) Q4_0/Q6_K/Q8_0: -8 / -32 / -128 x the lane's sum of qx (16 int32, the dot's initial value);
 //              Q4_1, Q4_K: dx x the lane's sum of qx (16 floats, multiplied by m / b)
 #pragma once
 
@@ -36,7 +38,7 @@ constexpr int kMaxMR = 4;
 // Which block of the pair (0 / 1) each int32 lane of a dot belongs to.
 template <int QT>
 PAGELLM_GGUF_VNNI PAGELLM_GGUF_INLINE __m512i lane_block() {
-  return QT == kQ8_0 || QT == kQ4_K ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
+  return QT == kQ8_0 || is_k_quant(QT) ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                      : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
 }
 
@@ -59,7 +61,7 @@ PAGELLM_GGUF_VNNI void quantize_row(const float* x, int64_t nb, uint8_t* dst) {
     float dx[2] = {0.f, 0.f};
     for (int h = 0; h < 2 && 2 * p + h < nb; ++h) dx[h] = quantize_block(x + (2 * p + h) * 32, q[h]);
     uint8_t* out = dst + p * kPairBytes;
-    if constexpr (QT == kQ8_0 || QT == kQ4_K) {
+    if constexpr (QT == kQ8_0 || is_k_quant(QT)) {
       std::memcpy(out, q[0], 32);
       std::memcpy(out + 32, q[1], 32);
     } else {
@@ -77,7 +79,7 @@ PAGELLM_GGUF_VNNI void quantize_row(const float* x, int64_t nb, uint8_t* dst) {
       _mm512_storeu_ps(out + 128, _mm512_mul_ps(dxv, _mm512_cvtepi32_ps(lane_sum)));
     } else {
       _mm512_storeu_si512(out + 128, _mm512_slli_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), lane_sum),
-                                                       QT == kQ8_0 ? 7 : 3));
+                                                       QT == kQ8_0 ? 7 : QT == kQ6_K ? 5 : 3));
     }
   }
 }
@@ -188,9 +190,44 @@ PAGELLM_GGUF_VNNI void q4_k_tile(const uint8_t* w, int64_t ldw, const uint8_t* x
     for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
 }
 
+// The Q6_K tile (same contract as q4_k_tile).
+template <int MR, int NR>
+PAGELLM_GGUF_VNNI void q6_k_tile(const uint8_t* w, int64_t ldw, const uint8_t* x, int64_t ldx, int64_t nb,
+                                 float* sums, int64_t lds) {
+  constexpr int kBytes = block_bytes(kQ6_K);
+  const __m512i group_of_lane = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    alignas(64) float params[NR][32];  // a per group of 16 elements: [0:16]
+    for (int j = 0; j < NR; ++j) avx512::k_params<kQ6_K>(w + j * ldw + b * kBytes, params[j]);
+    for (int u = 0; u < 4; ++u) {  // elements 64 u ..: quarters t = 2 (u % 2), + 1 of half u / 2
+      const int t0 = 2 * (u % 2);
+      for (int j = 0; j < NR; ++j) {
+        const uint8_t* blk = w + j * ldw + b * kBytes;
+        const __m512i ql = _mm512_loadu_si512(blk + 64 * (u / 2));
+        const __m512i low4 = _mm512_and_si512(u % 2 ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+        const __m256i qh = _mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * (u / 2)));
+        const __m512i qh2 = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t0))),
+                                               _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t0 + 2)), 1);
+        const __m512i wq = _mm512_or_si512(low4, _mm512_slli_epi16(_mm512_and_si512(qh2, _mm512_set1_epi8(3)), 4));
+        const __m512 av = _mm512_permutexvar_ps(group_of_lane, _mm512_castps128_ps512(_mm_loadu_ps(params[j] + 4 * u)));
+        for (int i = 0; i < MR; ++i) {
+          const uint8_t* xp = x + i * ldx + (4 * b + u) * kPairBytes;
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_loadu_si512(xp + 128), wq, _mm512_loadu_si512(xp));
+          acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(av, _mm512_loadu_ps(xp + 64)), acc[i][j]);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) sums[i * lds + j] = _mm512_reduce_add_ps(acc[i][j]);
+}
+
 }  // namespace vnni
 
-// Q8_0 / Q4_0 / Q4_1 / Q4_K (Q6_K has no int8 tile).
+// Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K.
 template <int QT, int MR, int NR>
 struct VnniTile {
   using XType = uint8_t;  // x quantized by vnni::quantize_row
@@ -198,6 +235,8 @@ struct VnniTile {
   static void run(const uint8_t* w, int64_t ldw, const uint8_t* x, int64_t ldx, int64_t nb, float* sums, int64_t lds) {
     if constexpr (QT == kQ4_K) {
       vnni::q4_k_tile<MR, NR>(w, ldw, x, ldx, nb, sums, lds);
+    } else if constexpr (QT == kQ6_K) {
+      vnni::q6_k_tile<MR, NR>(w, ldw, x, ldx, nb, sums, lds);
     } else {
       vnni::tile<QT, MR, NR>(w, ldw, x, ldx, nb, sums, lds);
     }
