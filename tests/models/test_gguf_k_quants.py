@@ -122,7 +122,7 @@ def test_mixed_method_shards_bias_and_reference_fallback(monkeypatch):
     the pure-torch reference that runs when pagellm._C is missing."""
     from pagellm.layers import MergedLinear
     from pagellm.quantization import GGUFConfig
-    from pagellm.quantization import gguf as gguf_method
+    from pagellm.quantization import gguf_op
     from pagellm.weight_utils import WeightShapeError
 
     config = GGUFConfig({"mlp.gate_up_proj": {0: "Q4_K", 1: "Q6_K"}})
@@ -145,7 +145,7 @@ def test_mixed_method_shards_bias_and_reference_fallback(monkeypatch):
         expected = x @ dense.T + layer.bias
         torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
         with monkeypatch.context() as patch:
-            patch.setattr(gguf_method, "_gguf_linear", gguf_method._reference_gguf_linear)
+            patch.setattr(gguf_op, "gguf_linear_op", gguf_op.reference_gguf_linear)
             torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
 
 

@@ -173,7 +173,7 @@ def test_linear_method_shards_bias_and_reference_fallback(monkeypatch):
     """A merged GGUF layer loads each shard's block rows into its row range; apply on [batch, seq, in] with a
     bias equals the pure-torch reference, which is also what apply runs when pagellm._C is missing."""
     from pagellm.layers import MergedLinear
-    from pagellm.quantization import gguf as gguf_method
+    from pagellm.quantization import gguf_op
 
     config = GGUFConfig({"mlp.gate_up_proj": "Q4_1"})
     layer = MergedLinear(96, [40, 24], bias=True, quant_config=config, prefix="mlp.gate_up_proj")
@@ -188,7 +188,7 @@ def test_linear_method_shards_bias_and_reference_fallback(monkeypatch):
     x = torch.randn(2, 5, 96)
     expected = x @ torch.from_numpy(dense).reshape(64, 96).T + layer.bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
-    monkeypatch.setattr(gguf_method, "_gguf_linear", gguf_method._reference_gguf_linear)
+    monkeypatch.setattr(gguf_op, "gguf_linear_op", gguf_op.reference_gguf_linear)
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
 
 

@@ -22,32 +22,17 @@ import torch
 from torch import nn
 
 from pagellm.ops.reference import GGUF_BLOCK_ELEMS, GGUF_QTYPES, gguf_dequantize, gguf_row_bytes
-from pagellm.ops.reference import gguf_linear as _reference_gguf_linear
 from pagellm.quantization.gguf_packing import (
     PACKABLE_QTYPES, PACKED_FLAG, pack_rows, packing_pays_off, unpack_positions, unpack_rows,
 )
 from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, QuantizationConfig, new_linear_param
 from pagellm.quantization.gguf_mixed import GGUFMixedLinearMethod
+from pagellm.quantization import gguf_op
+from pagellm.quantization.gguf_op import supported_gguf_types  # noqa: F401  (re-export)
 from pagellm.quantization.registry import register_quantization_config
 from pagellm.quantization.unquantized import UnquantizedEmbeddingMethod, UnquantizedLinearMethod
 
 GGUF_METHOD = "gguf"
-
-try:
-    import pagellm.ops as _compiled
-
-    _gguf_linear = (torch.ops.pagellm.gguf_linear.default
-                    if _compiled.ops_available()[0] and hasattr(torch.ops.pagellm, "gguf_linear") else None)
-except Exception:  # pragma: no cover - depends on the build
-    _gguf_linear = None
-if _gguf_linear is None:  # pragma: no cover - depends on the build
-    _gguf_linear = _reference_gguf_linear  # same signature and semantics, pure torch
-
-
-def supported_gguf_types() -> list[str]:
-    """The GGUF block types multiplied natively (others are refused by the loader)."""
-    return list(GGUF_QTYPES)
-
 
 class GGUFLinearMethod(LinearMethodBase):
     """qweight uint8 [out, in / block_elems * block_bytes]: the GGUF tensor's rows as stored (one row of blocks per output
@@ -80,7 +65,7 @@ class GGUFLinearMethod(LinearMethodBase):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         qweight = layer.qweight
-        if (_gguf_linear is _reference_gguf_linear or self.qtype not in PACKABLE_QTYPES
+        if (gguf_op.gguf_linear_op is gguf_op.reference_gguf_linear or self.qtype not in PACKABLE_QTYPES
                 or not packing_pays_off(qweight.device, self.params_dtype)):
             return
         qweight.data.copy_(pack_rows(qweight.data, self.qtype))  # in place: a tied LM head shares this Parameter
@@ -96,11 +81,11 @@ class GGUFLinearMethod(LinearMethodBase):
         k, n = layer.in_features, layer.out_features
         if x.dim() == 2:  # the decode case: as few torch calls as possible
             out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-            _gguf_linear(out, x, layer.qweight, self.op_qtype, k, bias)
+            gguf_op.gguf_linear_op(out, x, layer.qweight, self.op_qtype, k, bias)
             return out
         m = x.numel() // k
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
-        _gguf_linear(out.view(m, n), x.reshape(m, k), layer.qweight, self.op_qtype, k, bias)
+        gguf_op.gguf_linear_op(out.view(m, n), x.reshape(m, k), layer.qweight, self.op_qtype, k, bias)
         return out
 
 

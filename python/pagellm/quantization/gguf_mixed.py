@@ -15,6 +15,8 @@ from torch import nn
 
 from pagellm.ops.reference import GGUF_BLOCK_ELEMS, GGUF_QTYPES, gguf_dequantize, gguf_row_bytes
 from pagellm.quantization.base import LinearMethodBase, new_linear_param
+from pagellm.quantization import gguf_op
+from pagellm.quantization.gguf_op import supported_gguf_types
 from pagellm.weight_utils import OutputShard, WeightShapeError
 
 
@@ -34,8 +36,6 @@ class GGUFMixedLinearMethod(LinearMethodBase):
     [sum over shards of rows * row_bytes], a parameter without an output dim, loaded shard by shard."""
 
     def __init__(self, shard_types: dict[Any, str]) -> None:
-        from pagellm.quantization.gguf import supported_gguf_types  # noqa: PLC0415 (gguf imports this module)
-
         bad = {sid: t for sid, t in shard_types.items() if t not in GGUF_QTYPES}
         if bad:
             sid, t = next(iter(bad.items()))
@@ -86,13 +86,11 @@ class GGUFMixedLinearMethod(LinearMethodBase):
                           for s in self.segments])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        from pagellm.quantization.gguf import _gguf_linear  # noqa: PLC0415 (the compiled op, or the reference)
-
         k, n = layer.in_features, layer.out_features
         out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype, device=x.device)
         out2d, x2d = out.view(-1, n), x.reshape(-1, k)
         for seg in self.segments:
             rows = slice(seg.first_row, seg.first_row + seg.rows)
-            _gguf_linear(out2d[:, rows], x2d, self.shard_blocks(layer, seg), seg.qtype, k,
+            gguf_op.gguf_linear_op(out2d[:, rows], x2d, self.shard_blocks(layer, seg), seg.qtype, k,
                          None if bias is None else bias[rows])
         return out
