@@ -14,9 +14,15 @@ void check_non_negative(int64_t v, const char* name) {
 }
 
 // Validates the constructor arguments before any memory is allocated; returns num_blocks.
-int32_t validated_num_blocks(int32_t num_blocks, int32_t block_size, double watermark) {
-  if (num_blocks < 1) {
-    throw std::invalid_argument("num_blocks must be >= 1 (got " + std::to_string(num_blocks) + ")");
+int32_t validated_num_blocks(int32_t num_blocks, int32_t block_size, double watermark, int32_t sliding_window) {
+  if (sliding_window < 0) {
+    throw std::invalid_argument("sliding_window must be >= 0 (0 = full attention; got " +
+                                std::to_string(sliding_window) + ")");
+  }
+  const int32_t min_blocks = sliding_window > 0 ? 2 : 1;  // a window reserves the null block
+  if (num_blocks < min_blocks) {
+    throw std::invalid_argument("num_blocks must be >= " + std::to_string(min_blocks) + " (got " +
+                                std::to_string(num_blocks) + ")");
   }
   if (!is_power_of_two(block_size) || block_size > 256) {
     throw std::invalid_argument("block_size must be a power of two in [1, 256] (got " +
@@ -31,11 +37,15 @@ int32_t validated_num_blocks(int32_t num_blocks, int32_t block_size, double wate
 }  // namespace
 
 BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching,
-                           double watermark)
-    : pool_(validated_num_blocks(num_blocks, block_size, watermark), block_size),
+                           double watermark, int32_t sliding_window)
+    : pool_(validated_num_blocks(num_blocks, block_size, watermark, sliding_window), block_size),
       block_size_(block_size),
       enable_prefix_caching_(enable_prefix_caching),
-      watermark_blocks_(static_cast<int32_t>(watermark * num_blocks)) {}
+      watermark_blocks_(static_cast<int32_t>(watermark * num_blocks)),
+      sliding_window_(sliding_window) {
+  // Held for the manager's life: never on the free queue, so never handed out, written or cached.
+  if (sliding_window_ > 0) null_block_ = pool_.allocate();
+}
 
 PrefixMatch BlockManager::find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key) const {
   PrefixMatch m;
@@ -43,6 +53,16 @@ PrefixMatch BlockManager::find_cached_prefix(const int64_t* tokens, int64_t n, u
   if (!enable_prefix_caching_ || n <= 1) return m;
   // Never reuse the block holding the last token: it must be recomputed (and would be written).
   const int64_t max_blocks = (n - 1) / block_size_;
+  if (sliding_window_ > 0) {
+    std::vector<BlockHash> hashes;
+    std::vector<int32_t> hits;
+    hash_all_blocks(tokens, max_blocks, extra_key, hashes, hits);
+    const int64_t k = longest_window_hit(hits);
+    const int64_t first = first_live_block(k * block_size_);
+    for (int64_t j = 0; j < k; ++j) m.blocks.push_back(j < first ? null_block_ : hits[static_cast<size_t>(j)]);
+    if (k > 0) m.last_hash = hashes[static_cast<size_t>(k - 1)];
+    return m;
+  }
   BlockHash parent;
   for (int64_t j = 0; j < max_blocks; ++j) {
     const int64_t* blk = tokens + j * block_size_;
@@ -56,12 +76,36 @@ PrefixMatch BlockManager::find_cached_prefix(const int64_t* tokens, int64_t n, u
   return m;
 }
 
+void BlockManager::hash_all_blocks(const int64_t* tokens, int64_t num_blocks, uint64_t extra_key,
+                                   std::vector<BlockHash>& hashes, std::vector<int32_t>& hits) const {
+  BlockHash parent;
+  hashes.reserve(static_cast<size_t>(num_blocks));
+  hits.reserve(static_cast<size_t>(num_blocks));
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const int64_t* blk = tokens + j * block_size_;
+    const BlockHash h = hash_block_tokens(parent, blk, block_size_, extra_key);
+    hashes.push_back(h);
+    hits.push_back(pool_.lookup(h, parent, blk, extra_key));
+    parent = h;
+  }
+}
+
+int64_t BlockManager::longest_window_hit(const std::vector<int32_t>& hits) const {
+  // run[j]: consecutive hits ending at block j; k works when the run ending at k - 1 covers the window.
+  std::vector<int64_t> run(hits.size(), 0);
+  for (size_t j = 0; j < hits.size(); ++j) run[j] = hits[j] < 0 ? 0 : (j > 0 ? run[j - 1] : 0) + 1;
+  for (int64_t k = static_cast<int64_t>(hits.size()); k > 0; --k) {
+    if (run[static_cast<size_t>(k - 1)] >= k - first_live_block(k * block_size_)) return k;
+  }
+  return 0;
+}
+
 bool BlockManager::can_allocate(const PrefixMatch& match, int64_t num_new_tokens, int32_t num_lookahead) const {
   if (num_new_tokens < 0 || num_lookahead < 0) return false;
   const int64_t matched = static_cast<int64_t>(match.blocks.size());
   const int64_t total = blocks_for(match.num_tokens(block_size_) + num_new_tokens + num_lookahead);
   int64_t revived = 0;  // cached blocks that are currently free leave the free pool when reused
-  for (int32_t b : match.blocks) revived += pool_.block(b).ref_count == 0 ? 1 : 0;
+  for (int32_t b : match.blocks) revived += b != null_block_ && pool_.block(b).ref_count == 0 ? 1 : 0;
   const int64_t fresh = std::max<int64_t>(0, total - matched);
   return num_free_blocks() - revived - fresh >= watermark_blocks_;
 }
@@ -77,10 +121,11 @@ BlockManager::Handle BlockManager::allocate(const std::string& id, const PrefixM
   s.extra_key = extra_key;
   s.blocks.reserve(match.blocks.size() + 4);
   for (int32_t b : match.blocks) {
-    pool_.acquire(b);
+    hold_block(b);
     s.blocks.push_back(b);
   }
   s.num_hashed = static_cast<int32_t>(match.blocks.size());
+  s.num_dropped = static_cast<int32_t>(std::count(match.blocks.begin(), match.blocks.end(), null_block_));
   s.last_hash = match.last_hash;
   s.num_slots = match.num_tokens(block_size_) + num_new_tokens + num_lookahead;
   const int64_t total = blocks_for(s.num_slots);
@@ -142,7 +187,7 @@ void BlockManager::cache_full_blocks(Handle h, const int64_t* tokens, int64_t nu
     const BlockHash hash = hash_block_tokens(s.last_hash, blk, block_size_, s.extra_key);
     const int32_t b = s.blocks[static_cast<size_t>(j)];
     // An identical block already cached is kept; this one stays uncached (live blocks are not deduped).
-    if (!pool_.block(b).cached) pool_.register_block(b, hash, s.last_hash, blk, s.extra_key);
+    if (b != null_block_ && !pool_.block(b).cached) pool_.register_block(b, hash, s.last_hash, blk, s.extra_key);
     s.last_hash = hash;
     s.num_hashed = static_cast<int32_t>(j + 1);
   }
@@ -153,10 +198,23 @@ void BlockManager::shrink(Handle h, int64_t num_slots) {
   SeqBlocks& s = mut_seq(h);
   const size_t keep = std::max(static_cast<size_t>(blocks_for(num_slots)), static_cast<size_t>(s.num_hashed));
   while (s.blocks.size() > keep) {
-    release_block(s.blocks.back());
+    if (s.blocks.back() != null_block_) release_block(s.blocks.back());
     s.blocks.pop_back();
   }
   s.num_slots = std::min<int64_t>(num_slots, static_cast<int64_t>(s.blocks.size()) * block_size_);
+}
+
+void BlockManager::drop_outside_window(Handle h, int64_t num_computed) {
+  if (sliding_window_ == 0) return;
+  SeqBlocks& s = mut_seq(h);
+  const int64_t first = std::min<int64_t>(first_live_block(num_computed), static_cast<int64_t>(s.blocks.size()));
+  // Oldest first, so the free queue evicts them before the window's newer blocks.
+  for (int64_t j = s.num_dropped; j < first; ++j) {
+    int32_t& b = s.blocks[static_cast<size_t>(j)];
+    if (b != null_block_) release_block(b);
+    b = null_block_;
+  }
+  s.num_dropped = static_cast<int32_t>(std::max<int64_t>(s.num_dropped, first));
 }
 
 bool BlockManager::free(const std::string& id) {
@@ -168,7 +226,9 @@ bool BlockManager::free(Handle h) {
   if (!is_live(h)) return false;
   SeqBlocks& s = seqs_[static_cast<size_t>(h)];
   // Release tail first: the tail lands nearer the free-queue head and is evicted before the prefix.
-  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) release_block(*it);
+  for (auto it = s.blocks.rbegin(); it != s.blocks.rend(); ++it) {
+    if (*it != null_block_) release_block(*it);
+  }
   ids_.erase(s.id);
   s = SeqBlocks();
   free_handles_.push_back(h);
@@ -186,7 +246,8 @@ BlockManager::Handle BlockManager::fork(Handle parent, const std::string& child_
   c.num_hashed = p.num_hashed;
   c.last_hash = p.last_hash;
   c.extra_key = p.extra_key;
-  for (int32_t b : c.blocks) pool_.acquire(b);
+  c.num_dropped = p.num_dropped;
+  for (int32_t b : c.blocks) hold_block(b);
   return h;
 }
 
@@ -231,8 +292,25 @@ SeqBlocks& BlockManager::mut_seq(Handle h) {
   return seqs_[static_cast<size_t>(h)];
 }
 
+int64_t BlockManager::num_live_blocks(Handle h) const {
+  const std::vector<int32_t>& t = seq(h).blocks;
+  return static_cast<int64_t>(t.size()) - (null_block_ < 0 ? 0 : std::count(t.begin(), t.end(), null_block_));
+}
+
+int64_t BlockManager::max_live_blocks(int64_t num_slots, int64_t max_chunk) const {
+  const int64_t all = blocks_for(num_slots);
+  if (sliding_window_ == 0) return all;
+  // Keys [c - W + 1, c + chunk) live during a step from c: W - 1 + chunk slots, +1 for block alignment.
+  return std::min(all, blocks_for(sliding_window_ - 1 + max_chunk) + 1);
+}
+
+void BlockManager::hold_block(int32_t id) {
+  if (id != null_block_) pool_.acquire(id);
+}
+
 double BlockManager::usage() const {
-  return static_cast<double>(num_blocks() - num_free_blocks()) / static_cast<double>(num_blocks());
+  const int32_t usable = num_blocks() - num_reserved_blocks();
+  return static_cast<double>(usable - num_free_blocks()) / static_cast<double>(usable);
 }
 
 int64_t BlockManager::num_tail_waste_slots() const {

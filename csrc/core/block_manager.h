@@ -1,6 +1,8 @@
-// Paged KV cache manager: per-sequence block tables, prefix caching, fork + copy-on-write, watermark.
+// Paged KV cache manager: per-sequence block tables, prefix caching, fork + copy-on-write, watermark,
+// and (for sliding-window attention) freeing the blocks that left every query's window.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
@@ -13,7 +15,7 @@ namespace pagellm {
 
 // Result of a prefix-cache lookup; valid until the pool is next mutated.
 struct PrefixMatch {
-  std::vector<int32_t> blocks;  // cached full blocks, in order
+  std::vector<int32_t> blocks;  // cached full blocks, in order (a sliding window's leading ones: the null block)
   BlockHash last_hash;          // chain hash of the last matched block (BlockHash{} if none)
   int64_t num_query_tokens = 0; // tokens of the looked-up sequence (prefix-cache stats)
   // Number of prompt tokens covered by the match.
@@ -26,6 +28,7 @@ struct SeqBlocks {
   std::vector<int32_t> blocks;
   int64_t num_slots = 0;       // slots reserved by the last allocate/append/shrink
   int32_t num_hashed = 0;      // leading blocks whose chain hash is known (registered or dup)
+  int32_t num_dropped = 0;     // leading entries that left the sliding window (the null block)
   BlockHash last_hash;         // chain hash of block num_hashed-1
   uint64_t extra_key = 0;
   bool live = false;
@@ -35,16 +38,22 @@ struct SeqBlocks {
 // integer handle returned at allocation (fast path used by the scheduler). Single-threaded.
 // Copy-on-write sources stay pinned (one extra reference) until take_cow_copies() hands the copies
 // to the runner, so a source can never be reallocated before its copy has been applied.
+// Sliding window W > 0 (every layer sees only the last W keys, itself included): a query at position p
+// reads keys >= p - W + 1, so once num_computed tokens are cached, blocks lying entirely before
+// num_computed - W + 1 are never read again. drop_outside_window() replaces their table entries by the
+// null block (reserved at construction, never allocated or cached; the table keeps its length so
+// slot = table[pos / block_size] still holds) and releases them to the free queue, still hashed.
 class BlockManager {
  public:
   using Handle = int32_t;
 
-  // Throws std::invalid_argument for num_blocks < 1, block_size not a power of two in [1, 256] or
-  // watermark outside [0, 1).
+  // Throws std::invalid_argument for num_blocks < 1 (< 2 with a window), block_size not a power of two
+  // in [1, 256], watermark outside [0, 1) or sliding_window < 0 (0 = full attention).
   BlockManager(int32_t num_blocks, int32_t block_size = 16, bool enable_prefix_caching = true,
-               double watermark = 0.01);
+               double watermark = 0.01, int32_t sliding_window = 0);
 
-  // Longest cached prefix of tokens in full blocks, never covering the last token.
+  // Longest cached prefix of tokens in full blocks, never covering the last token. With a window only
+  // the blocks the next query still reads must be cached (the match is found scanning from the right).
   PrefixMatch find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key) const;
   // Whether allocate() would succeed (free blocks after allocation >= watermark blocks).
   bool can_allocate(const PrefixMatch& match, int64_t num_new_tokens, int32_t num_lookahead) const;
@@ -60,6 +69,9 @@ class BlockManager {
   void cache_full_blocks(Handle h, const int64_t* tokens, int64_t num_computed);
   // Frees trailing blocks not needed for num_slots slots (rejected spec-decode lookahead).
   void shrink(Handle h, int64_t num_slots);
+  // Sliding window: releases the blocks no query after num_computed tokens reads (no-op without one).
+  // Call after cache_full_blocks() so they stay findable in the prefix cache.
+  void drop_outside_window(Handle h, int64_t num_computed);
   // Frees a sequence's blocks tail first (so its tail is evicted before its prefix). False if unknown.
   bool free(const std::string& id);
   // Handle-based free; false if the handle is not live.
@@ -82,8 +94,23 @@ class BlockManager {
   // Full per-sequence state of a live sequence.
   const SeqBlocks& seq(Handle h) const;
 
-  // Total blocks.
+  // Total blocks (the null block included).
   int32_t num_blocks() const { return pool_.num_blocks(); }
+  // Sliding window in tokens, 0 = full attention.
+  int32_t sliding_window() const { return sliding_window_; }
+  // The reserved block id standing for dropped table entries, -1 without a window.
+  int32_t null_block() const { return null_block_; }
+  // Blocks never handed to sequences (the null block).
+  int32_t num_reserved_blocks() const { return null_block_ >= 0 ? 1 : 0; }
+  // Index of the first block a query after num_computed cached tokens still reads (0 without a window).
+  int64_t first_live_block(int64_t num_computed) const {
+    return sliding_window_ > 0 ? std::max<int64_t>(0, num_computed - sliding_window_ + 1) / block_size_ : 0;
+  }
+  // Table entries of a live sequence that hold a real block (not the null block).
+  int64_t num_live_blocks(Handle h) const;
+  // Most blocks one sequence holds at once with num_slots slots whose chunks are at most max_chunk
+  // tokens (+ lookahead): all of them without a window, else those a window plus a chunk can span.
+  int64_t max_live_blocks(int64_t num_slots, int64_t max_chunk) const;
   // Slots per block.
   int32_t block_size() const { return block_size_; }
   // Blocks with ref_count 0.
@@ -120,11 +147,20 @@ class BlockManager {
   void release_block(int32_t id);
   // Replaces block index j of s by a fresh block, recording a copy if it holds valid tokens.
   void copy_on_write(SeqBlocks& s, size_t j, bool needs_copy);
+  // Adds a table reference to a block (the null block is not counted).
+  void hold_block(int32_t id);
+  // Sliding window: chain hashes of every full block before the last token, and the pool's hit for each.
+  void hash_all_blocks(const int64_t* tokens, int64_t num_blocks, uint64_t extra_key,
+                       std::vector<BlockHash>& hashes, std::vector<int32_t>& hits) const;
+  // Sliding window: the largest k whose blocks [first_live_block(k * block_size), k) are all hits.
+  int64_t longest_window_hit(const std::vector<int32_t>& hits) const;
 
   BlockPool pool_;
   int32_t block_size_;
   bool enable_prefix_caching_;
   int32_t watermark_blocks_;
+  int32_t sliding_window_;
+  int32_t null_block_ = -1;
   std::vector<SeqBlocks> seqs_;
   std::vector<Handle> free_handles_;
   std::unordered_map<std::string, Handle> ids_;

@@ -25,7 +25,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, const CacheConfig& cache_con
     : config_(config),
       cache_config_(checked(config, cache_config)),
       bm_(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-          cache_config.watermark),
+          cache_config.watermark, cache_config.sliding_window),
       waiting_(config.priority_policy()) {
   while ((1 << block_shift_) < cache_config.block_size) ++block_shift_;
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
@@ -47,9 +47,8 @@ void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> 
                                 " tokens, more than max_num_batched_tokens=" +
                                 std::to_string(config_.max_num_batched_tokens) + " (chunked prefill is off)");
   }
-  const int64_t bs = cache_config_.block_size;
-  const int64_t blocks = (n + config_.num_lookahead_tokens + bs - 1) / bs;
-  const int64_t usable = bm_.num_blocks() - bm_.watermark_blocks();
+  const int64_t blocks = admission_blocks(n, config_.num_lookahead_tokens);
+  const int64_t usable = admissible_blocks();
   if (blocks > usable) {
     throw std::invalid_argument("prompt needs " + std::to_string(blocks) + " KV blocks but only " +
                                 std::to_string(usable) + " can be admitted");
@@ -59,6 +58,19 @@ void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> 
                                        max_tokens);
   waiting_.push_back(req.get());
   requests_.emplace(request_id, std::move(req));
+}
+
+int64_t Scheduler::admission_blocks(int64_t num_tokens, int32_t num_lookahead) const {
+  int64_t chunk = num_tokens;  // the longest step a prompt of num_tokens can take
+  if (config_.enable_chunked_prefill) {
+    chunk = std::min<int64_t>(chunk, config_.max_num_batched_tokens);
+    if (config_.long_prefill_token_threshold > 0) chunk = std::min<int64_t>(chunk, config_.long_prefill_token_threshold);
+  }
+  return bm_.max_live_blocks(num_tokens + num_lookahead, chunk + num_lookahead);
+}
+
+int64_t Scheduler::admissible_blocks() const {
+  return bm_.num_blocks() - bm_.num_reserved_blocks() - bm_.watermark_blocks();
 }
 
 bool Scheduler::abort(const std::string& request_id) {
@@ -184,6 +196,7 @@ void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_row
       if (config_.num_lookahead_tokens > 0 && pending_.sample[static_cast<size_t>(i)]) {
         bm_.shrink(r->seq_handle(), r->num_tokens());  // drop slots of rejected drafts
       }
+      bm_.drop_outside_window(r->seq_handle(), computed);  // after caching: the blocks stay findable
     }
     tok += m;
   }

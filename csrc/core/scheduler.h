@@ -175,6 +175,10 @@ class Scheduler {
   void validate_accepted_drafts(size_t row, const int64_t* tokens, int64_t m) const;
   // Throws std::logic_error naming `what` while a step with rows awaits update().
   void require_no_pending_step(const char* what) const;
+  // Most blocks a prompt of num_tokens holds at once (its longest chunk, the window, the lookahead).
+  int64_t admission_blocks(int64_t num_tokens, int32_t num_lookahead) const;
+  // Blocks admission may hand out: all but the reserved null block and the watermark.
+  int64_t admissible_blocks() const;
   // Finishes a live request with a FINISHED_* status and frees its blocks.
   void finish_request(Request* r, RequestStatus status);
   // Removes r from the running list.

@@ -28,6 +28,9 @@ void CacheConfig::validate() const {
   require(block_size >= 1 && block_size <= 256 && (block_size & (block_size - 1)) == 0, "block_size",
           "a power of two in [1, 256]", std::to_string(block_size));
   require(watermark >= 0.0 && watermark < 1.0, "watermark", "in [0, 1)", std::to_string(watermark));
+  require(sliding_window >= 0, "sliding_window", ">= 0 (0 = full attention)", std::to_string(sliding_window));
+  require(sliding_window == 0 || num_blocks >= 2, "num_blocks", ">= 2 with a sliding window (one is the null block)",
+          std::to_string(num_blocks));
 }
 
 }  // namespace pagellm

@@ -28,6 +28,7 @@ struct CacheConfig {
   int32_t block_size = 16;
   bool enable_prefix_caching = true;
   double watermark = 0.01;
+  int32_t sliding_window = 0;  // every layer sees the last W keys: blocks before them are freed; 0 = full
 
   // Throws std::invalid_argument naming the bad field and its allowed range.
   void validate() const;

@@ -51,12 +51,11 @@ void Scheduler::set_num_lookahead_tokens(int32_t num_lookahead_tokens) {
   c.num_lookahead_tokens = num_lookahead_tokens;
   c.validate();
   require_no_pending_step("set_num_lookahead_tokens");
-  const int64_t bs = cache_config_.block_size;
-  const int64_t usable = bm_.num_blocks() - bm_.watermark_blocks();
+  const int64_t usable = admissible_blocks();
   for (const auto& kv : requests_) {  // the admission check of add_request, redone for waiting prompts
     const Request& r = *kv.second;
     if (r.status() == RequestStatus::RUNNING) continue;
-    if ((r.num_tokens() + num_lookahead_tokens + bs - 1) / bs > usable) {
+    if (admission_blocks(r.num_tokens(), num_lookahead_tokens) > usable) {
       throw std::invalid_argument("num_lookahead_tokens=" + std::to_string(num_lookahead_tokens) +
                                   " would leave waiting request '" + r.request_id() + "' unable to fit the KV cache");
     }

@@ -1,7 +1,9 @@
 // Randomized stress test of the scheduler + block manager with a simulated KV cache: after every
 // operation the block/ref-count/hash-index invariants are checked, and after every step the simulated
 // KV content of every running request is compared with its tokens. With drafts on, decode-ready
-// requests get random drafts before each step and a random prefix of them is accepted.
+// requests get random drafts before each step and a random prefix of them is accepted. With a sliding
+// window, only the positions the next query reads must hold their tokens, entries before them must be
+// the null block, and a request never holds more blocks than admission counted.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -43,13 +45,13 @@ class StressHarness {
     for (const auto& id : live_ids()) s_.abort(id);
     check_invariants();
     const BlockManager& bm = s_.block_manager();
-    EXPECT_EQ(bm.num_free_blocks(), bm.num_blocks());
+    EXPECT_EQ(bm.num_free_blocks(), bm.num_blocks() - bm.num_reserved_blocks());
     EXPECT_FALSE(s_.has_unfinished_requests());
   }
 
   // Prefix-cache hit tokens so far.
   int64_t prefix_hits() const { return s_.block_manager().prefix_cache_hits(); }
-  int64_t preemptions = 0, forks = 0, cow_copies = 0, steps = 0;
+  int64_t preemptions = 0, forks = 0, cow_copies = 0, steps = 0, dropped = 0;
   int64_t spec_rows = 0, drafts_scheduled = 0, drafts_accepted = 0, drafts_clamped = 0;
 
  private:
@@ -110,6 +112,7 @@ class StressHarness {
       ASSERT_TRUE(slots.insert(out.slot_mapping[t]).second) << "two tokens share a slot";
       ASSERT_EQ(s_.block_manager().pool().block(static_cast<int32_t>(out.slot_mapping[t] / bs)).ref_count, 1)
           << "write into a shared block";
+      ASSERT_NE(out.slot_mapping[t] / bs, s_.block_manager().null_block()) << "write into the null block";
       kv_[static_cast<size_t>(out.slot_mapping[t])] = out.input_ids[t];
     }
   }
@@ -241,12 +244,22 @@ class StressHarness {
     check_kv_content();
   }
 
-  // Every running request's cached positions hold exactly its tokens.
+  // Every running request's cached positions the next query reads hold exactly its tokens; older
+  // ones (sliding window) are null entries.
   void check_kv_content() {
+    const BlockManager& bm = s_.block_manager();
+    const int64_t bs = bm.block_size();
     for (const auto& kv : s_.requests()) {
       const Request& r = *kv.second;
       if (r.status() != RequestStatus::RUNNING) continue;
-      for (int64_t p = 0; p < r.num_computed_tokens(); ++p) {
+      const int64_t first = bm.first_live_block(r.num_computed_tokens());
+      const std::vector<int32_t>& table = bm.block_table(r.seq_handle());
+      for (int64_t j = 0; j < first; ++j) ASSERT_EQ(table[static_cast<size_t>(j)], bm.null_block()) << r.request_id();
+      if (first > 0) ++dropped;
+      const int64_t bound = bm.max_live_blocks(r.num_tokens() + s_.config().num_lookahead_tokens,
+                                               s_.config().max_num_batched_tokens + s_.config().num_lookahead_tokens);
+      ASSERT_LE(bm.num_live_blocks(r.seq_handle()), bound) << r.request_id();
+      for (int64_t p = first * bs; p < r.num_computed_tokens(); ++p) {
         ASSERT_EQ(kv_[static_cast<size_t>(slot_of(r, p))], r.all_token_ids()[static_cast<size_t>(p)])
             << r.request_id() << " position " << p;
       }
@@ -267,8 +280,9 @@ class StressHarness {
       const SeqBlocks& seq = bm.seq(r.seq_handle());
       ASSERT_GE(static_cast<int64_t>(seq.blocks.size()) * bs, r.num_computed_tokens());
       if (r.max_tokens() != Request::kUnlimitedTokens) ASSERT_LT(r.num_output_tokens(), r.max_tokens());
-      for (int32_t b : seq.blocks) ++holders[static_cast<size_t>(b)];
+      for (int32_t b : seq.blocks) holders[static_cast<size_t>(b)] += b == bm.null_block() ? 0 : 1;
       for (int32_t j = 0; j < seq.num_hashed; ++j) {  // registered content matches the owner's tokens
+        if (seq.blocks[static_cast<size_t>(j)] == bm.null_block()) continue;
         const KVBlock& blk = pool.block(seq.blocks[static_cast<size_t>(j)]);
         if (!blk.cached) continue;
         ASSERT_TRUE(std::equal(blk.token_ids.begin(), blk.token_ids.end(), r.all_token_ids().begin() + j * bs))
@@ -280,6 +294,11 @@ class StressHarness {
     }
     ASSERT_EQ(bm.num_seqs(), s_.num_running());
     ASSERT_TRUE(bm.pending_cow_copies().empty());
+    if (bm.null_block() >= 0) {
+      ASSERT_EQ(holders[static_cast<size_t>(bm.null_block())], 0);
+      holders[static_cast<size_t>(bm.null_block())] = 1;  // the manager's own reference
+      ASSERT_FALSE(pool.block(bm.null_block()).cached);
+    }
     int32_t free_count = 0, cached = 0;
     for (int32_t b = 0; b < bm.num_blocks(); ++b) {
       const KVBlock& blk = pool.block(b);
@@ -323,10 +342,11 @@ void run_stress(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, i
   EXPECT_GT(h.prefix_hits(), 0);
   EXPECT_GT(h.forks, 0);
   EXPECT_GT(h.cow_copies, 0);
-  std::printf("steps=%lld preemptions=%lld prefix_hit_tokens=%lld forks=%lld cow=%lld\n",
+  if (k.sliding_window > 0) EXPECT_GT(h.dropped, 0);
+  std::printf("steps=%lld preemptions=%lld prefix_hit_tokens=%lld forks=%lld cow=%lld dropped=%lld\n",
               static_cast<long long>(h.steps), static_cast<long long>(h.preemptions),
               static_cast<long long>(h.prefix_hits()), static_cast<long long>(h.forks),
-              static_cast<long long>(h.cow_copies));
+              static_cast<long long>(h.cow_copies), static_cast<long long>(h.dropped));
 }
 
 TEST(Stress, FcfsNoLookahead) {
@@ -380,6 +400,34 @@ TEST(Stress, DraftTokensPriorityBlockSize2) {
   k.num_blocks = 64;
   k.block_size = 2;
   run_stress(c, k, 2024, 50000, /*use_drafts=*/true);
+}
+
+TEST(Stress, SlidingWindow) {
+  SchedulerConfig c;
+  c.max_num_seqs = 12;
+  c.max_num_batched_tokens = 24;
+  c.max_model_len = 96;
+  c.long_prefill_token_threshold = 12;
+  CacheConfig k;
+  k.num_blocks = 30;
+  k.block_size = 4;
+  k.sliding_window = 7;
+  run_stress(c, k, 4321, 50000);
+}
+
+TEST(Stress, SlidingWindowDraftsPriorityBlockSize2) {
+  SchedulerConfig c;
+  c.max_num_seqs = 10;
+  c.max_num_batched_tokens = 24;
+  c.max_model_len = 80;
+  c.policy = "priority";
+  c.num_lookahead_tokens = 3;
+  CacheConfig k;
+  k.num_blocks = 40;
+  k.block_size = 2;
+  k.watermark = 0.05;
+  k.sliding_window = 5;
+  run_stress(c, k, 77, 50000, /*use_drafts=*/true);
 }
 
 }  // namespace
