@@ -86,8 +86,8 @@ void bind_request(py::module_& m) {
 void bind_block_manager(py::module_& m) {
   using BM = BlockManager;
   py::class_<BM>(m, "BlockManager", "Paged KV block manager (prefix caching, fork, copy-on-write).")
-      .def(py::init<int32_t, int32_t, bool, double>(), py::arg("num_blocks"), py::arg("block_size") = 16,
-           py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01)
+      .def(py::init<int32_t, int32_t, bool, double, int32_t>(), py::arg("num_blocks"), py::arg("block_size") = 16,
+           py::arg("enable_prefix_caching") = true, py::arg("watermark") = 0.01, py::arg("sliding_window") = 0)
       .def("can_allocate", [](const BM& bm, const std::vector<int64_t>& t, int64_t num_new, int32_t la, uint64_t ek) {
             const PrefixMatch pm = bm.find_cached_prefix(t.data(), static_cast<int64_t>(t.size()), ek);
             return bm.can_allocate(pm, resolve_new(t, pm, bm.block_size(), num_new), la);
@@ -116,6 +116,11 @@ void bind_block_manager(py::module_& m) {
            py::arg("parent_id"), py::arg("child_id"))
       .def("get_block_table", [](const BM& bm, const std::string& id) { return bm.block_table(seq_handle(bm, id)); },
            py::arg("request_id"))
+      .def("num_live_blocks", [](const BM& bm, const std::string& id) { return bm.num_live_blocks(seq_handle(bm, id)); },
+           py::arg("request_id"), "Table entries holding a real block (not the null block of a sliding window).")
+      .def("drop_outside_window", [](BM& bm, const std::string& id, int64_t computed) {
+            bm.drop_outside_window(seq_handle(bm, id), computed);
+          }, py::arg("request_id"), py::arg("num_computed_tokens"))
       .def("take_cow_copies", &BM::take_cow_copies)
       .def("get_ref_count", [](const BM& bm, int32_t b) {
             if (b < 0 || b >= bm.num_blocks()) throw std::invalid_argument("block id out of range");
@@ -124,6 +129,8 @@ void bind_block_manager(py::module_& m) {
       .def("reset_prefix_cache", &BM::reset_prefix_cache)
       .def_property_readonly("num_blocks", &BM::num_blocks)
       .def_property_readonly("block_size", &BM::block_size)
+      .def_property_readonly("sliding_window", &BM::sliding_window)
+      .def_property_readonly("null_block", &BM::null_block)
       .def_property_readonly("num_free_blocks", &BM::num_free_blocks)
       .def_property_readonly("usage", &BM::usage)
       .def_property_readonly("num_cached_blocks", &BM::num_cached_blocks)
@@ -170,7 +177,7 @@ void bind_output(py::module_& m) {
 std::unique_ptr<Scheduler> make_scheduler(int32_t max_num_seqs, int32_t max_num_batched_tokens, int32_t max_model_len,
                                           bool chunked, const std::string& policy, int32_t long_prefill,
                                           int32_t lookahead, int32_t num_blocks, int32_t block_size, bool prefix_caching,
-                                          double watermark) {
+                                          double watermark, int32_t sliding_window) {
   SchedulerConfig c;
   c.max_num_seqs = max_num_seqs;
   c.max_num_batched_tokens = max_num_batched_tokens;
@@ -184,6 +191,7 @@ std::unique_ptr<Scheduler> make_scheduler(int32_t max_num_seqs, int32_t max_num_
   k.block_size = block_size;
   k.enable_prefix_caching = prefix_caching;
   k.watermark = watermark;
+  k.sliding_window = sliding_window;
   return std::make_unique<Scheduler>(c, k);
 }
 
@@ -201,7 +209,7 @@ void bind_scheduler(py::module_& m) {
            py::arg("max_model_len") = 8192, py::arg("enable_chunked_prefill") = true, py::arg("policy") = "fcfs",
            py::arg("long_prefill_token_threshold") = 0, py::arg("num_lookahead_tokens") = 0,
            py::arg("num_blocks") = 1024, py::arg("block_size") = 16, py::arg("enable_prefix_caching") = true,
-           py::arg("watermark") = 0.01)
+           py::arg("watermark") = 0.01, py::arg("sliding_window") = 0)
       .def("add_request", [](Scheduler& s, const std::string& id, std::vector<int64_t> prompt, std::optional<double> arrival,
                              int32_t priority, uint64_t extra_key, std::optional<int64_t> max_tokens) {
             s.add_request(id, std::move(prompt), arrival ? *arrival : now_seconds(), priority, extra_key,
@@ -233,7 +241,13 @@ void bind_scheduler(py::module_& m) {
             const Request& r = s.get_request(id);
             return r.seq_handle() < 0 ? std::vector<int32_t>() : s.block_manager().block_table(r.seq_handle());
           }, py::arg("request_id"))
+      .def("get_num_live_blocks", [](const Scheduler& s, const std::string& id) -> int64_t {
+            const Request& r = s.get_request(id);
+            return r.seq_handle() < 0 ? 0 : s.block_manager().num_live_blocks(r.seq_handle());
+          }, py::arg("request_id"))
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)
+      .def_property_readonly("sliding_window", [](const Scheduler& s) { return s.cache_config().sliding_window; })
+      .def_property_readonly("null_block", [](const Scheduler& s) { return s.block_manager().null_block(); })
       .def_property_readonly("num_lookahead_tokens", [](const Scheduler& s) { return s.config().num_lookahead_tokens; })
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)

@@ -89,7 +89,9 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
         kv_info = self.executor.collective_rpc("describe")[0]
         self.kv_cache_bytes_per_token: int = kv_info["kv_cache_bytes_per_token"]  # /metrics, capacity planning
         logger.info("KV cache: %s", kv_info["kv_cache_summary"])
-        self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks))
+        # a window > 0 (every layer slides by it) lets the block manager free blocks that left it
+        self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks),
+                                      sliding_window=kv_info["kv_cache_sliding_window"])
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats

@@ -42,7 +42,7 @@ class Worker(WorkerLoRAMixin):
         self.kv_cache_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             self.model.kv_cache_specs(cc.block_size, self.kv_cache_dtype), self.device, sc.max_model_len, sc.max_num_seqs,
-            cc.kv_cache_memory_gb, cc.kv_cache_fraction, cc.num_kv_blocks,
+            cc.kv_cache_memory_gb, cc.kv_cache_fraction, cc.num_kv_blocks, max_chunk_tokens=sc.max_num_batched_tokens,
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
         self.attn_backend = select_attention_backend(mc.attention_backend, self.device)
@@ -129,5 +129,6 @@ class Worker(WorkerLoRAMixin):
                 "num_kv_blocks": self.num_kv_blocks, "attention_backend": self.attn_backend.name,
                 "kv_cache_bytes_per_token": self.kv_cache_config.bytes_per_token,
                 "kv_cache_summary": self.kv_cache_config.describe_bytes_per_token(),
+                "kv_cache_sliding_window": self.kv_cache_config.sliding_window,
                 "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "step_graphs": self.runner.step_graphs is not None}

@@ -12,7 +12,14 @@ today. Groups that need their own block tables (a different block_size, or a sli
 that frees blocks that left its window) will need one table per group there; until then
 `make_kv_cache_config` refuses them (`KVCacheConfig.num_block_tables` > 1) with a ValueError.
 
-Freeing a sliding layer's blocks once they leave its window (Gemma 2/3, Mistral) needs, in order:
+A model whose every layer is a SlidingWindowSpec with one window (Mistral, Qwen2 with a sliding window
+on all layers) frees its blocks already: `KVCacheConfig.sliding_window` goes to the C++ block manager,
+which after each step replaces the table entries of blocks entirely before `num_computed - window + 1`
+by a reserved null block (the table keeps its length), releases them (still hashed) and admits by the
+window (a request holds at most ceil((window - 1 + chunk) / block_size) + 1 blocks); prefix hits need
+only the window's blocks. Kernels need nothing new: null entries lie before every query's window.
+
+Freeing a sliding layer's blocks in a MIXED model (Gemma 2/3: sliding and full layers) needs, in order:
 1. storage: a block id indexes a page in EVERY layer here, so freeing it for the sliding layers would
    free it for the full ones too. Sliding and full layers need separate block ids: per-group pools
    (own tensors, own free queues), or one pool whose ids each hold a page of one group only.
@@ -25,7 +32,7 @@ Freeing a sliding layer's blocks once they leave its window (Gemma 2/3, Mistral)
    (scan from the right, as vLLM's SlidingWindowManager); the hit length is the minimum over groups.
 4. SchedulerOutput carries one block-table array per group, AttentionMetadata one per group, and each
    layer's backend call reads its group's table. Kernels need nothing new: null entries are masked.
-Until then the window is a mask and a sliding layer's blocks live as long as the request.
+Until then a mixed model's window is a mask and a sliding layer's blocks live as long as the request.
 
 Budget (`determine_num_blocks`): `kv_cache_memory_gb` when given, else `kv_cache_fraction` of the
 memory still free after the weights were loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable in
@@ -114,6 +121,11 @@ class KVCacheConfig:
         return self.groups[0].block_size
 
     @property
+    def sliding_window(self) -> int:
+        """The block manager's window (see `block_manager_window`); 0 = every block lives as long as its request."""
+        return block_manager_window(self.layer_specs)
+
+    @property
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.groups)
 
@@ -187,6 +199,22 @@ def _check_layer_specs(layer_specs: Mapping[int, KVCacheSpec]) -> None:
                                  f"shared; point at the layer that owns the cache (layer {target.target_layer})")
 
 
+def block_manager_window(layer_specs: Mapping[int, KVCacheSpec]) -> int:
+    """The window W the block manager may free blocks by: every layer is a SlidingWindowSpec of window W
+    (one block table serves every layer, so one full or shared layer keeps every block); else 0."""
+    windows = {s.window_size if type(s) is SlidingWindowSpec else 0 for s in layer_specs.values()}
+    return windows.pop() if len(windows) == 1 else 0
+
+
+def max_blocks_per_request(block_size: int, max_model_len: int, window: int, max_chunk_tokens: int) -> int:
+    """Most blocks one request holds at once: all of a max-length request's without a window, else those a
+    window plus the longest chunk can span (the C++ BlockManager::max_live_blocks)."""
+    all_blocks = math.ceil(max_model_len / block_size)
+    if window == 0:
+        return all_blocks
+    return min(all_blocks, math.ceil((window - 1 + max_chunk_tokens) / block_size) + 1)
+
+
 def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
     """Bytes one block id takes over every group (every allocated layer's page, scales included)."""
     return sum(g.page_size_bytes for g in groups)
@@ -236,16 +264,19 @@ def _memory_budget(device: torch.device, kv_cache_memory_gb: float | None, kv_ca
 
 def determine_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, max_model_len: int, max_num_seqs: int,
                          kv_cache_memory_gb: float | None = None, kv_cache_fraction: float = 0.9,
-                         num_blocks_override: int | None = None) -> int:
-    """Blocks that fit the budget (capped at what max_num_seqs max-length requests can use), one block
-    costing `bytes_per_block(groups)`.
+                         num_blocks_override: int | None = None, sliding_window: int = 0,
+                         max_chunk_tokens: int | None = None) -> int:
+    """Blocks that fit the budget (capped at what max_num_seqs max-length requests can hold at once), one
+    block costing `bytes_per_block(groups)`. With a block-manager `sliding_window` a request holds at most
+    the blocks its window and its longest chunk (`max_chunk_tokens`, default max_model_len) span.
 
     Raises ValueError with a suggested setting when one max-length request does not fit.
     """
     check_one_block_table(groups)
     per_block = bytes_per_block(groups)
     block_size = groups[0].block_size
-    blocks_per_seq = math.ceil(max_model_len / block_size)
+    chunk = max_model_len if max_chunk_tokens is None else min(max_chunk_tokens, max_model_len)
+    blocks_per_seq = max_blocks_per_request(block_size, max_model_len, sliding_window, chunk)
     if num_blocks_override is not None:
         num_blocks = int(num_blocks_override)
         source = "num_kv_blocks"
@@ -262,7 +293,10 @@ def determine_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, m
             f"request of max_model_len={max_model_len} tokens ({blocks_per_seq + 1} blocks needed). "
             f"Set kv_cache_memory_gb >= {need_gb:.3f} or max_model_len <= {fit_len}."
         )
-    max_concurrency = (num_blocks * block_size) / max_model_len
+    if sliding_window:  # the null block is never a request's
+        max_concurrency = (num_blocks - 1) / blocks_per_seq
+    else:
+        max_concurrency = (num_blocks * block_size) / max_model_len
     logger.info(
         "KV cache: %d blocks x %d tokens (%.3f GiB, %s); max concurrency %.2fx requests of %d tokens",
         num_blocks, block_size, num_blocks * per_block / GiB, source, max_concurrency, max_model_len,
@@ -272,9 +306,11 @@ def determine_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, m
 
 def make_kv_cache_config(layer_specs: Mapping[int, KVCacheSpec], device: torch.device, max_model_len: int,
                          max_num_seqs: int, kv_cache_memory_gb: float | None = None, kv_cache_fraction: float = 0.9,
-                         num_blocks_override: int | None = None) -> KVCacheConfig:
-    """Group the layers, refuse what the block manager cannot serve yet, size: the engine's one call."""
+                         num_blocks_override: int | None = None, max_chunk_tokens: int | None = None) -> KVCacheConfig:
+    """Group the layers, refuse what the block manager cannot serve yet, size: the engine's one call.
+    `max_chunk_tokens`: the scheduler's longest step per request (sizing with a sliding window)."""
     groups = group_kv_cache_specs(layer_specs)
     num_blocks = determine_num_blocks(groups, device, max_model_len, max_num_seqs, kv_cache_memory_gb,
-                                      kv_cache_fraction, num_blocks_override)
+                                      kv_cache_fraction, num_blocks_override, block_manager_window(layer_specs),
+                                      max_chunk_tokens)
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, layer_specs=dict(layer_specs))
