@@ -174,3 +174,26 @@ def test_sizing_caps_blocks_at_what_windowed_requests_hold():
     with pytest.raises(ValueError, match="cannot hold one request"):
         determine_num_blocks(groups, **kw, num_blocks_override=40, sliding_window=256, max_chunk_tokens=512)
     assert determine_num_blocks(groups, **kw, num_blocks_override=50, sliding_window=256, max_chunk_tokens=512) == 50
+
+
+def test_ngram_speculation_keeps_the_tokens(mistral):
+    """Spec rows write drafts past the window's end and shrink rejected slots; the blocks dropped behind
+    them must not change a token (block size 4, copy-heavy prompts so drafts get accepted)."""
+    path, _, _ = mistral
+    g = random.Random(5)
+    prompts = []
+    for n in (5, 9, 13):
+        segment = [g.randrange(5, 300) for _ in range(n)]
+        prompts.append(segment * 6)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    plain = _llm(path, 4, num_kv_blocks=256)
+    want = [list(o.outputs[0].token_ids) for o in plain.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                   use_tqdm=False)]
+    del plain
+    spec = _llm(path, 4, num_kv_blocks=256, speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    got = [list(o.outputs[0].token_ids) for o in spec.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                                 use_tqdm=False)]
+    assert got == want
+    assert spec.llm_engine.spec_stats.num_accepted_draft_tokens > 0
+    sched = spec.llm_engine.scheduler
+    assert sched.num_free_blocks == sched.num_blocks - 1
