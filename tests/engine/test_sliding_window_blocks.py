@@ -103,6 +103,8 @@ def test_decoding_holds_only_the_windows_blocks(mistral, block_size):
     assert len(live_while_decoding) >= 140
     assert max(live_while_decoding) <= bound, (max(live_while_decoding), bound)
     assert sched.num_free_blocks == sched.num_blocks - 1
+    stats = engine.get_stats()  # what /metrics reports: no block in use, the null block not counted
+    assert stats.num_total_blocks == stats.num_free_blocks and stats.kv_cache_usage == 0.0
 
 
 def test_prefix_caching_and_preemption_match_a_roomy_run(mistral):

@@ -439,9 +439,10 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
     def get_stats(self) -> EngineStats:
         """Load figures from the C++ scheduler and block manager (call between steps)."""
         s = self.scheduler
+        usable_blocks = s.num_blocks - (1 if s.null_block >= 0 else 0)  # a window's null block is never a request's
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.usage,
-            num_free_blocks=s.num_free_blocks, num_total_blocks=s.num_blocks,
+            num_free_blocks=s.num_free_blocks, num_total_blocks=usable_blocks,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             num_steps=s.num_steps, timestamp=time.time(), spec_decode=EngineStats.spec_snapshot(self),
             kv_cache_bytes_per_token=self.kv_cache_bytes_per_token,
