@@ -23,15 +23,13 @@ Freeing a sliding layer's blocks in a MIXED model (Gemma 2/3: sliding and full l
 1. storage: a block id indexes a page in EVERY layer here, so freeing it for the sliding layers would
    free it for the full ones too. Sliding and full layers need separate block ids: per-group pools
    (own tensors, own free queues), or one pool whose ids each hold a page of one group only.
-2. C++ BlockManager: one block table per (request, group); after each step a sliding group replaces the
-   entries of blocks entirely before position `num_computed_tokens - window + 1` by a reserved null id (the
-   table keeps its length, so slot = table[pos / block_size] still holds) and drops their references
-   (into the prefix cache's free queue, still hashed). `can_allocate` / the watermark count per group: a
-   sliding group needs at most ceil(window / block_size) + 1 live blocks per request.
-3. prefix cache: a sliding group hits when the last `window` tokens' blocks of the prefix are cached
-   (scan from the right, as vLLM's SlidingWindowManager); the hit length is the minimum over groups.
-4. SchedulerOutput carries one block-table array per group, AttentionMetadata one per group, and each
-   layer's backend call reads its group's table. Kernels need nothing new: null entries are masked.
+2. C++ BlockManager: one block table per (request, group), each group with its own window. The per-table
+   mechanism exists (csrc/core/block_manager: the null block, drop_outside_window after each step,
+   max_live_blocks for admission, the right-to-left prefix scan); what is missing is several tables per
+   request, admission / the watermark / preemption summed over groups, and CoW pairs naming their group.
+3. prefix cache: each group's hit as above; the request's hit length is the minimum over groups.
+4. SchedulerOutput carries one block-table array and one slot mapping per group (the ids differ), so does
+   AttentionMetadata, each layer's backend call reads its group's, and step-graph replay copies them all. Kernels need nothing new: null entries are masked.
 Until then a mixed model's window is a mask and a sliding layer's blocks live as long as the request.
 
 Budget (`determine_num_blocks`): `kv_cache_memory_gb` when given, else `kv_cache_fraction` of the
