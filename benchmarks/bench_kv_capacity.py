@@ -11,10 +11,14 @@ Model shape: hidden 512, 8 layers, 8 query heads of 64 (random bf16 weights, voc
     GQA          2 kv heads
     MLA          DeepSeek-V2 attention, dense MLP, kv_lora_rank 64 + rope 16 (one 80-wide latent row per token)
     MHA/GQA + shared-KV   layers 4-7 read the cache of layers 0-3 (kv_sharing_layers), allocating nothing
+    GQA chunked / GQA + sliding window 256 chunked    the same GQA model as full attention (Llama) and with a 256-token
+                 window on every layer (Mistral), prompts prefilled in 256-token chunks: the block manager frees
+                 the blocks that left the window, so a request holds at most ceil((256 - 1 + 256) / 16) + 1 = 33
 
 Computed: the engine's own KV-cache config for the budget (kv_cache_memory_gb): blocks, bytes per token
 (KVCacheConfig.bytes_per_token), sequences = blocks // blocks per 2048-token sequence, and how many of them the
-block manager admits at once (it keeps a 1 % watermark of blocks free). Measured: the engine
+block manager admits at once (it keeps a 1 % watermark of blocks free; a chunked row: blocks // the most one
+request holds at once, which admission does not reserve ahead, so preemptions are counted). Measured: the engine
 run with more 2048-token requests (2040 random prompt tokens + 8 decoded, prefix caching off) than fit, the
 peak number running together read between steps. Writes benchmarks/results/kv_capacity.{md,json}.
 """
@@ -46,7 +50,10 @@ VARIANTS = {  # name -> (architecture, extra config fields)
     "MLA": ("deepseek_v2", MLA_FIELDS),
     "MHA + shared-KV (4 of 8)": ("llama", {"num_key_value_heads": 8, "kv_sharing_layers": SHARE_HALF}),
     "GQA + shared-KV (4 of 8)": ("llama", {"num_key_value_heads": 2, "kv_sharing_layers": SHARE_HALF}),
+    "GQA chunked": ("llama", {"num_key_value_heads": 2}),
+    "GQA + sliding window 256 chunked": ("mistral", {"num_key_value_heads": 2, "sliding_window": 256}),
 }
+CHUNK = 256  # prefill chunk of the "chunked" rows (long_prefill_token_threshold)
 
 
 def write_model(arch: str, extra: dict, path: Path) -> Path:
@@ -55,10 +62,12 @@ def write_model(arch: str, extra: dict, path: Path) -> Path:
 
     if arch == "llama":
         from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+    elif arch == "mistral":
+        from transformers import MistralConfig as Config, MistralForCausalLM as Model
     else:
         from transformers import DeepseekV2Config as Config, DeepseekV2ForCausalLM as Model
     torch.manual_seed(0)
-    shape = {k: v for k, v in SHAPE.items() if arch == "llama" or k != "head_dim"}  # MLA: its own head dims
+    shape = {k: v for k, v in SHAPE.items() if arch != "deepseek_v2" or k != "head_dim"}  # MLA: its own head dims
     cfg = Config(**{**shape, **extra})
     Model(cfg).to(torch.bfloat16).save_pretrained(str(path))
     shared = extra.get("kv_sharing_layers", {})
@@ -79,6 +88,17 @@ def make_llm(path: Path, budget_mib: int, max_num_seqs: int):
                max_num_batched_tokens=SEQ_LEN * max_num_seqs)
 
 
+def chunk_prefills(llm, chunk: int) -> None:
+    """Every prompt prefilled `chunk` tokens per step, all requests in one step (the Python SchedulerConfig does
+    not expose long_prefill_token_threshold: the engine's C++ scheduler is rebuilt with it before any request)."""
+    from pagellm import _C
+
+    engine = llm.llm_engine
+    old, cc = engine.scheduler, engine.config.cache_config
+    engine.scheduler = _C.Scheduler(**engine.config.scheduler_config.cpp_kwargs(), **cc.cpp_kwargs(old.num_blocks),
+                                    sliding_window=old.sliding_window, long_prefill_token_threshold=chunk)
+
+
 def measure_peak_running(llm, num_requests: int) -> dict:
     from pagellm import SamplingParams
 
@@ -95,26 +115,53 @@ def measure_peak_running(llm, num_requests: int) -> dict:
     return {"peak_running": peak, "run_s": round(time.perf_counter() - t, 1)}
 
 
-def admitted_under_watermark(num_blocks: int) -> int:
+def count_preemptions(llm) -> dict:
+    """Wraps the scheduler's schedule() to count preempted requests (for the chunked rows)."""
+    engine, counter = llm.llm_engine, {"preemptions": 0}
+
+    class Counting:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def schedule(self):
+            out = self._inner.schedule()
+            counter["preemptions"] += len(out.preempted_request_ids)
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+    engine.scheduler = Counting(engine.scheduler)
+    return counter
+
+
+def admitted_under_watermark(num_blocks: int, blocks_per_seq: int) -> int:
     """Sequences the block manager admits at once: it keeps `watermark` (CacheConfig, 1 %) of the blocks free."""
     from pagellm.config import CacheConfig
 
     reserve = int(CacheConfig().watermark * num_blocks)
-    return (num_blocks - reserve) // -(-SEQ_LEN // BLOCK_SIZE)
+    return (num_blocks - reserve) // blocks_per_seq
 
 
 def run_variant(name: str, args, workdir: Path) -> dict:
     arch, extra = VARIANTS[name]
     path = write_model(arch, extra, workdir / "".join(c if c.isalnum() else "_" for c in name))
+    from pagellm.kv_cache.groups import max_blocks_per_request
+
     llm = make_llm(path, args.budget_mib, max_num_seqs=64)
+    chunked = name.endswith("chunked")
+    if chunked:
+        chunk_prefills(llm, CHUNK)
     cfg = llm.llm_engine.kv_cache_config
-    blocks_per_seq = -(-SEQ_LEN // BLOCK_SIZE)
+    blocks_per_seq = max_blocks_per_request(BLOCK_SIZE, SEQ_LEN, cfg.sliding_window, CHUNK if chunked else SEQ_LEN)
+    usable = cfg.num_blocks - (1 if cfg.sliding_window else 0)  # a window reserves the null block
     row = {"variant": name, "blocks": cfg.num_blocks, "bytes_per_token": cfg.bytes_per_token,
            "layers": cfg.describe_bytes_per_token().partition("(layers: ")[2].rstrip(")"),
-           "computed_seqs": cfg.num_blocks // blocks_per_seq,
-           "computed_admitted": admitted_under_watermark(cfg.num_blocks)}
+           "blocks_per_seq": blocks_per_seq, "computed_seqs": usable // blocks_per_seq,
+           "computed_admitted": admitted_under_watermark(usable, blocks_per_seq)}
     if args.measure:
-        row.update(measure_peak_running(llm, row["computed_seqs"] + args.extra_requests))
+        counter = count_preemptions(llm)
+        row.update(measure_peak_running(llm, row["computed_seqs"] + args.extra_requests), **counter)
     print(row, flush=True)
     return row
 
@@ -122,12 +169,14 @@ def run_variant(name: str, args, workdir: Path) -> dict:
 def markdown(rows: list[dict], args) -> str:
     lines = [f"KV budget {args.budget_mib} MiB (bf16 cache, block size {BLOCK_SIZE}), sequences of {SEQ_LEN} "
              f"tokens; model hidden 512, 8 layers, 8 query heads x 64.", "",
-             "| variant | KV layers | KV bytes / token | blocks | seqs that fit (computed) "
-             "| admitted with the 1 % watermark (computed) | peak running (measured) |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| variant | KV layers | KV bytes / token | blocks | most blocks one seq holds | seqs that fit (computed) "
+             "| admitted with the 1 % watermark (computed) | peak running (measured) | preemptions (measured) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['variant']} | {r['layers']} | {r['bytes_per_token']} | {r['blocks']} "
-                     f"| {r['computed_seqs']} | {r['computed_admitted']} | {r.get('peak_running', 'not run')} |")
+                     f"| {r['blocks_per_seq']} "
+                     f"| {r['computed_seqs']} | {r['computed_admitted']} | {r.get('peak_running', 'not run')} "
+                     f"| {r.get('preemptions', 'not run')} |")
     return "\n".join(lines) + "\n"
 
 
