@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pagellm.sampling import (Sampler, SamplingRow, apply_min_p, apply_top_k_top_p, build_sampling_metadata)
+from pagellm.sampling.processors import SMALL_ROWS
 from pagellm.sampling.sampler import argmax_rows
 from pagellm.sampling_params import SamplingParams
 
@@ -100,6 +101,9 @@ def test_argmax_rows_matches_torch_argmax(dtype, v):
     assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:, : v - 1] if v > 1 else x), (x[:, : v - 1] if v > 1 else x).argmax(-1))
     assert argmax_rows(x[:0]).shape == (0,)
+    many = x.repeat(3, 1)  # more rows than SMALL_ROWS: the blocked path (9 rows take the row-by-row one)
+    assert many.shape[0] > SMALL_ROWS >= x.shape[0]
+    assert torch.equal(argmax_rows(many), many.argmax(dim=-1))
     for i in range(x.shape[0]):  # one row at a time: the batch-1 path
         assert torch.equal(argmax_rows(x[i : i + 1]), x[i : i + 1].argmax(dim=-1))
 

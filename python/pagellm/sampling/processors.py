@@ -110,6 +110,9 @@ def apply_sampling_filters(processed: torch.Tensor, md: SamplingMetadata) -> tor
     return apply_top_k_top_p(final, md.top_k, md.top_p)
 
 
+SMALL_ROWS = 16  # up to this many rows, argmax_rows reduces row by row (no OpenMP region)
+
+
 def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """x.argmax(-1) for a 2-D x, with torch's semantics (the first index of the maximum; NaN counts as the
     maximum), in any float dtype. torch's CPU argmax reduction is ~5x slower than amax, and at batch 256
@@ -117,10 +120,13 @@ def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     first block holding the row's maximum, then the argmax inside that one block. One row (batch-1 decode):
     torch.max over the row, a single-output reduction that runs on one thread; the blocked path's reduction
     over [1, v / block, block] is an OpenMP region that, on a loaded 2-core machine, waited 5-15 ms for a
-    preempted thread (bench_step_profile.py) and is twice as slow in bf16 even when quiet."""
+    preempted thread (bench_step_profile.py) and is twice as slow in bf16 even when quiet. Up to SMALL_ROWS rows
+    (speculative verify rows) the same one-thread reduction runs row by row."""
     n, v = x.shape
     if n == 1 and x.device.type == "cpu":  # same first-maximum / NaN rule as argmax (tests/engine/test_sampler.py)
         return x.max(dim=-1).indices
+    if 1 < n <= SMALL_ROWS and x.device.type == "cpu":  # a verify step's 1 + k rows: one single-thread reduction each
+        return torch.stack([row.max(dim=-1).indices for row in x])
     if n == 0 or v < 4 * block or x.device.type != "cpu":
         return x.argmax(dim=-1)
     vb = v // block * block
