@@ -116,6 +116,17 @@ def test_full_and_sliding_layers_share_one_group_and_keep_their_windows():
     assert config.bytes_per_block == 3 * specs[0].page_size_bytes
 
 
+def test_a_pipeline_stage_of_sliding_layers_keeps_every_block():
+    """A stage whose own layers all slide must not hand the window to the driver's one block manager: the
+    other stages' layers may be full attention (Gemma 2 at PP=2 gave wrong logprobs before this)."""
+    specs = {3: SlidingWindowSpec(16, 2, 64, BF16, 8), 5: SlidingWindowSpec(16, 2, 64, BF16, 8)}
+    cpu = torch.device("cpu")
+    whole = make_kv_cache_config(specs, cpu, 512, 4, num_blocks_override=64)
+    stage = make_kv_cache_config(specs, cpu, 512, 4, num_blocks_override=64, free_sliding_blocks=False)
+    assert whole.sliding_window == 8 and stage.sliding_window == 0
+    assert stage.num_blocks == 64 and stage.groups == whole.groups
+
+
 def test_shared_layer_joins_its_target_group_and_allocates_nothing():
     specs = {0: FullAttentionSpec(16, 2, 64, BF16), 1: SharedKVSpec(0), 2: FullAttentionSpec(16, 2, 64, BF16)}
     (group,) = group_kv_cache_specs(specs)

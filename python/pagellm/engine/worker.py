@@ -44,6 +44,7 @@ class Worker(WorkerLoRAMixin):
             self.model.kv_cache_specs(cc.block_size, self.kv_cache_dtype), self.device, sc.max_model_len, sc.max_num_seqs,
             cc.kv_cache_memory_gb, cc.kv_cache_fraction, cc.num_kv_blocks,
             max_chunk_tokens=sc.max_num_batched_tokens,
+            free_sliding_blocks=get_pp_size() == 1,  # a stage's layers are not the whole model's
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
         self.attn_backend = select_attention_backend(mc.attention_backend, self.device)

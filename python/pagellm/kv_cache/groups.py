@@ -40,7 +40,7 @@ memory still free after the weights were loaded (CUDA: torch.cuda.mem_get_info; 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import torch
@@ -98,6 +98,9 @@ class KVCacheConfig:
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
     layer_specs: Mapping[int, KVCacheSpec]
+    # False: keep every block even when these layers all slide (a pipeline stage sees only its own layers, but
+    # the driver's one block manager serves every stage, whose other layers may be full attention)
+    free_sliding_blocks: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
@@ -121,7 +124,7 @@ class KVCacheConfig:
     @property
     def sliding_window(self) -> int:
         """The block manager's window (see `block_manager_window`); 0 = every block lives as long as its request."""
-        return block_manager_window(self.layer_specs)
+        return block_manager_window(self.layer_specs) if self.free_sliding_blocks else 0
 
     @property
     def bytes_per_block(self) -> int:
@@ -304,11 +307,14 @@ def determine_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, m
 
 def make_kv_cache_config(layer_specs: Mapping[int, KVCacheSpec], device: torch.device, max_model_len: int,
                          max_num_seqs: int, kv_cache_memory_gb: float | None = None, kv_cache_fraction: float = 0.9,
-                         num_blocks_override: int | None = None, max_chunk_tokens: int | None = None) -> KVCacheConfig:
+                         num_blocks_override: int | None = None, max_chunk_tokens: int | None = None,
+                         free_sliding_blocks: bool = True) -> KVCacheConfig:
     """Group the layers, refuse what the block manager cannot serve yet, size: the engine's one call.
-    `max_chunk_tokens`: the scheduler's longest step per request (sizing with a sliding window)."""
+    `max_chunk_tokens`: the scheduler's longest step per request (sizing with a sliding window).
+    `free_sliding_blocks`: False when `layer_specs` are not the whole model's (a pipeline stage)."""
     groups = group_kv_cache_specs(layer_specs)
+    config = KVCacheConfig(num_blocks=1, groups=groups, layer_specs=dict(layer_specs),
+                           free_sliding_blocks=free_sliding_blocks)
     num_blocks = determine_num_blocks(groups, device, max_model_len, max_num_seqs, kv_cache_memory_gb,
-                                      kv_cache_fraction, num_blocks_override, block_manager_window(layer_specs),
-                                      max_chunk_tokens)
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, layer_specs=dict(layer_specs))
+                                      kv_cache_fraction, num_blocks_override, config.sliding_window, max_chunk_tokens)
+    return replace(config, num_blocks=num_blocks)
