@@ -7,6 +7,10 @@ import numpy.typing as npt
 
 built_with_cuda: bool
 
+def cpu_features() -> List[str]:
+    """x86-64 features the CPU has and the OS enabled (CPUID + XCR0), /proc/cpuinfo names."""
+def cpu_kernels_isa() -> Optional[str]:
+    """The loaded CPU kernel library's instruction set ("avx2", "avx512"); None before pagellm.cpu_isa loaded one."""
 def cpu_has_amx_bf16() -> bool: ...
 
 class RequestStatus(Enum):

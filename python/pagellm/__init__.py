@@ -6,6 +6,12 @@ set_openmp_defaults()  # OpenMP reads its settings when torch loads it: first (s
 
 import torch  # noqa: E402, F401  (loads libtorch before the _C extension)
 
+from pagellm.cpu_isa import load_cpu_kernels  # noqa: E402
+
+# The CPU kernel library for this CPU (AVX-512 or AVX2 build; PAGELLM_CPU_ISA forces one), loaded before
+# anything can call an op: the library registers the CPU implementations of torch.ops.pagellm.*.
+load_cpu_kernels()
+
 from pagellm.version import __version__
 
 # Public API, imported lazily so `import pagellm` stays light (and works while parts are absent).

@@ -1,15 +1,16 @@
-"""Runs greedy generations with a chosen build of pagellm._C and prints them as JSON (one process per build).
+"""Runs greedy generations with one of the CPU kernel libraries and prints them as JSON (one process each).
 
-Used by tests/ops/test_isa_variants.py and `make portable-check` to compare builds of the CPU kernels for
-different instruction sets (e.g. -march=native vs -march=x86-64-v3) on the same machine:
+Used by tests/ops/test_isa_variants.py and `make isa-check` to compare the kernel libraries built for
+different instruction sets (_C_cpu_avx2.so, _C_cpu_avx512.so) on the same machine:
 
-    python tests/ops/isa_variant_runner.py --extension build/portable/_C.cpython-311-x86_64-linux-gnu.so \
-        --model DIR --dtype bfloat16 --max-tokens 24 [--tpot-tokens 64]
+    python tests/ops/isa_variant_runner.py --cpu-isa avx2 --model DIR --dtype bfloat16 --max-tokens 24 \
+        [--tpot-tokens 64]
 
---extension: the _C shared object to load instead of the installed one (omitted: the installed one).
+--cpu-isa: the library to load (sets PAGELLM_CPU_ISA before pagellm is imported; omitted: the best one).
+--extension: a _C shared object to load instead of the installed one (e.g. an older build to compare with).
 --model: an HF model directory, or "default" (the default model, from its GGUF).
-Output: {"extension", "dtype", "results": [{"prompt", "token_ids", "text", "logprobs": [hex floats]}],
-"tpot_ms"?}. Logprobs are written with float.hex so that the comparison is bit for bit.
+Output: {"extension", "cpu_isa", "dtype", "results": [{"prompt", "token_ids", "text", "logprobs": [hex
+floats]}], "tpot_ms"?}. Logprobs are written with float.hex so that the comparison is bit for bit.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import importlib.abc
 import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -77,6 +79,7 @@ def batch1_tpot_ms(llm, num_tokens: int) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu-isa", default=None, help="CPU kernel library to load (PAGELLM_CPU_ISA): avx2, avx512")
     ap.add_argument("--extension", default=None, help="path of the pagellm._C shared object to load")
     ap.add_argument("--model", required=True, help='HF model directory or "default"')
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
@@ -84,14 +87,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tpot-tokens", type=int, default=0, help="also measure batch-1 TPOT over this many tokens")
     args = ap.parse_args(argv)
 
+    if args.cpu_isa is not None:
+        os.environ["PAGELLM_CPU_ISA"] = args.cpu_isa
     use_extension(args.extension)
     import pagellm._C
     from pagellm import LLM
+    from pagellm.cpu_isa import loaded_cpu_isa
 
     model = None if args.model == "default" else args.model
     llm = LLM(model=model, dtype=args.dtype, max_model_len=256, max_num_seqs=4, kv_cache_memory_gb=0.05,
               block_size=16, seed=0)
-    report = {"extension": pagellm._C.__file__, "dtype": args.dtype,
+    report = {"extension": pagellm._C.__file__, "cpu_isa": loaded_cpu_isa(), "dtype": args.dtype,
               "results": greedy_results(llm, args.max_tokens)}
     if args.tpot_tokens:
         report["tpot_ms"] = batch1_tpot_ms(llm, args.tpot_tokens)

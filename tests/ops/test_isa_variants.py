@@ -1,17 +1,18 @@
-"""The CPU kernels give the same results whatever x86-64 instruction set they were compiled for.
+"""One build carries the CPU kernels twice (_C_cpu_avx2.so, _C_cpu_avx512.so); both compute the same results.
 
 * test_vec_backends_bit_identical: ops/common/cpu_vec.h's AVX2 backend against its AVX-512 backend, every
   function on the same inputs, compared bit for bit (tests/ops/isa_vec_dump.cpp compiled twice with g++).
-* test_portable_build_*: a portable build of pagellm._C (-march=x86-64-v3, no AVX-512; `make portable-check`
-  builds it into build/portable, or PAGELLM_PORTABLE_EXTENSION names one) against the installed build:
-  greedy tokens and their logprobs bit for bit (tiny random Llama in bf16 and fp32; with
-  PAGELLM_ISA_CHECK_DEFAULT_MODEL=1 also the default model's greedy text). Each build runs in its own process
-  (tests/ops/isa_variant_runner.py).
+* choosing the library (pagellm.cpu_isa): PAGELLM_CPU_ISA values, CPUs that lack a library's features, the
+  library this process loaded.
+* test_op_module_under_each_library: an op test module run against the reference under each library, each
+  in its own process (PAGELLM_CPU_ISA forces the library).
+* test_libraries_same_generations_*: greedy tokens and their logprobs bit for bit under both libraries (tiny
+  random Llama in bf16 and fp32; with PAGELLM_ISA_CHECK_DEFAULT_MODEL=1, `make isa-check`, also the default
+  model's greedy text). Each library runs in its own process (tests/ops/isa_variant_runner.py).
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import shutil
@@ -22,27 +23,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from pagellm import cpu_isa
+
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).with_name("isa_variant_runner.py")
-PORTABLE_GLOB = str(REPO / "build" / "portable" / "_C*.so")
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
-def _avx512_march(flags: set[str]) -> list[str] | None:
-    """-march flags for the AVX-512 backend this CPU can run (with BF16 when it has it), else None."""
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"} <= flags:
-        return None
-    return ["-march=x86-64-v4"] + (["-mavx512bf16"] if "avx512_bf16" in flags else [])
+_C = pytest.importorskip("pagellm._C", reason="the CPU kernel libraries come with pagellm._C")
+CPU_FEATURES = set(_C.cpu_features())
+BOTH_LIBRARIES = cpu_isa.supported_cpu_isas(CPU_FEATURES) == ["avx512", "avx2"]
+needs_both = pytest.mark.skipif(not BOTH_LIBRARIES, reason="this CPU cannot run the avx512 library, so there is "
+                                "no second library to compare the avx2 one with")
 
 
 def _compile_dump(tmp: Path, name: str, march: list[str]) -> subprocess.Popen:
@@ -55,14 +44,13 @@ def _compile_dump(tmp: Path, name: str, march: list[str]) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@needs_both
 def test_vec_backends_bit_identical(tmp_path):
-    march_512 = _avx512_march(_cpu_flags())
-    if march_512 is None:
-        pytest.skip("this CPU cannot run the AVX-512 backend, so there is nothing to compare the AVX2 one with")
     if shutil.which("g++") is None:
         pytest.skip("g++ not found (needed to compile tests/ops/isa_vec_dump.cpp)")
+    # The flags of cmake/cpu_kernels.cmake's two libraries (AMX left out: cpu_vec.h does not use it).
     builds = {"avx2": _compile_dump(tmp_path, "dump_avx2", ["-march=x86-64-v3"]),
-              "avx512": _compile_dump(tmp_path, "dump_avx512", march_512)}
+              "avx512": _compile_dump(tmp_path, "dump_avx512", ["-march=x86-64-v4", "-mavx512bf16", "-mavx512vnni"])}
     for name, proc in builds.items():
         out, _ = proc.communicate(timeout=300)
         assert proc.returncode == 0, f"compiling the {name} dump failed:\n{out}"
@@ -78,48 +66,116 @@ def test_vec_backends_bit_identical(tmp_path):
     assert diff.numel() == 0, f"{diff.numel()} values differ, first at float index {diff[:8].tolist()}"
 
 
-def _portable_extension() -> str:
-    path = os.environ.get("PAGELLM_PORTABLE_EXTENSION")
-    if path:
-        assert Path(path).is_file(), f"PAGELLM_PORTABLE_EXTENSION={path} does not exist"
-        return path
-    found = sorted(glob.glob(PORTABLE_GLOB))
-    if not found:
-        pytest.skip("no portable build (make portable-check builds build/portable, -march=x86-64-v3)")
-    return found[0]
+def test_requested_cpu_isa_values():
+    assert cpu_isa.requested_cpu_isa({}) is None
+    assert cpu_isa.requested_cpu_isa({"PAGELLM_CPU_ISA": ""}) is None
+    assert cpu_isa.requested_cpu_isa({"PAGELLM_CPU_ISA": "avx2"}) == "avx2"
+    assert cpu_isa.requested_cpu_isa({"PAGELLM_CPU_ISA": " avx512 "}) == "avx512"
+    for bad in ("AVX2", "avx", "native", "sse4", "avx512_bf16"):
+        with pytest.raises(ValueError, match=r"PAGELLM_CPU_ISA must be one of avx512, avx2 \(or unset\)"):
+            cpu_isa.requested_cpu_isa({"PAGELLM_CPU_ISA": bad})
 
 
-def _run(extension: str | None, model: str, dtype: str, max_tokens: int) -> dict:
-    cmd = [sys.executable, str(RUNNER), "--model", model, "--dtype", dtype, "--max-tokens", str(max_tokens)]
-    if extension is not None:
-        cmd += ["--extension", extension]
+def test_choose_cpu_isa_by_features():
+    v3 = set(cpu_isa.CPU_ISA_FEATURES["avx2"])
+    v4_bf16 = set(cpu_isa.CPU_ISA_FEATURES["avx512"])
+    assert cpu_isa.choose_cpu_isa(v4_bf16, None) == "avx512"
+    assert cpu_isa.choose_cpu_isa(v4_bf16, "avx2") == "avx2"
+    assert cpu_isa.choose_cpu_isa(v4_bf16 | {"amx_tile", "amx_bf16"}, None) == "avx512"
+    # AVX-512 without BF16 (Skylake-X, Ice Lake), or with the ZMM state off in the OS: the AVX2 library.
+    assert cpu_isa.choose_cpu_isa(v4_bf16 - {"avx512_bf16"}, None) == "avx2"
+    assert cpu_isa.choose_cpu_isa(v3, None) == "avx2"
+    with pytest.raises(RuntimeError, match="PAGELLM_CPU_ISA=avx512: this CPU .* lacks avx512_bf16"):
+        cpu_isa.choose_cpu_isa(v4_bf16 - {"avx512_bf16"}, "avx512")
+    with pytest.raises(RuntimeError, match="lacks avx512_bf16, avx512_vnni, avx512bw, avx512cd, avx512dq, avx512f, "
+                                           "avx512vl; it runs: avx2"):
+        cpu_isa.choose_cpu_isa(v3, "avx512")
+    with pytest.raises(RuntimeError, match="need an x86-64-v3 CPU .* lacks avx2, fma"):
+        cpu_isa.choose_cpu_isa(v3 - {"avx2", "fma"}, None)
+
+
+def test_this_process_loaded_the_best_library():
+    assert cpu_isa.supported_cpu_isas(CPU_FEATURES), f"CPU features {sorted(CPU_FEATURES)} run no library"
+    requested = cpu_isa.requested_cpu_isa()
+    expected = requested or cpu_isa.supported_cpu_isas(CPU_FEATURES)[0]
+    assert cpu_isa.loaded_cpu_isa() == expected == _C.cpu_kernels_isa()
+    # Loading again is a no-op that reports the same library.
+    assert cpu_isa.load_cpu_kernels() == expected
+
+
+def _python(code: str, isa: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
+    if isa is not None:
+        env["PAGELLM_CPU_ISA"] = isa
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+
+
+def test_bad_cpu_isa_refused_at_import():
+    proc = _python("import pagellm", "avx-512")
+    assert proc.returncode != 0
+    assert "ValueError: PAGELLM_CPU_ISA must be one of avx512, avx2 (or unset), got 'avx-512'" in proc.stderr
+
+
+def test_forced_library_loaded_and_logged():
+    for isa in cpu_isa.supported_cpu_isas(CPU_FEATURES):
+        proc = _python("import pagellm.cpu_isa as c; print(c.loaded_cpu_isa())", isa)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.strip() == isa
+        assert f"CPU kernels: {isa} (_C_cpu_{isa}.so; forced by PAGELLM_CPU_ISA)" in proc.stderr
+
+
+def test_forced_library_the_cpu_lacks_is_refused():
+    unsupported = [isa for isa in cpu_isa.CPU_ISA_FEATURES if isa not in cpu_isa.supported_cpu_isas(CPU_FEATURES)]
+    if not unsupported:
+        pytest.skip("this CPU runs every kernel library, so none can be refused")
+    proc = _python("import pagellm", unsupported[0])
+    assert proc.returncode != 0
+    assert f"RuntimeError: PAGELLM_CPU_ISA={unsupported[0]}: this CPU (or its OS) lacks" in proc.stderr
+
+
+@needs_both
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_op_module_under_each_library(isa):
+    """The op tests that cover every VecF kernel family, against the reference, under one library."""
+    modules = ["tests/ops/test_norm_rope_activation.py", "tests/ops/test_cache_ops.py", "tests/ops/test_linear.py"]
+    env = {**os.environ, "PAGELLM_CPU_ISA": isa}
+    check = subprocess.run([sys.executable, "-c", "import pagellm.cpu_isa as c; print(c.loaded_cpu_isa())"],
+                           capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert check.stdout.strip() == isa, check.stderr[-3000:]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *modules],
+                          capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout.splitlines()[-1]
+
+
+def _run(isa: str, model: str, dtype: str, max_tokens: int) -> dict:
+    cmd = [sys.executable, str(RUNNER), "--cpu-isa", isa, "--model", model, "--dtype", dtype,
+           "--max-tokens", str(max_tokens)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["cpu_isa"] == isa
+    return report
 
 
-def _assert_same_generations(native: dict, portable: dict) -> None:
-    assert native["extension"] != portable["extension"]
-    for a, b in zip(native["results"], portable["results"], strict=True):
-        assert a["token_ids"] == b["token_ids"], f"greedy tokens differ for {a['prompt']!r}"
-        assert a["logprobs"] == b["logprobs"], f"logprobs differ for {a['prompt']!r}"
-        assert a["text"] == b["text"]
+def _assert_same_generations(a: dict, b: dict) -> None:
+    for x, y in zip(a["results"], b["results"], strict=True):
+        assert x["token_ids"] == y["token_ids"], f"greedy tokens differ for {x['prompt']!r}"
+        assert x["logprobs"] == y["logprobs"], f"logprobs differ for {x['prompt']!r}"
+        assert x["text"] == y["text"]
 
 
+@needs_both
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_portable_build_matches_installed_tiny_llama(dtype, tiny_llama_dir):
-    portable = _portable_extension()
-    native = _run(None, str(tiny_llama_dir), dtype, 16)
-    other = _run(portable, str(tiny_llama_dir), dtype, 16)
-    assert all(len(r["token_ids"]) == 16 for r in native["results"])
-    _assert_same_generations(native, other)
+def test_libraries_same_generations_tiny_llama(dtype, tiny_llama_dir):
+    avx512 = _run("avx512", str(tiny_llama_dir), dtype, 16)
+    avx2 = _run("avx2", str(tiny_llama_dir), dtype, 16)
+    assert all(len(r["token_ids"]) == 16 for r in avx512["results"])
+    _assert_same_generations(avx512, avx2)
 
 
-def test_portable_build_matches_installed_default_model():
+@needs_both
+def test_libraries_same_generations_default_model():
     if os.environ.get("PAGELLM_ISA_CHECK_DEFAULT_MODEL") != "1":
-        pytest.skip("the default model's comparison runs under PAGELLM_ISA_CHECK_DEFAULT_MODEL=1 "
-                    "(make portable-check)")
-    portable = _portable_extension()
-    native = _run(None, "default", "bfloat16", 48)
-    other = _run(portable, "default", "bfloat16", 48)
-    _assert_same_generations(native, other)
+        pytest.skip("the default model's comparison runs under PAGELLM_ISA_CHECK_DEFAULT_MODEL=1 (make isa-check)")
+    _assert_same_generations(_run("avx512", "default", "bfloat16", 48), _run("avx2", "default", "bfloat16", 48))
