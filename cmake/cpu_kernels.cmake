@@ -5,13 +5,15 @@ list(FILTER PAGELLM_CPU_KERNEL_SOURCES EXCLUDE REGEX "/csrc/ops/(common/thread_p
 
 # pagellm_add_cpu_kernels(<isa> <compile flags...>): _C_cpu_<isa>.so. Hidden visibility: the two
 # libraries define the same inline functions compiled for different CPUs, and none of them may bind to
-# another library's copy.
+# another library's copy. -ffp-contract=off: GCC's intrinsics are plain vector arithmetic that it may fuse
+# into FMAs wherever its per-target heuristics see fit, so a separate multiply and add could round once in
+# one library and twice in the other; off, each library fuses exactly the vfma calls of the source.
 function(pagellm_add_cpu_kernels isa)
   set(target _C_cpu_${isa})
   add_library(${target} MODULE ${PAGELLM_CPU_KERNEL_SOURCES})
   target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR}/csrc)
   target_compile_definitions(${target} PRIVATE PAGELLM_CPU_ISA_NAME="${isa}")
-  target_compile_options(${target} PRIVATE ${ARGN} -O3 ${PAGELLM_CXX_WARNINGS})
+  target_compile_options(${target} PRIVATE ${ARGN} -O3 -ffp-contract=off ${PAGELLM_CXX_WARNINGS})
   target_link_libraries(${target} PRIVATE _C_cpu_common torch OpenMP::OpenMP_CXX)
   set_target_properties(${target} PROPERTIES PREFIX "" SUFFIX ".so" CXX_VISIBILITY_PRESET hidden
                         VISIBILITY_INLINES_HIDDEN ON INSTALL_RPATH "${PAGELLM_INSTALL_RPATH}")
