@@ -110,7 +110,7 @@ def draft_llm(tiny_llama_dir):
     while the draft's weights and cache are intact. The draft's cache is the big one here."""
     return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=128, speculative_config={
         "method": "draft_model", "num_speculative_tokens": 3, "model": str(tiny_llama_dir),
-        "num_kv_blocks": NUM_KV_BLOCKS, "disable_by_batch_size": 64})
+        "num_kv_blocks": NUM_KV_BLOCKS, "disable_by_batch_size": 64, "adaptive": False})  # always draft
 
 
 def _accepted_fraction(llm: LLM) -> float:
@@ -146,7 +146,7 @@ def test_self_draft_shares_the_targets_weights_through_level_2(tiny_llama_dir):
     the draft frees its own KV cache, and after wake both work: same outputs, same drafts accepted."""
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=128, speculative_config={
         "method": "draft_model", "num_speculative_tokens": 3, "num_layers": 1, "num_kv_blocks": 256,
-        "disable_by_batch_size": 64})
+        "disable_by_batch_size": 64, "adaptive": False})  # always draft: a draft as big as its target never pays
     assert llm.llm_engine.proposer.runner.model.model.embed_tokens is llm.llm_engine.model.model.embed_tokens
     before, accepted = _outputs(llm), _accepted_fraction(llm)
     draft_kv, weights = _draft_kv_bytes(llm), _weight_bytes(llm)

@@ -158,7 +158,7 @@ def test_tree_rows_see_their_ancestors_as_outputs():
 
 def _medusa_llm(model_dir, heads_dir, **spec):
     config = {"method": "medusa", "num_speculative_tokens": 3, "model": str(heads_dir), "disable_by_batch_size": 8,
-              **spec}
+              "adaptive": False, **spec}  # every step drafts: the acceptance rules are compared, not the switch
     return _make_llm(model_dir, speculative_config=config)
 
 
