@@ -240,11 +240,11 @@ def test_seeded_sampling_with_ngram_is_reproducible(tiny_llama_dir, vocab):
 
 
 def test_default_batch_limit_turns_drafts_off(tiny_llama_dir, vocab):
-    """Without the adaptive switch, ngram's default disable_by_batch_size (4): 8 decode-ready sequences
-    finishing together get none. With it (the default) no fixed limit: the switch decides from measured costs."""
+    """ngram's default disable_by_batch_size (4), with or without the adaptive switch: 8 decode-ready
+    sequences finishing together get none (the switch decides per sequence below the limit)."""
     params = _greedy(12)
     prompts = _repetitive_prompts(vocab, 8, seed=2)
-    assert _make_llm(tiny_llama_dir, speculative_config=_ngram(4)).llm_engine.spec_disable_by_batch_size is None
+    assert _make_llm(tiny_llama_dir, speculative_config=_ngram(4)).llm_engine.spec_disable_by_batch_size == 4
     llm = _make_llm(tiny_llama_dir, speculative_config={**_ngram(4), "adaptive": False})
     eng = llm.llm_engine
     assert eng.spec_disable_by_batch_size == NgramProposer.default_disable_by_batch_size == 4
