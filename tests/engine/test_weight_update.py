@@ -4,48 +4,14 @@ updates are refused whole, leaving the old weights intact; the prefix cache is r
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.engine.weight_update import WeightUpdateError
-
-PROMPTS = ["hello world", "def main():", "the quick brown fox"]
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)
-
-
-def _checkpoint(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-def _perturbed(weights: dict[str, torch.Tensor], seed: int = 1) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {k: v + 0.05 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in weights.items()}
-
-
-def _write_copy(src: Path, dst: Path, weights: dict[str, torch.Tensor]) -> Path:
-    shutil.copytree(src, dst)
-    save_file(weights, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
-def _outputs(llm: LLM):
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs])
-            for o in outs]
-
-
-def _assert_same(a, b) -> None:
-    for (tok_a, lp_a), (tok_b, lp_b) in zip(a, b):
-        assert list(tok_a) == list(tok_b)
-        for da, db in zip(lp_a, lp_b):
-            assert da.keys() == db.keys()
-            for t in da:
-                assert da[t] == pytest.approx(db[t], abs=1e-5)
+from weight_update_helpers import assert_same, checkpoint, greedy_outputs, perturbed, write_copy
 
 
 def _llm(path: Path, **kw) -> LLM:
@@ -54,29 +20,29 @@ def _llm(path: Path, **kw) -> LLM:
 
 @pytest.fixture(scope="module")
 def perturbed_dir(tiny_llama_dir, tmp_path_factory) -> Path:
-    return _write_copy(tiny_llama_dir, tmp_path_factory.mktemp("perturbed") / "m",
-                       _perturbed(_checkpoint(tiny_llama_dir)))
+    return write_copy(tiny_llama_dir, tmp_path_factory.mktemp("perturbed") / "m",
+                      perturbed(checkpoint(tiny_llama_dir)))
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_update_equals_fresh_llm(tiny_llama_dir, perturbed_dir, quantization):
     llm = _llm(tiny_llama_dir, quantization=quantization)
-    before = _outputs(llm)
-    fresh = _outputs(_llm(perturbed_dir, quantization=quantization))
-    result = llm.update_weights(_checkpoint(perturbed_dir).items())
-    assert result["num_tensors"] == len(_checkpoint(perturbed_dir))
-    after = _outputs(llm)
-    _assert_same(after, fresh)
+    before = greedy_outputs(llm)
+    fresh = greedy_outputs(_llm(perturbed_dir, quantization=quantization))
+    result = llm.update_weights(checkpoint(perturbed_dir).items())
+    assert result["num_tensors"] == len(checkpoint(perturbed_dir))
+    after = greedy_outputs(llm)
+    assert_same(after, fresh)
     assert [t for t, _ in after] != [t for t, _ in before] or after[0][1] != before[0][1]
 
 
 def test_update_from_disk_and_back(tiny_llama_dir, perturbed_dir):
     llm = _llm(tiny_llama_dir)
-    original = _outputs(llm)
+    original = greedy_outputs(llm)
     llm.update_weights_from_disk(perturbed_dir)
-    _assert_same(_outputs(llm), _outputs(_llm(perturbed_dir)))
+    assert_same(greedy_outputs(llm), greedy_outputs(_llm(perturbed_dir)))
     llm.update_weights_from_disk(tiny_llama_dir / "model.safetensors")  # one file works too
-    _assert_same(_outputs(llm), original)
+    assert_same(greedy_outputs(llm), original)
 
 
 def test_partial_update_in_bf16_from_float32(tiny_llama_dir):
@@ -84,7 +50,7 @@ def test_partial_update_in_bf16_from_float32(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, dtype="bfloat16")
     model = llm.llm_engine.model
     new_norm = torch.linspace(0.5, 1.5, model.model.norm.weight.shape[0])
-    q = _checkpoint(tiny_llama_dir)["model.layers.1.self_attn.q_proj.weight"] * 2
+    q = checkpoint(tiny_llama_dir)["model.layers.1.self_attn.q_proj.weight"] * 2
     untouched = model.model.layers[0].mlp.down_proj.weight.clone()
     llm.update_weights([("model.norm.weight", new_norm), ("model.layers.1.self_attn.q_proj.weight", q)])
     assert torch.equal(model.model.norm.weight, new_norm.to(torch.bfloat16))
@@ -104,14 +70,14 @@ def _params_snapshot(llm: LLM) -> dict[str, torch.Tensor]:
 ])
 def test_bad_tensor_in_the_middle_changes_nothing(tiny_llama_dir, perturbed_dir, bad, match):
     llm = _llm(tiny_llama_dir)
-    before_params, before_out = _params_snapshot(llm), _outputs(llm)
-    items = list(_checkpoint(perturbed_dir).items())
+    before_params, before_out = _params_snapshot(llm), greedy_outputs(llm)
+    items = list(checkpoint(perturbed_dir).items())
     items.insert(len(items) // 2, bad)
     with pytest.raises(WeightUpdateError, match=match):
         llm.update_weights(items)
     after = _params_snapshot(llm)
     assert all(torch.equal(before_params[k], after[k]) for k in before_params)
-    _assert_same(_outputs(llm), before_out)
+    assert_same(greedy_outputs(llm), before_out)
 
 
 def test_nan_check_is_opt_in(tiny_llama_dir):

@@ -7,7 +7,8 @@
 is touched, so a bad call leaves the old weights intact: updates are all or nothing per call. Names are
 the checkpoint's (HF) names, as `load_weights` takes them; each tensor goes through its parameter's
 `weight_loader`, so merged (q/k/v, gate/up) and quantize-on-load (int8) layouts are handled as when
-loading, then the touched layers' `process_weights_after_loading` runs again. A layer whose method
+loading (a MoE model's per-expert or stacked expert tensors through FusedMoE's loader), then the touched
+layers' `process_weights_after_loading` runs again. A layer whose method
 replaced its checkpoint tensors after loading (AWQ's repack) cannot take updates and is refused.
 
 Sources besides an in-memory iterable: `read_weights_from_disk` (a safetensors file or HF directory) and
@@ -47,6 +48,8 @@ class PlannedLoad:
     param_name: str
     shard_id: Any
     tensor: torch.Tensor
+    expert_id: int | None = None  # a MoE expert tensor: shard_id is then its expert shard ("gate"/"up"/"down")
+    is_expert: bool = False
 
 
 def _owning_module(modules: dict[str, nn.Module], param_name: str) -> nn.Module | None:
@@ -93,6 +96,7 @@ def plan_weight_update(model: nn.Module, named_tensors: Iterable[tuple[str, torc
     ignored = tuple(getattr(model, "ignored_weight_suffixes", ()))
     tied = bool(getattr(model, "tie_word_embeddings", False))
     other_stages = absent_prefixes(model)  # a pipeline stage takes its own layers' tensors, skips the others'
+    to_expert = getattr(model, "_hf_to_expert_param", lambda _name: None)
     plan: list[PlannedLoad] = []
     for item in named_tensors:
         if not (isinstance(item, (tuple, list)) and len(item) == 2):
@@ -103,14 +107,16 @@ def plan_weight_update(model: nn.Module, named_tensors: Iterable[tuple[str, torc
         if (name.endswith(ignored) or (tied and name.startswith("lm_head."))
                 or (other_stages and name.startswith(other_stages))):
             continue
-        pname, shard_id = model._hf_to_param(name)
+        expert = to_expert(name)  # (FusedMoE parameter, expert id, shard) or None
+        pname, shard_id = (expert[0], expert[2]) if expert is not None else model._hf_to_param(name)
         param = params.get(pname)
         if param is None:
             raise WeightUpdateError(name, f"{type(model).__name__} has no parameter for it")
         module = _owning_module(modules, pname)
         _check_not_repacked(module, param, name)
         try:
-            expected = _expected_shape(module, param, shard_id)
+            expected = (module.checkpoint_shape(param, expert[1], expert[2]) if expert is not None
+                        else _expected_shape(module, param, shard_id))
         except ValueError as e:
             raise WeightUpdateError(name, str(e)) from None
         if tuple(tensor.shape) != expected:
@@ -120,7 +126,7 @@ def plan_weight_update(model: nn.Module, named_tensors: Iterable[tuple[str, torc
             raise WeightUpdateError(name, problem)
         if check_finite and tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             raise WeightUpdateError(name, "contains NaN or Inf (check_finite=True)")
-        plan.append(PlannedLoad(name, pname, shard_id, tensor))
+        plan.append(PlannedLoad(name, pname, shard_id, tensor, expert[1] if expert else None, expert is not None))
     return plan
 
 
@@ -136,7 +142,9 @@ def apply_weight_update(model: nn.Module, plan: Sequence[PlannedLoad]) -> int:
         for load in plan:
             param = params[load.param_name]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            if load.shard_id is None:
+            if load.is_expert:
+                loader(param, load.tensor, load.expert_id, load.shard_id)
+            elif load.shard_id is None:
                 loader(param, load.tensor)
             else:
                 loader(param, load.tensor, load.shard_id)

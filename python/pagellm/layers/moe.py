@@ -213,11 +213,7 @@ class FusedMoE(nn.Module):
                 loaded_weight = self.tp_shard.slice_stacked(loaded_weight, param is self.w13_weight)
             default_weight_loader(param, loaded_weight)
             return
-        if shard not in EXPERT_SHARDS or param is not getattr(self, EXPERT_SHARDS[shard]):
-            allowed = [s for s, p in EXPERT_SHARDS.items() if getattr(self, p) is param]
-            raise ValueError(f"expert shard {shard!r} does not load into this parameter; allowed: {allowed}")
-        if expert_id is None or not 0 <= expert_id < self.num_experts:
-            raise WeightShapeError(f"expert id {expert_id} out of range [0, {self.num_experts})")
+        self._check_expert_slot(param, expert_id, shard)
         if self.tp_shard is not None:
             loaded_weight = self.tp_shard.slice_per_expert(loaded_weight, shard)
         inter = self.intermediate_size
@@ -231,6 +227,25 @@ class FusedMoE(nn.Module):
                                    f"{tuple(target.shape)}, got {tuple(loaded_weight.shape)}")
         with torch.no_grad():
             target.copy_(loaded_weight)
+
+    def _check_expert_slot(self, param: nn.Parameter, expert_id: int | None, shard: str | None) -> None:
+        if shard not in EXPERT_SHARDS or param is not getattr(self, EXPERT_SHARDS[shard]):
+            allowed = [s for s, p in EXPERT_SHARDS.items() if getattr(self, p) is param]
+            raise ValueError(f"expert shard {shard!r} does not load into this parameter; allowed: {allowed}")
+        if expert_id is None or not 0 <= expert_id < self.num_experts:
+            raise WeightShapeError(f"expert id {expert_id} out of range [0, {self.num_experts})")
+
+    def checkpoint_shape(self, param: nn.Parameter, expert_id: int | None, shard: str | None) -> tuple[int, ...]:
+        """The shape of the HF tensor `weight_loader(param, tensor, expert_id, shard)` takes: a per-expert weight
+        or, with both None, the stacked one; full intermediate width under tensor parallelism (the loader
+        cuts it). ValueError for a shard of another parameter or an expert id out of range."""
+        inter = self.tp_shard.full if self.tp_shard is not None else self.intermediate_size
+        is_w13 = param is self.w13_weight
+        if expert_id is None and shard is None:
+            per_expert = (2 * inter, self.hidden_size) if is_w13 else (self.hidden_size, inter)
+            return (self.num_experts, *per_expert)
+        self._check_expert_slot(param, expert_id, shard)
+        return (self.hidden_size, inter) if shard == "down" else (inter, self.hidden_size)
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], topk_weights float32 [T, k], topk_ids int32 [T, k] (from `select_experts`) -> [T, H]
