@@ -142,8 +142,10 @@ def test_bad_sizes_are_refused_before_anything_starts(tiny_llama_dir):
     args = _serve_args(tiny_llama_dir)
     with pytest.raises(ValueError, match="more than the 2 CPUs"):
         check_data_parallel(3, args, allowed_cpus=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=4)
+    with pytest.raises(ValueError, match=r"data_parallel_size x tensor_parallel_size x pipeline_parallel_size "
+                                         r"\(2 x 2 x 1 = 4 ranks\) is more than the 3 CPUs"):
+        check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=3)
+    check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=4)  # one CPU per rank: fine
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_router("random", 2)
     too_many = len(__import__("os").sched_getaffinity(0)) + 1
