@@ -30,11 +30,11 @@ from pagellm import LLM, LoRARequest, SamplingParams
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
 TESTS = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(TESTS / "models"), str(TESTS / "engine")]
-from awq_checkpoints import write_awq_dir  # noqa: E402
+from awq_checkpoints import set_quantization_config, write_awq_dir  # noqa: E402
 from lora_helpers import ALL_TARGETS, write_peft_adapter  # noqa: E402
 
 QUANT_TOL = 1e-4  # float32, the same quantized values on every rank: summation order only
-INT8_TOL = 0.05   # measured max |dlogprob| on this model: see the module docstring for why it is not 1e-5
+INT8_TOL = 0.05   # max |dlogprob| measured 2.7e-2 on this model; see the module docstring for why not 1e-5
 
 
 def _llm(path, tp: int, **kwargs) -> LLM:
@@ -101,9 +101,42 @@ def test_awq_tp2_matches_tp1(tmp_path, tiny_tokenizer):
     _tp2_matches_tp1(_awq_dir(tmp_path, tiny_tokenizer, 32), QUANT_TOL)
 
 
-def test_int8_tp2_matches_tp1_within_the_per_shard_scale_error(llama_dir):
-    worst = _tp2_matches_tp1(llama_dir, INT8_TOL, quantization="int8")
-    print(f"int8 TP=2 vs TP=1: max |dlogprob| = {worst:.3e}")
+def _prompt_logprob_diff(ref, got) -> float:
+    """max |prompt logprob difference| (teacher-forced on the same tokens, so comparable whatever is sampled)."""
+    return max(abs(la[t].logprob - lb[t].logprob) for a, b in zip(ref, got, strict=True)
+               for t, la, lb in zip(a.prompt_token_ids[1:], a.prompt_logprobs[1:], b.prompt_logprobs[1:]))
+
+
+def test_int8_tp2_equals_tp1_when_every_shard_holds_its_rows_absmax(tmp_path, tiny_tokenizer):
+    """The cut itself is exact: with each row-parallel row's absmax in both halves (so a rank's slice scale is the
+    row's) and every activation column in float (threshold 1e-6: all are "outliers"), TP=2 and TP=1 multiply the
+    same dequantized weights."""
+    model = _hf_llama(tiny_tokenizer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                absmax = p.abs().amax(dim=1)
+                p[:, 0], p[:, p.shape[1] // 2] = absmax, -absmax
+    path = tmp_path / "int8"
+    model.save_pretrained(path, safe_serialization=True)
+    tiny_tokenizer.save_pretrained(path)
+    set_quantization_config(path, {"quant_method": "int8", "threshold": 1e-6})
+    _tp2_matches_tp1(path, QUANT_TOL)
+
+
+def test_int8_tp2_prompt_logprobs_within_the_per_shard_scale_error(llama_dir):
+    """Default int8 (threshold 6.0, ordinary weights): a row-parallel rank's scales and its per-token activation
+    scales come from its own columns, so the product differs from TP=1's by the int8 rounding (not float order):
+    teacher-forced prompt logprobs agree within INT8_TOL; sampled tokens may part at a near tie and are not
+    compared."""
+    ref = generate_greedy(_llm(llama_dir, 1, quantization="int8"))
+    llm = _llm(llama_dir, 2, quantization="int8")
+    try:
+        worst = _prompt_logprob_diff(ref, generate_greedy(llm))
+    finally:
+        llm.shutdown()
+    print(f"int8 TP=2 vs TP=1: max |prompt dlogprob| = {worst:.3e}")
+    assert 0 < worst <= INT8_TOL  # > 0: the ranks' scales really are per shard
 
 
 def test_gguf_native_tp2_matches_tp1(tmp_path, tiny_tokenizer, monkeypatch):
