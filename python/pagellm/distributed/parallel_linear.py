@@ -187,17 +187,19 @@ def row_parallel_partial(layer, x: torch.Tensor) -> torch.Tensor:
 def checkpoint_shape(module, param, shard_id, local_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The full checkpoint shape of a tensor whose part on this rank has `local_shape` (what a weight update
     must supply): the local shape unless `module` is split (a Linear's tp_plan or a vocabulary layer's
-    vocab_shard)."""
+    vocab_shard), along the dims the parameter's attributes name (`input_dim`, `output_dim`)."""
     shape = list(local_shape)
     plan = getattr(module, "tp_plan", None)
     vocab = getattr(module, "vocab_shard", None)
     if vocab is not None and shape:
         shape[0] = vocab.vocab_size
-    elif plan is not None and plan.mode == "row" and len(shape) >= 2:
-        shape[1] = local_shape[1] * get_tp_state().size  # even split of the input columns
+    elif plan is not None and plan.mode == "row":
+        dim = getattr(param, "input_dim", 1 if len(shape) >= 2 else None)
+        if dim is not None and dim < len(shape):
+            shape[dim] = local_shape[dim] * get_tp_state().size  # even split of the input columns
     elif plan is not None and plan.mode == "column" and shape:
-        if shard_id is not None:
-            shape[0] = plan.full_sizes[plan.shard_ids.index(shard_id)]
-        else:
-            shape[0] = sum(plan.full_sizes)
+        dim = getattr(param, "output_dim", 0)
+        dim = 0 if dim is None or dim >= len(shape) else dim
+        full = plan.full_sizes[plan.shard_ids.index(shard_id)] if shard_id is not None else sum(plan.full_sizes)
+        shape[dim] = full // getattr(param, "output_pack_factor", 1)
     return tuple(shape)
