@@ -6,8 +6,10 @@ in process on tiny random Llamas (float32), greedy tokens and prompt / sampled-t
     LoRA               A / B cut like their base layer, the row-parallel term reduced with the base output: 1e-4
     int8               per-row scales: a row-parallel rank (o_proj, down_proj) quantizes its rows over its own
                        input columns (scale = that slice's absmax / 127) and its activations per token over its
-                       columns, so the weights differ from TP=1's by up to half an int8 step; logprobs agree
-                       within INT8_TOL, not 1e-5 (see test_int8_quantizes_each_ranks_slice for the exact cut)
+                       columns, so the weights differ from TP=1's by up to half an int8 step: prompt logprobs
+                       agree within INT8_TOL, not 1e-5. When every slice holds its row's absmax and activations
+                       stay float, the ranks hold exactly TP=1's values and it is 1e-4 again (the cut is exact;
+                       test_tp_quant_shards checks each rank's int8 rows too)
 
 Bad shard sizes (an AWQ group cut by the split) fail the start-up with a ValueError naming the layer, raised
 while the rank builds its model, before any weight is read.
