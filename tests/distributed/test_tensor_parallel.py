@@ -96,8 +96,6 @@ def test_bad_parallel_config_is_refused_before_any_worker_starts(llama_dir):
         check_tensor_parallel(4, cfg, allowed_cpus=8)
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\) is more than the 1 CPUs"):
         check_tensor_parallel(2, cfg, allowed_cpus=1)
-    with pytest.raises(ValueError, match="unquantized"):
-        check_tensor_parallel(2, cfg, quantization="int8", allowed_cpus=8)
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="no tensor-parallel support"):
         check_tensor_parallel(2, cfg, allowed_cpus=8)

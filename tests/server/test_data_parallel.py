@@ -104,6 +104,27 @@ def test_outputs_equal_a_single_replica(front, replicas):
     assert tok.json() == httpx.post(single + "/tokenize", json={"model": "m", "prompt": "hello"}, timeout=10).json()
 
 
+
+def test_a_replica_with_tensor_parallelism_is_its_own_group(replicas, tiny_llama_long_dir):
+    """The DP x TP start-up path on this machine's CPUs: one replica started by start_replicas with -tp 2 runs its
+    own 2-rank group (its mp executor's own port and segments) beside the 2 DP replicas' engines, and answers
+    as a TP=1 replica does (greedy, float32)."""
+    allowed = len(__import__("os").sched_getaffinity(0))
+    if allowed < 2:
+        pytest.skip(f"needs 2 CPUs for 2 ranks, this process may use {allowed}")
+    (tp_replica,) = start_replicas(_serve_args(tiny_llama_long_dir, "-tp", "2"), 1, startup_timeout_s=180)
+    try:
+        front = Front([tp_replica], "least_loaded")
+        try:
+            for prompt in ("hello there", "the quick brown fox"):
+                got = _complete(front.url, prompt)["choices"][0]["text"]
+                assert got == _complete(replicas[0].url, prompt)["choices"][0]["text"]
+        finally:
+            front.stop()
+    finally:
+        stop_replicas([tp_replica], timeout_s=10)
+    assert tp_replica.proc.returncode is not None
+
 def test_least_loaded_spreads_concurrent_requests(front):
     before = list(front.router.routed)
     threads = [threading.Thread(target=_complete, args=(front.url, f"request {i}", 40)) for i in range(6)]
@@ -142,8 +163,10 @@ def test_bad_sizes_are_refused_before_anything_starts(tiny_llama_dir):
     args = _serve_args(tiny_llama_dir)
     with pytest.raises(ValueError, match="more than the 2 CPUs"):
         check_data_parallel(3, args, allowed_cpus=2)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=4)
+    with pytest.raises(ValueError, match=r"data_parallel_size x tensor_parallel_size x pipeline_parallel_size "
+                                         r"\(2 x 2 x 1 = 4 ranks\) is more than the 3 CPUs"):
+        check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=3)
+    check_data_parallel(2, _serve_args(tiny_llama_dir, "-tp", "2"), allowed_cpus=4)  # one CPU per rank: fine
     with pytest.raises(ValueError, match="unknown routing policy"):
         make_router("random", 2)
     too_many = len(__import__("os").sched_getaffinity(0)) + 1

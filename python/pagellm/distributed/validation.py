@@ -44,8 +44,7 @@ def mlp_width_fields(hf_config) -> list[str]:
     return ["intermediate_size"]
 
 
-def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", quantization: str | None = None,
-                          lora_enabled: bool = False, allowed_cpus: int | None = None) -> None:
+def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", allowed_cpus: int | None = None) -> None:
     """ValueError when `tp_size` ranks cannot run this model here. `allowed_cpus`: CPUs this process may use
     (each CPU rank needs at least one)."""
     if tp_size == 1:
@@ -56,10 +55,9 @@ def check_tensor_parallel(tp_size: int, hf_config, *, device: str = "cpu", quant
     if allowed_cpus is not None and tp_size > allowed_cpus:
         raise ValueError(f"tensor_parallel_size ({tp_size}) is more than the {allowed_cpus} CPUs this process may "
                          f"use: each rank needs at least one")
-    if quantization is not None or getattr(hf_config, "quantization_config", None):
-        raise ValueError(f"tensor_parallel_size={tp_size}: tensor parallelism supports unquantized weights only for now")
-    if lora_enabled:
-        raise ValueError(f"tensor_parallel_size={tp_size}: LoRA adapters are not supported with tensor parallelism yet")
+    # quantized weights and LoRA adapters are split like float ones (parallel_linear); a shard that cuts an
+    # AWQ group, a GGUF block or a packed int32 is refused by the layer that owns it when the rank builds the
+    # model, before any weight is read
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     divide(heads, tp_size, "num_attention_heads")

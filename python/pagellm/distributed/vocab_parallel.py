@@ -38,13 +38,14 @@ class VocabShard:
 
 
 def plan_vocab(vocab_size: int, quant_config, embedding_method, prefix: str) -> VocabShard | None:
-    """This rank's VocabShard; None on a single rank. Quantized vocabulary weights + TP: ValueError."""
+    """This rank's VocabShard; None on a single rank. A quantized method whose stored rows are not the
+    vocabulary's (not `vocab_parallel`) + TP: ValueError."""
     state = get_tp_state()
     if state.size == 1:
         return None
-    if embedding_method is not None:
-        raise ValueError(f"{prefix}: tensor parallelism supports unquantized embeddings only for now "
-                         f"(got {type(embedding_method).__name__})")
+    if embedding_method is not None and not embedding_method.vocab_parallel:
+        raise ValueError(f"{prefix}: {type(embedding_method).__name__} does not store the vocabulary by rows, so "
+                         f"tensor parallelism cannot split it")
     start, held, padded = vocab_range(vocab_size, state.rank, state.size)
     return VocabShard(vocab_size, start, held, padded)
 

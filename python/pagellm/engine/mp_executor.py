@@ -102,8 +102,7 @@ class MultiprocExecutor(ExecutorBase):
         check_pipeline_parallel(self.pp_size, self.tp_size, model_files.hf_config, device=mc.device,
                                 quantization=mc.quantization, lora_enabled=config.lora_config is not None,
                                 speculative=config.speculative_config is not None, allowed_cpus=len(allowed))
-        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
-                              lora_enabled=config.lora_config is not None, allowed_cpus=len(allowed))
+        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
         # every rank is on this host: the TP all-reduce goes through shared memory unless gloo is forced
         shm_name = new_segment_name() if self.tp_size > 1 and allreduce_backend() == "shm" else None

@@ -163,8 +163,7 @@ class RayExecutor(ExecutorBase):
         if getattr(pc, "pipeline_parallel_size", 1) > 1:
             raise ValueError(f"pipeline_parallel_size={pc.pipeline_parallel_size}: the ray executor runs tensor "
                              f"parallelism only for now; use distributed_executor_backend='mp'")
-        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, quantization=mc.quantization,
-                              lora_enabled=config.lora_config is not None)
+        check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device)
         self.step_timeout_s = _env_seconds(STEP_TIMEOUT_ENV, 300.0)
         placement_timeout_s = _env_seconds(PLACEMENT_TIMEOUT_ENV, 60.0)
         connect_ray(pc.ray_address, _env_seconds(CONNECT_TIMEOUT_ENV, 10.0))

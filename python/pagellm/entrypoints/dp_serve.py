@@ -4,6 +4,10 @@ N replica processes, each a plain `pagellm serve` of the same model on an intern
 its own contiguous slice of the allowed CPUs (the CPU kernels' thread pool is per process), behind one front
 server (entrypoints/openai/dp_app.py) on --host / --port that routes each request (dp_router.py).
 
+With --tensor-parallel-size M (and/or --pipeline-parallel-size) every replica is its own M-rank group: its mp
+executor splits the replica's CPU slice among its ranks and joins them on a free port of its own (its own
+gloo world and shared-memory segments), so replicas never share a process group. N x M ranks need N x M CPUs.
+
     replicas = start_replicas(args, num_replicas=2)     # ValueError before anything starts for a bad set-up;
     ...                                                 # RuntimeError naming the replica and its stderr tail
     stop_replicas(replicas)                             # when one fails to start within startup_timeout_s
@@ -39,13 +43,20 @@ def check_data_parallel(dp_size: int, args: argparse.Namespace, allowed_cpus: in
     if dp_size > allowed_cpus:
         raise ValueError(f"data_parallel_size ({dp_size}) is more than the {allowed_cpus} CPUs this process may "
                          f"use: each replica needs at least one")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        other = getattr(args, name, None) or 1
-        if dp_size > 1 and other > 1:
-            raise ValueError(f"data_parallel_size={dp_size} with {name}={other} is not supported yet: use one of them")
+    world = replica_world_size(args)
+    if dp_size * world > allowed_cpus:  # every replica's slice must hold one CPU per rank of its own group
+        tp, pp = getattr(args, "tensor_parallel_size", None) or 1, getattr(args, "pipeline_parallel_size", None) or 1
+        raise ValueError(f"data_parallel_size x tensor_parallel_size x pipeline_parallel_size ({dp_size} x {tp} x "
+                         f"{pp} = {dp_size * world} ranks) is more than the {allowed_cpus} CPUs this process may "
+                         f"use: each rank needs at least one; lower one of them")
     device = getattr(args, "device", None)
     if dp_size > 1 and device is not None and not str(device).startswith("cpu"):
         raise ValueError(f"data_parallel_size={dp_size}: only device='cpu' is supported for now, got {device!r}")
+
+
+def replica_world_size(args: argparse.Namespace) -> int:
+    """Ranks (processes with their own CPUs) per replica: tensor_parallel_size x pipeline_parallel_size."""
+    return (getattr(args, "tensor_parallel_size", None) or 1) * (getattr(args, "pipeline_parallel_size", None) or 1)
 
 
 def free_port() -> int:
@@ -103,8 +114,11 @@ def start_replicas(args: argparse.Namespace, num_replicas: int, *,
 
 def _spawn(index: int, cpus: list[int], args: argparse.Namespace, log_dir: Path) -> Replica:
     env = dict(os.environ)
-    if getattr(args, "num_threads", None) is None:  # the kernels' pool: one thread per CPU of the slice
-        env["PAGELLM_NUM_THREADS"] = str(len(cpus))
+    if getattr(args, "num_threads", None) is None:
+        if replica_world_size(args) == 1:  # the kernels' pool: one thread per CPU of the slice
+            env["PAGELLM_NUM_THREADS"] = str(len(cpus))
+        else:  # its ranks split the slice (mp executor) and each sizes its pool to its own CPUs
+            env.pop("PAGELLM_NUM_THREADS", None)
     log_path = log_dir / f"replica{index}.log"
     with open(log_path, "wb") as log:
         # the affinity is set before exec, so torch and the kernels' pool start inside the slice

@@ -48,7 +48,7 @@ class Linear(nn.Module):
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None,
                  quant_config: QuantizationConfig | None = None, prefix: str = "", tp_mode: str | None = None) -> None:
         super().__init__()
-        self.tp_plan = plan_linear(tp_mode, in_features, [out_features], None, quant_config, prefix)
+        self.tp_plan = plan_linear(tp_mode, in_features, [out_features], None, prefix)
         self._create_weights(in_features, [out_features], bias, dtype, device, quant_config, prefix)
 
     def _create_weights(self, in_features: int, output_partition_sizes: list[int], bias: bool, dtype, device,
@@ -82,7 +82,7 @@ class Linear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if self.tp_plan is not None:
-            loaded_weight = self.tp_plan.slice_checkpoint(loaded_weight, shard_id)
+            loaded_weight = self.tp_plan.slice_checkpoint(loaded_weight, shard_id, param, self.prefix)
         shard_loader = getattr(param, "shard_loader", load_output_slice)
         shard_loader(param, loaded_weight, self.output_shard(shard_id))
 
@@ -111,7 +111,7 @@ class MergedLinear(Linear):
         ids = list(range(len(shard_sizes))) if shard_ids is None else list(shard_ids)
         if len(ids) != len(shard_sizes):
             raise ValueError("shard_ids and shard_sizes differ in length")
-        self.tp_plan = self._plan_tp(tp_mode, in_features, list(shard_sizes), ids, quant_config, prefix)
+        self.tp_plan = self._plan_tp(tp_mode, in_features, list(shard_sizes), ids, prefix)
         if self.tp_plan is not None:  # offsets below are within this rank's [q_r | k_r | v_r] layout
             shard_sizes = self.tp_plan.local_output_sizes
         self.shard_sizes = list(shard_sizes)
@@ -122,9 +122,9 @@ class MergedLinear(Linear):
             off += size
         self._create_weights(in_features, self.shard_sizes, bias, dtype, device, quant_config, prefix)
 
-    def _plan_tp(self, tp_mode, in_features: int, shard_sizes: list[int], shard_ids: list, quant_config,
+    def _plan_tp(self, tp_mode, in_features: int, shard_sizes: list[int], shard_ids: list,
                  prefix: str) -> LinearShardPlan | None:
-        return plan_linear(tp_mode, in_features, shard_sizes, shard_ids, quant_config, prefix)
+        return plan_linear(tp_mode, in_features, shard_sizes, shard_ids, prefix)
 
     def output_shard(self, shard_id) -> OutputShard | None:
         if shard_id is None:  # an already-merged checkpoint tensor
@@ -149,9 +149,9 @@ class QKVLinear(MergedLinear):
                          shard_ids=["q", "k", "v"], quant_config=quant_config, prefix=prefix, tp_mode=tp_mode)
         self.q_size, self.kv_size = self.shard_sizes[0], self.shard_sizes[1]
 
-    def _plan_tp(self, tp_mode, in_features: int, shard_sizes: list[int], shard_ids: list, quant_config,
+    def _plan_tp(self, tp_mode, in_features: int, shard_sizes: list[int], shard_ids: list,
                  prefix: str) -> LinearShardPlan | None:
-        return plan_qkv(tp_mode, *self._heads, quant_config, prefix)
+        return plan_qkv(tp_mode, *self._heads, prefix)
 
     def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)

@@ -37,7 +37,13 @@ class LoRAModelManager:
             module = modules[module_name]
             buf = LoRASlotBuffers(module, config.max_loras, config.max_lora_rank, dtype, device)
             self.buffers[module_name] = buf
-            self._hook_handles.append(module.register_forward_hook(buf.make_hook(self.step_state, self.scales)))
+            hook = buf.make_hook(self.step_state, self.scales)
+            if module.tp_plan is not None and module.tp_plan.mode == "row":
+                # a row-parallel layer's output is already summed over the ranks: the term over this rank's
+                # input columns is added to the partial product instead, and reduced with it
+                module.partial_output_hook = _partial_output_hook(hook)
+            else:
+                self._hook_handles.append(module.register_forward_hook(hook))
 
     def add_adapter(self, name: str, path: str) -> dict[str, Any]:
         """Load (or replace) adapter `name` from PEFT directory `path`; returns its rank and scale.
@@ -75,3 +81,12 @@ class LoRAModelManager:
         for module_name, buf in self.buffers.items():
             buf.write_slot(slot, None if adapter is None else adapter.weights.get(module_name))
         self.scales[slot] = 0.0 if adapter is None else adapter.scale
+
+
+def _partial_output_hook(forward_hook):
+    """A forward hook (which adds its term to the output in place) as a row-parallel layer's partial_output_hook."""
+    def hook(layer, x, y):
+        forward_hook(layer, (x,), y)
+        return y
+
+    return hook

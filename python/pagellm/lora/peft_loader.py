@@ -4,7 +4,9 @@ Every check runs before anything is handed back, so a bad adapter never reaches 
 the rank (<= max_lora_rank), every `target_modules` entry naming a linear of the model, every tensor
 belonging to such a linear with the shapes its layer needs. HF linears that pagellm merges (q/k/v into
 qkv_proj, gate/up into gate_up_proj, per `model.stacked_params_mapping`) come back as shards of the merged
-layer.
+layer. Under tensor parallelism shapes are checked against the whole HF linear, then each pair is cut to
+the rank's part (`LinearShardPlan.slice_lora`: B's rows of a column-parallel layer, A's input columns of a
+row-parallel one).
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ class LinearTarget:
 
     module_name: str
     shard_id: object
-    in_features: int
-    out_features: int  # of this shard
+    in_features: int   # of the whole HF linear (a tensor-parallel layer holds part of it)
+    out_features: int  # of this shard, whole
+    module: Linear | None = None
 
 
 @dataclass
@@ -54,13 +57,17 @@ def hf_linear_targets(model: nn.Module) -> dict[str, LinearTarget]:
         if not isinstance(module, Linear):
             continue
         parent, _, leaf = name.rpartition(".")
+        plan = module.tp_plan
+        in_features = module.in_features if plan is None else plan.full_in_features(module.in_features)
         if isinstance(module, MergedLinear):
             for merged, hf, shard in mapping:
                 if merged == leaf and shard in module.shard_offsets:
                     size = module.shard_offsets[shard][1]
-                    targets[f"{parent}.{hf}"] = LinearTarget(name, shard, module.in_features, size)
+                    size = size if plan is None else plan.full_out_features(shard, size)
+                    targets[f"{parent}.{hf}"] = LinearTarget(name, shard, in_features, size, module)
         else:
-            targets[name] = LinearTarget(name, None, module.in_features, module.out_features)
+            size = module.out_features if plan is None else plan.full_out_features(None, module.out_features)
+            targets[name] = LinearTarget(name, None, in_features, size, module)
     return targets
 
 
@@ -140,5 +147,7 @@ def load_peft_adapter(path: str, model: nn.Module, max_lora_rank: int, dtype: to
         if tuple(a.shape) != (rank, t.in_features) or tuple(b.shape) != (t.out_features, rank):
             raise ValueError(f"LoRA adapter {path!r}: {hf_name} lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} "
                              f"must be {(rank, t.in_features)} / {(t.out_features, rank)}")
-        adapter.weights.setdefault(t.module_name, {})[t.shard_id] = (a.to(dtype), b.to(dtype))
+        if t.module.tp_plan is not None:  # this tensor-parallel rank's part, as its base weight is cut
+            a, b = t.module.tp_plan.slice_lora(a, b, t.shard_id)
+        adapter.weights.setdefault(t.module_name, {})[t.shard_id] = (a.to(dtype).contiguous(), b.to(dtype).contiguous())
     return adapter

@@ -24,6 +24,7 @@ is built.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,6 +32,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from pagellm.distributed import get_tp_size
 from pagellm.logger import init_logger
 from pagellm.model_loader.gguf_convert import _SKIP, dequantize_tensor, gguf_name_to_hf, unpermute_qk
 from pagellm.quantization.gguf import GGUF_METHOD, GGUFConfig, supported_gguf_types
@@ -65,9 +67,18 @@ class NativeGGUFPlan:
             if hf_name is None:
                 raise ValueError(f"{self.path}: unexpected tensor {t.name!r} for a llama GGUF")
             if t.name in self.native_tensors:
-                yield hf_name.removesuffix(".weight") + ".qweight", self._rows(t.name, np.asarray(t.data))
+                yield hf_name.removesuffix(".weight") + ".qweight", self._blocks(t.name, np.asarray(t.data))
             else:
                 yield hf_name, self._rows(t.name, dequantize_tensor(t))
+
+    def _blocks(self, name: str, rows: np.ndarray) -> torch.Tensor:
+        """A native tensor's blocks: under tensor parallelism a view of the file's memory map (the layer copies
+        only this rank's rows / blocks out of it, parallel_linear), unless q/k rows must be reordered first."""
+        if get_tp_size() == 1 or ".attn_q." in name or ".attn_k." in name:
+            return self._rows(name, rows)
+        with warnings.catch_warnings():  # read-only map: the loaders only copy out of it, never write
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(rows)
 
     def _rows(self, name: str, rows: np.ndarray) -> torch.Tensor:
         if ".attn_q." in name:

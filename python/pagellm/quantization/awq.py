@@ -90,22 +90,31 @@ class AWQLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
         name = getattr(layer, "prefix", "") or "linear layer"
+        plan = getattr(layer, "tp_plan", None)  # tensor parallelism: input_size / output sizes are this rank's
+        split = "" if plan is None else " per tensor-parallel rank"
         group = input_size if self.config_group_size == WHOLE_INPUT_GROUP else self.config_group_size
         if input_size % group or input_size % KERNEL_BLOCK:
-            raise ValueError(f"{name}: in_features={input_size} is not a multiple of the AWQ group_size {group} "
-                             f"(and of {KERNEL_BLOCK})")
+            raise ValueError(f"{name}: in_features{split}={input_size} is not a multiple of the AWQ group_size "
+                             f"{group} (and of {KERNEL_BLOCK})" + (": a row-parallel layer's ranks must each hold "
+                                                                   "whole groups" if split else ""))
         if any(size % AWQ_PACK_FACTOR for size in output_partition_sizes):
             raise ValueError(f"{name}: AWQ packs {AWQ_PACK_FACTOR} output features per int32, but its output "
-                             f"shards have sizes {output_partition_sizes}")
+                             f"shards have sizes{split} {output_partition_sizes}")
         self.group_size = group
         packed, groups = output_size // AWQ_PACK_FACTOR, input_size // group
+        # a row-parallel rank's input rows are whole groups: qweight is cut by rows, qzeros / scales by groups
+        # (one group over the whole input, group_size -1: every rank keeps that group's row)
+        grouped = {"input_dim": None} if self.config_group_size == WHOLE_INPUT_GROUP else {
+            "input_dim": 0, "input_units": (group, 1)}
         int_loader = {"output_dim": 1, "output_pack_factor": AWQ_PACK_FACTOR}
         layer.register_parameter("qweight", new_linear_param(
-            (input_size, packed), torch.int32, extra, **int_loader, shard_loader=_checked_loader("qweight", True)))
+            (input_size, packed), torch.int32, extra, **int_loader, input_dim=0,
+            shard_loader=_checked_loader("qweight", True)))
         layer.register_parameter("qzeros", new_linear_param(
-            (groups, packed), torch.int32, extra, **int_loader, shard_loader=_checked_loader("qzeros", True)))
+            (groups, packed), torch.int32, extra, **int_loader, **grouped, shard_loader=_checked_loader("qzeros", True)))
         layer.register_parameter("scales", new_linear_param(
-            (groups, output_size), torch.float32, extra, output_dim=1, shard_loader=_checked_loader("scales", False)))
+            (groups, output_size), torch.float32, extra, output_dim=1, **grouped,
+            shard_loader=_checked_loader("scales", False)))
         if bias:
             layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))
 

@@ -33,11 +33,18 @@ ShardLoader = Callable[[nn.Parameter, torch.Tensor, "OutputShard | None"], None]
 
 
 def new_linear_param(shape: tuple[int, ...], dtype: torch.dtype, extra: dict[str, Any], *, output_dim: int | None = 0,
-                     output_pack_factor: int = 1, shard_loader: ShardLoader | None = None) -> nn.Parameter:
+                     output_pack_factor: int = 1, input_dim: int | None = 1, input_units: tuple[int, int] = (1, 1),
+                     shard_loader: ShardLoader | None = None) -> nn.Parameter:
     """An uninitialised, frozen parameter carrying the layer's `extra` attributes (its `weight_loader`)
-    and where its output dim is (None: not split by output shards; then give a `shard_loader`)."""
+    and where its output dim is (None: not split by output shards; then give a `shard_loader`).
+
+    `input_dim` / `input_units` say how a row-parallel layer (distributed.parallel_linear) cuts the checkpoint
+    tensor by input features: along `input_dim` (None, and always for a 1-D parameter: kept whole on every
+    rank), `input_units = (elements, stored)` input features per `stored` entries (a group's one scale:
+    (group_size, 1); a GGUF block: (32, 34))."""
     param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-    attrs = dict(extra, output_dim=output_dim, output_pack_factor=output_pack_factor)
+    attrs = dict(extra, output_dim=output_dim, output_pack_factor=output_pack_factor,
+                 input_dim=input_dim if len(shape) >= 2 else None, input_units=tuple(input_units))
     if shard_loader is not None:
         attrs["shard_loader"] = shard_loader
     set_weight_attrs(param, attrs)
@@ -76,7 +83,13 @@ class EmbeddingMethodBase(LinearMethodBase):
     the LinearMethodBase ones (`apply`: hidden [..., in] -> logits [..., num_embeddings] in the model dtype),
     and `embedding` reads rows of it. A tied LM head shares its embedding's method and parameters (one copy
     of W in memory), so a method must not replace parameters in `process_weights_after_loading`.
+
+    `vocab_parallel`: True when every stored tensor is [num_embeddings, ...] with token i's data in row i and
+    an all-zero row reads as a zero vector, so a tensor-parallel rank can hold a zero-padded block of rows
+    (distributed.vocab_parallel); a method storing W otherwise leaves it False and is refused under TP.
     """
+
+    vocab_parallel: bool = False
 
     @abstractmethod
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:

@@ -55,11 +55,15 @@ class GGUFLinearMethod(LinearMethodBase):
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
         block_elems = GGUF_BLOCK_ELEMS[self.qtype]
         if input_size % block_elems:
-            raise ValueError(f"{getattr(layer, 'prefix', '') or 'linear layer'}: in_features={input_size} is not a "
-                             f"multiple of {block_elems}, the {self.type_name} block size")
+            split = "" if getattr(layer, "tp_plan", None) is None else " per tensor-parallel rank"
+            raise ValueError(f"{getattr(layer, 'prefix', '') or 'linear layer'}: in_features{split}={input_size} is "
+                             f"not a multiple of {block_elems}, the {self.type_name} block size")
         row_bytes = gguf_row_bytes(self.qtype, input_size)
         self.params_dtype = params_dtype
-        layer.register_parameter("qweight", new_linear_param((output_size, row_bytes), torch.uint8, extra))
+        # a row-parallel rank takes whole blocks of each row: block_elems inputs per block_bytes bytes
+        layer.register_parameter("qweight", new_linear_param(
+            (output_size, row_bytes), torch.uint8, extra,
+            input_units=(block_elems, gguf_row_bytes(self.qtype, block_elems))))
         if bias:
             layer.register_parameter("bias", new_linear_param((output_size,), params_dtype, extra))
 
@@ -93,7 +97,10 @@ class GGUFEmbeddingMethod(GGUFLinearMethod, EmbeddingMethodBase):
     """The token embedding / LM head in GGUF blocks: qweight uint8 [vocab, hidden / block_elems * block_bytes]. The head
     is `gguf_linear` (logits in the model dtype); a lookup gathers the looked-up rows of blocks and dequantizes
     just those ([num_tokens, hidden] per step, pure torch, exactly as gguf-py), then rounds to the model dtype as
-    the float path's weight was rounded when loaded."""
+    the float path's weight was rounded when loaded. Under tensor parallelism a rank holds a block of rows of
+    blocks (a zero padding row is a zero block: d = 0)."""
+
+    vocab_parallel = True
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         super().process_weights_after_loading(layer)

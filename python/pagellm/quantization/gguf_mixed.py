@@ -47,6 +47,9 @@ class GGUFMixedLinearMethod(LinearMethodBase):
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
         name = getattr(layer, "prefix", "") or "merged layer"
+        plan = getattr(layer, "tp_plan", None)
+        if plan is not None and plan.mode == "row":  # merged layers are column-parallel (their rows split)
+            raise ValueError(f"{name}: a GGUF layer of mixed block types cannot be row-parallel")
         shard_ids = list(getattr(layer, "shard_offsets", {}))
         if len(shard_ids) != len(output_partition_sizes) or set(shard_ids) != set(self.shard_types):
             raise ValueError(f"{name}: shard types are given for {sorted(map(str, self.shard_types))}, the layer's "

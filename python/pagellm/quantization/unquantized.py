@@ -29,5 +29,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 class UnquantizedEmbeddingMethod(UnquantizedLinearMethod, EmbeddingMethodBase):
     """weight [num_embeddings, embedding_dim] in `params_dtype`: looked up with F.embedding, multiplied as a linear."""
 
+    vocab_parallel = True
+
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, layer.weight)
