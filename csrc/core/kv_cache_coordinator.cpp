@@ -120,6 +120,12 @@ int64_t KVCacheCoordinator::num_blocks() const {
   return n;
 }
 
+int64_t KVCacheCoordinator::num_reserved_blocks() const {
+  int64_t n = 0;
+  for (const auto& bm : groups_) n += bm->num_reserved_blocks();
+  return n;
+}
+
 int64_t KVCacheCoordinator::num_free_blocks() const {
   int64_t n = 0;
   for (const auto& bm : groups_) n += bm->num_free_blocks();

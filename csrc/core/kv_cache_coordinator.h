@@ -71,6 +71,8 @@ class KVCacheCoordinator {
   bool is_live(Handle h) const { return groups_.front()->is_live(h); }
   // Blocks summed over groups (null blocks included).
   int64_t num_blocks() const;
+  // Blocks never handed to requests (the null blocks), summed over groups.
+  int64_t num_reserved_blocks() const;
   // Free blocks summed over groups.
   int64_t num_free_blocks() const;
   // Cached blocks summed over groups.
