@@ -88,16 +88,26 @@ def write_model(arch: str, extra: dict, path: Path) -> Path:
     return path
 
 
-def make_llm(path: Path, budget_mib: int, max_num_seqs: int, window_as_mask: bool = False):
+def make_llm(path: Path, budget_mib: int, max_num_seqs: int, window_as_mask: bool = False,
+             sizing_chunk: int | None = None):
+    """`window_as_mask`: a mixed model on the pre-hybrid path (one block table, every block kept).
+    `sizing_chunk`: the prefill chunk the KV sizing assumes (the engine sizes with max_num_batched_tokens; the
+    chunked rows' 256-token chunks come from long_prefill_token_threshold, which the Python SchedulerConfig does
+    not expose), so a hybrid cache's window group gets the blocks those chunks need."""
     from pagellm import LLM
+    from pagellm.engine import worker
     from pagellm.kv_cache import groups
 
-    if window_as_mask:  # the pre-hybrid path for a mixed model: one block table, every block kept
-        mixed, groups.is_mixed_window_model = groups.is_mixed_window_model, lambda specs: False
+    if window_as_mask or sizing_chunk:
+        mixed, make_config = groups.is_mixed_window_model, worker.make_kv_cache_config
+        if window_as_mask:
+            groups.is_mixed_window_model = lambda specs: False
+        if sizing_chunk:
+            worker.make_kv_cache_config = lambda *a, **kw: make_config(*a, **{**kw, "max_chunk_tokens": sizing_chunk})
         try:
             return make_llm(path, budget_mib, max_num_seqs)
         finally:
-            groups.is_mixed_window_model = mixed
+            groups.is_mixed_window_model, worker.make_kv_cache_config = mixed, make_config
 
     # a token budget for every prompt at once: admission is limited by KV blocks alone, not by one prefill
     # per step against sequences that finish after DECODE_TOKENS steps
@@ -168,8 +178,9 @@ def run_variant(name: str, args, workdir: Path) -> dict:
     path = write_model(arch, extra, workdir / "".join(c if c.isalnum() else "_" for c in name))
     from pagellm.kv_cache.groups import max_blocks_per_request
 
-    llm = make_llm(path, args.budget_mib, max_num_seqs=64, window_as_mask=name.endswith("(window as mask)"))
     chunked = "chunked" in name
+    llm = make_llm(path, args.budget_mib, max_num_seqs=64, window_as_mask=name.endswith("(window as mask)"),
+                   sizing_chunk=CHUNK if chunked else None)
     if chunked:
         chunk_prefills(llm, CHUNK)
     cfg = llm.llm_engine.kv_cache_config

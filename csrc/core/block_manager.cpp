@@ -153,12 +153,18 @@ int64_t BlockManager::append_cost(Handle h, int64_t num_computed, int64_t num_ne
 }
 
 bool BlockManager::append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) {
-  if (append_cost(h, num_computed, num_new, num_lookahead) > num_free_blocks()) return false;
+  check_non_negative(num_computed, "num_computed_tokens");
+  check_non_negative(num_new, "num_new_tokens");
+  check_non_negative(num_lookahead, "num_lookahead_tokens");
   SeqBlocks& s = mut_seq(h);
   const int64_t end = num_computed + num_new + num_lookahead;
   const size_t need = static_cast<size_t>(blocks_for(end));
   const size_t have = s.blocks.size();
   const size_t first = static_cast<size_t>(num_computed / block_size_);
+  int64_t cow = 0;  // the count append_cost() gives, inlined: this is every decode step's path
+  for (size_t j = first; j < std::min(have, need); ++j) cow += pool_.table_refs(s.blocks[j]) > 1 ? 1 : 0;
+  const int64_t fresh = need > have ? static_cast<int64_t>(need - have) : 0;
+  if (cow + fresh > num_free_blocks()) return false;
   for (size_t j = first; j < std::min(have, need); ++j) {
     if (pool_.table_refs(s.blocks[j]) > 1) {
       copy_on_write(s, j, static_cast<int64_t>(j) * block_size_ < num_computed);

@@ -13,6 +13,8 @@ KVCacheCoordinator::KVCacheCoordinator(const std::vector<KVCacheGroupConfig>& gr
     groups_.push_back(std::make_unique<BlockManager>(g.num_blocks, block_size, enable_prefix_caching, watermark,
                                                      g.sliding_window));
   }
+  first_ = groups_.front().get();
+  single_ = groups_.size() == 1;
 }
 
 HybridPrefixMatch KVCacheCoordinator::find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key) const {
@@ -65,8 +67,7 @@ KVCacheCoordinator::Handle KVCacheCoordinator::allocate(const std::string& id, c
   return h;
 }
 
-bool KVCacheCoordinator::append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) {
-  if (groups_.size() == 1) return groups_[0]->append_slots(h, num_computed, num_new, num_lookahead);
+bool KVCacheCoordinator::append_slots_all(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) {
   for (const auto& bm : groups_) {
     if (bm->append_cost(h, num_computed, num_new, num_lookahead) > bm->num_free_blocks()) return false;
   }
@@ -74,18 +75,6 @@ bool KVCacheCoordinator::append_slots(Handle h, int64_t num_computed, int64_t nu
     if (!bm->append_slots(h, num_computed, num_new, num_lookahead)) throw std::logic_error("append_slots: a group ran out after its check");
   }
   return true;
-}
-
-void KVCacheCoordinator::cache_full_blocks(Handle h, const int64_t* tokens, int64_t num_computed) {
-  for (const auto& bm : groups_) bm->cache_full_blocks(h, tokens, num_computed);
-}
-
-void KVCacheCoordinator::shrink(Handle h, int64_t num_slots) {
-  for (const auto& bm : groups_) bm->shrink(h, num_slots);
-}
-
-void KVCacheCoordinator::drop_outside_window(Handle h, int64_t num_computed) {
-  for (const auto& bm : groups_) bm->drop_outside_window(h, num_computed);
 }
 
 bool KVCacheCoordinator::free(Handle h) {
@@ -102,6 +91,7 @@ KVCacheCoordinator::Handle KVCacheCoordinator::fork(Handle parent, const std::st
 
 std::vector<GroupCowCopy> KVCacheCoordinator::take_cow_copies() {
   std::vector<GroupCowCopy> out;
+  if (single_ && first_->pending_cow_copies().empty()) return out;
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (groups_[g]->pending_cow_copies().empty()) continue;
     for (const auto& c : groups_[g]->take_cow_copies()) out.push_back({static_cast<int32_t>(g), c.first, c.second});

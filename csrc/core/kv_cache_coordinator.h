@@ -48,11 +48,21 @@ class KVCacheCoordinator {
   Handle allocate(const std::string& id, const HybridPrefixMatch& match, int64_t num_new_tokens,
                   int32_t num_lookahead, uint64_t extra_key);
   // Extends the tables of every group or none; false (nothing changed) when a group runs out of blocks.
-  bool append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead);
+  // (The per-row calls are inline so that a one-group cache calls its BlockManager as directly as before.)
+  bool append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) {
+    return single_ ? first_->append_slots(h, num_computed, num_new, num_lookahead)
+                   : append_slots_all(h, num_computed, num_new, num_lookahead);
+  }
   // BlockManager's per-table operations, applied to every group.
-  void cache_full_blocks(Handle h, const int64_t* tokens, int64_t num_computed);
-  void shrink(Handle h, int64_t num_slots);
-  void drop_outside_window(Handle h, int64_t num_computed);
+  void cache_full_blocks(Handle h, const int64_t* tokens, int64_t num_computed) {
+    for (const auto& bm : groups_) bm->cache_full_blocks(h, tokens, num_computed);
+  }
+  void shrink(Handle h, int64_t num_slots) {
+    for (const auto& bm : groups_) bm->shrink(h, num_slots);
+  }
+  void drop_outside_window(Handle h, int64_t num_computed) {
+    for (const auto& bm : groups_) bm->drop_outside_window(h, num_computed);
+  }
   bool free(Handle h);
   Handle fork(Handle parent, const std::string& child_id);
   // Pending copy-on-write pairs of every group (group order), cleared; their sources are unpinned.
@@ -64,7 +74,9 @@ class KVCacheCoordinator {
   // One group's manager (read-only).
   const BlockManager& group(size_t g) const { return *groups_.at(g); }
   // A live request's block table in group g (every group's table has the same length).
-  const std::vector<int32_t>& block_table(Handle h, size_t g = 0) const { return groups_[g]->block_table(h); }
+  const std::vector<int32_t>& block_table(Handle h, size_t g = 0) const {
+    return (g == 0 ? first_ : groups_[g].get())->block_table(h);
+  }
   // Slots per block (the same in every group).
   int32_t block_size() const { return groups_.front()->block_size(); }
   // Whether a handle names a live request.
@@ -86,10 +98,14 @@ class KVCacheCoordinator {
   int64_t prefix_cache_hits() const { return groups_.front()->prefix_cache_hits(); }
 
  private:
+  // append_slots() of a cache with several groups: checks every group, then extends every group.
+  bool append_slots_all(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead);
   // Throws std::logic_error when group g handed out another handle than group 0 (the lockstep broke).
   static Handle same_handle(Handle h0, Handle hg, size_t g);
 
   std::vector<std::unique_ptr<BlockManager>> groups_;
+  BlockManager* first_ = nullptr;  // groups_[0]: the per-row calls of a one-group cache go straight to it
+  bool single_ = true;             // one group: today's single-table path
 };
 
 }  // namespace pagellm
