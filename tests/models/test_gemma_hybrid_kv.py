@@ -223,3 +223,42 @@ def test_prefix_caching_and_preemption_match_hf(gemma):
     for grp in range(counter.num_kv_cache_groups):
         null = 1 if groups[grp].sliding_window else 0
         assert counter.group_num_free_blocks(grp) == counter.group_num_blocks(grp) - null, (name, grp)
+
+
+def test_bad_hybrid_scheduler_input_is_refused():
+    _C = pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
+    with pytest.raises(ValueError, match=r"extra_groups\[0\].num_blocks must be >= 2 with a sliding window"):
+        _C.Scheduler(num_blocks=16, block_size=4, extra_groups=[(1, 8)])
+    with pytest.raises(ValueError, match=r"extra_groups\[1\].sliding_window must be >= 0"):
+        _C.Scheduler(num_blocks=16, block_size=4, extra_groups=[(8, 8), (8, -2)])
+    s = _C.Scheduler(num_blocks=16, block_size=4, max_model_len=64, extra_groups=[(4, 8)])
+    with pytest.raises(ValueError, match="KV blocks of group 1 but only 3 can be admitted"):
+        s.add_request("long", list(range(20)))  # 5 sliding blocks at once (no chunking below 20 tokens)
+    s.add_request("r", list(range(6)))
+    out = s.schedule()
+    assert out.num_kv_cache_groups == 2 and out.group_slot_mapping(1).shape == out.slot_mapping.shape
+    assert out.group_block_tables(1).shape == out.block_tables.shape and len(out.cow_copy_groups) == 0
+    with pytest.raises(IndexError, match="no KV-cache group 2"):
+        out.group_slot_mapping(2)
+    with pytest.raises(IndexError):
+        s.get_block_table("r", 2)
+    with pytest.raises(ValueError, match="group_num_blocks must hold one integer >= 1 per group"):
+        config = make_kv_cache_config({0: _sliding(), 1: _full()}, torch.device("cpu"), 64, 2, num_blocks_override=20)
+        type(config)(num_blocks=20, groups=config.groups, layer_specs=config.layer_specs, group_num_blocks=(20,))
+
+
+def test_ngram_speculation_keeps_the_tokens(gemma):
+    """Spec rows write drafts into every group's lookahead slots and shrink the rejected ones in each; the sliding
+    group's dropped blocks must not change a token."""
+    name, path, hf, window = gemma
+    g = random.Random(5)
+    prompts = [[g.randrange(5, hf.config.vocab_size) for _ in range(n)] * 5 for n in (5, 9)]
+    want = [list(o.outputs[0].token_ids) for o in _llm(path, num_kv_blocks=128).generate(
+        [{"prompt_token_ids": p} for p in prompts], _greedy(40), use_tqdm=False)]
+    spec = _llm(path, num_kv_blocks=128, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                             "adaptive": False})
+    got = [list(o.outputs[0].token_ids) for o in spec.generate([{"prompt_token_ids": p} for p in prompts],
+                                                                _greedy(40), use_tqdm=False)]
+    assert got == want, name
+    sched = spec.llm_engine.scheduler
+    assert sched.num_kv_cache_groups == 2 and sched.num_free_blocks == sched.num_blocks - sched.num_reserved_blocks
