@@ -178,14 +178,19 @@ void bind_output(py::module_& m) {
            [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.cow_copy_groups.size())}; });
   cls.def_property_readonly("num_kv_cache_groups",
                             [](const SO& o) { return static_cast<int64_t>(o.group_slot_mappings.size()) + 1; });
+  const auto check_group = [](const SO& o, int64_t g) {
+    if (g < 0 || g > static_cast<int64_t>(o.group_slot_mappings.size())) {
+      throw py::index_error("no KV-cache group " + std::to_string(g));
+    }
+  };
   cls.def("group_slot_mapping", [=](py::object self, int64_t g) {
         const SO& o = self.cast<const SO&>();
-        if (g < 0 || g > static_cast<int64_t>(o.group_slot_mappings.size())) throw py::index_error("no KV-cache group " + std::to_string(g));
+        check_group(o, g);
         return view(self, g == 0 ? o.slot_mapping : o.group_slot_mappings[static_cast<size_t>(g - 1)], Shape{toks(o)});
       }, py::arg("group"));
   cls.def("group_block_tables", [=](py::object self, int64_t g) {
         const SO& o = self.cast<const SO&>();
-        if (g < 0 || g > static_cast<int64_t>(o.group_block_tables.size())) throw py::index_error("no KV-cache group " + std::to_string(g));
+        check_group(o, g);
         const Shape shape{rows(o), static_cast<py::ssize_t>(o.max_blocks_in_batch)};
         return view(self, g == 0 ? o.block_tables : o.group_block_tables[static_cast<size_t>(g - 1)], shape);
       }, py::arg("group"));
@@ -266,9 +271,10 @@ void bind_scheduler(py::module_& m) {
             return r.seq_handle() < 0 ? 0 : s.kv_cache().group(g).num_live_blocks(r.seq_handle());
           }, py::arg("request_id"), py::arg("group") = 0)
       .def_property_readonly("num_kv_cache_groups", [](const Scheduler& s) { return s.kv_cache().num_groups(); })
-      .def_property_readonly("num_reserved_blocks", [](const Scheduler& s) { return s.kv_cache().num_reserved_blocks(); })
-      .def("group_num_free_blocks", [](const Scheduler& s, size_t g) { return s.kv_cache().group(g).num_free_blocks(); },
-           py::arg("group"))
+      .def_property_readonly("num_reserved_blocks",
+                             [](const Scheduler& s) { return s.kv_cache().num_reserved_blocks(); })
+      .def("group_num_free_blocks",
+           [](const Scheduler& s, size_t g) { return s.kv_cache().group(g).num_free_blocks(); }, py::arg("group"))
       .def("group_num_blocks", [](const Scheduler& s, size_t g) { return s.kv_cache().group(g).num_blocks(); },
            py::arg("group"))
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)

@@ -72,7 +72,9 @@ bool KVCacheCoordinator::append_slots_all(Handle h, int64_t num_computed, int64_
     if (bm->append_cost(h, num_computed, num_new, num_lookahead) > bm->num_free_blocks()) return false;
   }
   for (const auto& bm : groups_) {
-    if (!bm->append_slots(h, num_computed, num_new, num_lookahead)) throw std::logic_error("append_slots: a group ran out after its check");
+    if (!bm->append_slots(h, num_computed, num_new, num_lookahead)) {
+      throw std::logic_error("append_slots: a group ran out of blocks after its check");
+    }
   }
   return true;
 }

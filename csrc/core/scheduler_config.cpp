@@ -34,7 +34,8 @@ void CacheConfig::validate() const {
   for (size_t g = 0; g < extra_groups.size(); ++g) {
     const KVCacheGroupConfig& k = extra_groups[g];
     const std::string name = "extra_groups[" + std::to_string(g) + "].";
-    require(k.sliding_window >= 0, name + "sliding_window", ">= 0 (0 = full attention)", std::to_string(k.sliding_window));
+    require(k.sliding_window >= 0, name + "sliding_window", ">= 0 (0 = full attention)",
+            std::to_string(k.sliding_window));
     require(k.num_blocks >= (k.sliding_window > 0 ? 2 : 1), name + "num_blocks",
             k.sliding_window > 0 ? ">= 2 with a sliding window (one is the null block)" : ">= 1",
             std::to_string(k.num_blocks));

@@ -23,7 +23,9 @@ class StressHarness {
  public:
   StressHarness(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, bool use_drafts = false)
       : s_(c, k), rng_(seed), use_drafts_(use_drafts) {
-    for (const KVCacheGroupConfig& g : k.groups()) kv_.emplace_back(static_cast<size_t>(g.num_blocks) * k.block_size, -7);
+    for (const KVCacheGroupConfig& g : k.groups()) {
+      kv_.emplace_back(static_cast<size_t>(g.num_blocks) * k.block_size, -7);
+    }
     for (int i = 0; i < 4; ++i) prefixes_.push_back(random_tokens(8 + 8 * i));
   }
 
@@ -242,7 +244,9 @@ class StressHarness {
           // Legacy lookahead: accepted tokens beyond the first had their KV written in the lookahead slots.
           const int64_t seq_len = out->seq_lens[i];  // children get no draft KV
           for (size_t g = 0; g < kv_.size(); ++g) {
-            for (int32_t k = 0; k < L; ++k) kv_[g][static_cast<size_t>(slot_of(r, seq_len + k, g))] = k < m - 1 ? accepted[k] : -1;
+            for (int32_t k = 0; k < L; ++k) {
+              kv_[g][static_cast<size_t>(slot_of(r, seq_len + k, g))] = k < m - 1 ? accepted[k] : -1;
+            }
           }
         }
         toks.insert(toks.end(), accepted.begin(), accepted.end());
@@ -324,7 +328,9 @@ class StressHarness {
         ++cached;
         ASSERT_EQ(pool.indexed_block(blk.hash.hash), b);
         ASSERT_EQ(hash_block_tokens(blk.parent_hash, blk.token_ids.data(), bs, blk.extra_key), blk.hash);
-        for (int64_t k = 0; k < bs; ++k) ASSERT_EQ(kv_[g][static_cast<size_t>(b * bs + k)], blk.token_ids[static_cast<size_t>(k)]);
+        for (int64_t k = 0; k < bs; ++k) {
+          ASSERT_EQ(kv_[g][static_cast<size_t>(b * bs + k)], blk.token_ids[static_cast<size_t>(k)]);
+        }
       }
     }
     ASSERT_EQ(free_count, bm.num_free_blocks());
