@@ -141,10 +141,11 @@ def _greedy(n=NEW_TOKENS, **kw):
     return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_matches_hf_far_past_the_window(gemma, block_size):
+@pytest.mark.parametrize("block_size,backend", [(1, "auto"), (4, "auto"), (4, "torch")])
+def test_matches_hf_far_past_the_window(gemma, block_size, backend):
+    """The default backend and the pure-torch reference (it masks the null entries rather than skipping them)."""
     name, path, hf, window = gemma
-    llm = _llm(path, block_size=block_size, num_kv_blocks=1024 // block_size)
+    llm = _llm(path, block_size=block_size, num_kv_blocks=1024 // block_size, attention_backend=backend)
     sched = llm.llm_engine.scheduler
     assert sched.num_kv_cache_groups == 2 and llm.llm_engine.kv_cache_config.is_hybrid
     prompts = random_prompts([3, 29, 75], hf.config.vocab_size, seed=block_size)
@@ -184,6 +185,8 @@ def test_sliding_group_holds_only_the_windows_blocks(gemma):
     assert sched.group_num_free_blocks(full) == sched.group_num_blocks(full)
     stats = engine.get_stats()
     assert stats.num_total_blocks == stats.num_free_blocks and stats.kv_cache_usage == 0.0
+    graphs = engine.runner.step_graphs  # CPU decodes replay with every group's slot mapping and tables as inputs
+    assert graphs is None or graphs.num_replays > 0
 
 
 class _CountingScheduler:
