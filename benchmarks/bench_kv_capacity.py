@@ -14,6 +14,10 @@ Model shape: hidden 512, 8 layers, 8 query heads of 64 (random bf16 weights, voc
     GQA chunked / GQA + sliding window 256 chunked    the same GQA model as full attention (Llama) and with a 256-token
                  window on every layer (Mistral), prompts prefilled in 256-token chunks: the block manager frees
                  the blocks that left the window, so a request holds at most ceil((256 - 1 + 256) / 16) + 1 = 33
+    Gemma-2-like mixed chunked (window as mask / sliding group freed)    Gemma 2 layers (every other one a 256-token
+                 window, the rest global), 2 kv heads, 256-token chunks: the window as a mask only (one block table,
+                 every block kept: the pre-hybrid path, forced here) vs the hybrid cache (a block table per group,
+                 the sliding group holding at most 33 blocks per request, the global one all 128)
 
 Computed: the engine's own KV-cache config for the budget (kv_cache_memory_gb): blocks, bytes per token
 (KVCacheConfig.bytes_per_token), sequences = blocks // blocks per 2048-token sequence, and how many of them the
@@ -44,6 +48,8 @@ SHARE_HALF = {str(i): i - 4 for i in range(4, 8)}
 MLA_FIELDS = dict(kv_lora_rank=64, qk_rope_head_dim=16, qk_nope_head_dim=48, v_head_dim=64, q_lora_rank=None,
                   n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, first_k_dense_replace=8,
                   num_key_value_heads=8)
+GEMMA2_FIELDS = dict(num_key_value_heads=2, sliding_window=256, query_pre_attn_scalar=64,
+                     hidden_activation="gelu_pytorch_tanh")
 VARIANTS = {  # name -> (architecture, extra config fields)
     "MHA": ("llama", {"num_key_value_heads": 8}),
     "GQA": ("llama", {"num_key_value_heads": 2}),
@@ -52,6 +58,8 @@ VARIANTS = {  # name -> (architecture, extra config fields)
     "GQA + shared-KV (4 of 8)": ("llama", {"num_key_value_heads": 2, "kv_sharing_layers": SHARE_HALF}),
     "GQA chunked": ("llama", {"num_key_value_heads": 2}),
     "GQA + sliding window 256 chunked": ("mistral", {"num_key_value_heads": 2, "sliding_window": 256}),
+    "Gemma-2-like mixed chunked (window as mask)": ("gemma2", GEMMA2_FIELDS),
+    "Gemma-2-like mixed chunked (sliding group freed)": ("gemma2", GEMMA2_FIELDS),
 }
 CHUNK = 256  # prefill chunk of the "chunked" rows (long_prefill_token_threshold)
 
@@ -64,6 +72,8 @@ def write_model(arch: str, extra: dict, path: Path) -> Path:
         from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
     elif arch == "mistral":
         from transformers import MistralConfig as Config, MistralForCausalLM as Model
+    elif arch == "gemma2":
+        from transformers import Gemma2Config as Config, Gemma2ForCausalLM as Model
     else:
         from transformers import DeepseekV2Config as Config, DeepseekV2ForCausalLM as Model
     torch.manual_seed(0)
@@ -78,8 +88,26 @@ def write_model(arch: str, extra: dict, path: Path) -> Path:
     return path
 
 
-def make_llm(path: Path, budget_mib: int, max_num_seqs: int):
+def make_llm(path: Path, budget_mib: int, max_num_seqs: int, window_as_mask: bool = False,
+             sizing_chunk: int | None = None):
+    """`window_as_mask`: a mixed model on the pre-hybrid path (one block table, every block kept).
+    `sizing_chunk`: the prefill chunk the KV sizing assumes (the engine sizes with max_num_batched_tokens; the
+    chunked rows' 256-token chunks come from long_prefill_token_threshold, which the Python SchedulerConfig does
+    not expose), so a hybrid cache's window group gets the blocks those chunks need."""
     from pagellm import LLM
+    from pagellm.engine import worker
+    from pagellm.kv_cache import groups
+
+    if window_as_mask or sizing_chunk:
+        mixed, make_config = groups.is_mixed_window_model, worker.make_kv_cache_config
+        if window_as_mask:
+            groups.is_mixed_window_model = lambda specs: False
+        if sizing_chunk:
+            worker.make_kv_cache_config = lambda *a, **kw: make_config(*a, **{**kw, "max_chunk_tokens": sizing_chunk})
+        try:
+            return make_llm(path, budget_mib, max_num_seqs)
+        finally:
+            groups.is_mixed_window_model, worker.make_kv_cache_config = mixed, make_config
 
     # a token budget for every prompt at once: admission is limited by KV blocks alone, not by one prefill
     # per step against sequences that finish after DECODE_TOKENS steps
@@ -95,8 +123,10 @@ def chunk_prefills(llm, chunk: int) -> None:
 
     engine = llm.llm_engine
     old, cc = engine.scheduler, engine.config.cache_config
-    engine.scheduler = _C.Scheduler(**engine.config.scheduler_config.cpp_kwargs(), **cc.cpp_kwargs(old.num_blocks),
-                                    sliding_window=old.sliding_window, long_prefill_token_threshold=chunk)
+    config = engine.kv_cache_config
+    engine.scheduler = _C.Scheduler(**engine.config.scheduler_config.cpp_kwargs(), **cc.cpp_kwargs(config.num_blocks),
+                                    sliding_window=config.sliding_window, extra_groups=config.extra_groups,
+                                    long_prefill_token_threshold=chunk)
 
 
 def measure_peak_running(llm, num_requests: int) -> dict:
@@ -148,17 +178,23 @@ def run_variant(name: str, args, workdir: Path) -> dict:
     path = write_model(arch, extra, workdir / "".join(c if c.isalnum() else "_" for c in name))
     from pagellm.kv_cache.groups import max_blocks_per_request
 
-    llm = make_llm(path, args.budget_mib, max_num_seqs=64)
-    chunked = name.endswith("chunked")
+    chunked = "chunked" in name
+    llm = make_llm(path, args.budget_mib, max_num_seqs=64, window_as_mask=name.endswith("(window as mask)"),
+                   sizing_chunk=CHUNK if chunked else None)
     if chunked:
         chunk_prefills(llm, CHUNK)
     cfg = llm.llm_engine.kv_cache_config
-    blocks_per_seq = max_blocks_per_request(BLOCK_SIZE, SEQ_LEN, cfg.sliding_window, CHUNK if chunked else SEQ_LEN)
-    usable = cfg.num_blocks - (1 if cfg.sliding_window else 0)  # a window reserves the null block
-    row = {"variant": name, "blocks": cfg.num_blocks, "bytes_per_token": cfg.bytes_per_token,
+    chunk = CHUNK if chunked else SEQ_LEN
+    # per group (one unless the cache is hybrid): its blocks, the most one sequence holds there, its null block
+    windows = [g.sliding_window for g in cfg.groups] if cfg.is_hybrid else [cfg.sliding_window]
+    blocks = [cfg.num_blocks_of(g) for g in range(len(windows))]
+    per_seq = [max_blocks_per_request(BLOCK_SIZE, SEQ_LEN, w, chunk) for w in windows]
+    usable = [n - (1 if w else 0) for n, w in zip(blocks, windows)]  # a window reserves the null block
+    row = {"variant": name, "blocks": " + ".join(map(str, blocks)), "bytes_per_token": cfg.bytes_per_token,
            "layers": cfg.describe_bytes_per_token().partition("(layers: ")[2].rstrip(")"),
-           "blocks_per_seq": blocks_per_seq, "computed_seqs": usable // blocks_per_seq,
-           "computed_admitted": admitted_under_watermark(usable, blocks_per_seq)}
+           "blocks_per_seq": " + ".join(map(str, per_seq)),
+           "computed_seqs": min(u // p for u, p in zip(usable, per_seq)),
+           "computed_admitted": min(admitted_under_watermark(u, p) for u, p in zip(usable, per_seq))}
     if args.measure:
         counter = count_preemptions(llm)
         row.update(measure_peak_running(llm, row["computed_seqs"] + args.extra_requests), **counter)
@@ -169,6 +205,7 @@ def run_variant(name: str, args, workdir: Path) -> dict:
 def markdown(rows: list[dict], args) -> str:
     lines = [f"KV budget {args.budget_mib} MiB (bf16 cache, block size {BLOCK_SIZE}), sequences of {SEQ_LEN} "
              f"tokens; model hidden 512, 8 layers, 8 query heads x 64.", "",
+             "A hybrid cache lists blocks per group (sliding + global).", "",
              "| variant | KV layers | KV bytes / token | blocks | most blocks one seq holds | seqs that fit (computed) "
              "| admitted with the 1 % watermark (computed) | peak running (measured) | preemptions (measured) |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|"]

@@ -172,12 +172,35 @@ void bind_output(py::module_& m) {
            [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.logits_indices.size())}; });
   def_view(cls, "cow_copies", &SO::cow_copies,
            [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.num_cow_copies()), 2}; });
+  // A hybrid KV cache's groups: group 0's arrays are slot_mapping / block_tables; cow_copy_groups is empty
+  // with one group (every pair is group 0's).
+  def_view(cls, "cow_copy_groups", &SO::cow_copy_groups,
+           [](const SO& o) { return Shape{static_cast<py::ssize_t>(o.cow_copy_groups.size())}; });
+  cls.def_property_readonly("num_kv_cache_groups",
+                            [](const SO& o) { return static_cast<int64_t>(o.group_slot_mappings.size()) + 1; });
+  const auto check_group = [](const SO& o, int64_t g) {
+    if (g < 0 || g > static_cast<int64_t>(o.group_slot_mappings.size())) {
+      throw py::index_error("no KV-cache group " + std::to_string(g));
+    }
+  };
+  cls.def("group_slot_mapping", [=](py::object self, int64_t g) {
+        const SO& o = self.cast<const SO&>();
+        check_group(o, g);
+        return view(self, g == 0 ? o.slot_mapping : o.group_slot_mappings[static_cast<size_t>(g - 1)], Shape{toks(o)});
+      }, py::arg("group"));
+  cls.def("group_block_tables", [=](py::object self, int64_t g) {
+        const SO& o = self.cast<const SO&>();
+        check_group(o, g);
+        const Shape shape{rows(o), static_cast<py::ssize_t>(o.max_blocks_in_batch)};
+        return view(self, g == 0 ? o.block_tables : o.group_block_tables[static_cast<size_t>(g - 1)], shape);
+      }, py::arg("group"));
 }
 
 std::unique_ptr<Scheduler> make_scheduler(int32_t max_num_seqs, int32_t max_num_batched_tokens, int32_t max_model_len,
                                           bool chunked, const std::string& policy, int32_t long_prefill,
                                           int32_t lookahead, int32_t num_blocks, int32_t block_size, bool prefix_caching,
-                                          double watermark, int32_t sliding_window) {
+                                          double watermark, int32_t sliding_window,
+                                          const std::vector<std::pair<int32_t, int32_t>>& extra_groups) {
   SchedulerConfig c;
   c.max_num_seqs = max_num_seqs;
   c.max_num_batched_tokens = max_num_batched_tokens;
@@ -192,6 +215,7 @@ std::unique_ptr<Scheduler> make_scheduler(int32_t max_num_seqs, int32_t max_num_
   k.enable_prefix_caching = prefix_caching;
   k.watermark = watermark;
   k.sliding_window = sliding_window;
+  for (const auto& g : extra_groups) k.extra_groups.push_back({g.first, g.second});
   return std::make_unique<Scheduler>(c, k);
 }
 
@@ -209,7 +233,8 @@ void bind_scheduler(py::module_& m) {
            py::arg("max_model_len") = 8192, py::arg("enable_chunked_prefill") = true, py::arg("policy") = "fcfs",
            py::arg("long_prefill_token_threshold") = 0, py::arg("num_lookahead_tokens") = 0,
            py::arg("num_blocks") = 1024, py::arg("block_size") = 16, py::arg("enable_prefix_caching") = true,
-           py::arg("watermark") = 0.01, py::arg("sliding_window") = 0)
+           py::arg("watermark") = 0.01, py::arg("sliding_window") = 0,
+           py::arg("extra_groups") = std::vector<std::pair<int32_t, int32_t>>())
       .def("add_request", [](Scheduler& s, const std::string& id, std::vector<int64_t> prompt, std::optional<double> arrival,
                              int32_t priority, uint64_t extra_key, std::optional<int64_t> max_tokens) {
             s.add_request(id, std::move(prompt), arrival ? *arrival : now_seconds(), priority, extra_key,
@@ -237,27 +262,34 @@ void bind_scheduler(py::module_& m) {
       .def("get_output_token_ids", [](const Scheduler& s, const std::string& id) {
             return s.get_request(id).output_token_ids();
           }, py::arg("request_id"))
-      .def("get_block_table", [](const Scheduler& s, const std::string& id) {
+      .def("get_block_table", [](const Scheduler& s, const std::string& id, size_t g) {
             const Request& r = s.get_request(id);
-            return r.seq_handle() < 0 ? std::vector<int32_t>() : s.block_manager().block_table(r.seq_handle());
-          }, py::arg("request_id"))
-      .def("get_num_live_blocks", [](const Scheduler& s, const std::string& id) -> int64_t {
+            return r.seq_handle() < 0 ? std::vector<int32_t>() : s.kv_cache().group(g).block_table(r.seq_handle());
+          }, py::arg("request_id"), py::arg("group") = 0)
+      .def("get_num_live_blocks", [](const Scheduler& s, const std::string& id, size_t g) -> int64_t {
             const Request& r = s.get_request(id);
-            return r.seq_handle() < 0 ? 0 : s.block_manager().num_live_blocks(r.seq_handle());
-          }, py::arg("request_id"))
+            return r.seq_handle() < 0 ? 0 : s.kv_cache().group(g).num_live_blocks(r.seq_handle());
+          }, py::arg("request_id"), py::arg("group") = 0)
+      .def_property_readonly("num_kv_cache_groups", [](const Scheduler& s) { return s.kv_cache().num_groups(); })
+      .def_property_readonly("num_reserved_blocks",
+                             [](const Scheduler& s) { return s.kv_cache().num_reserved_blocks(); })
+      .def("group_num_free_blocks",
+           [](const Scheduler& s, size_t g) { return s.kv_cache().group(g).num_free_blocks(); }, py::arg("group"))
+      .def("group_num_blocks", [](const Scheduler& s, size_t g) { return s.kv_cache().group(g).num_blocks(); },
+           py::arg("group"))
       .def("reset_prefix_cache", &Scheduler::reset_prefix_cache)
       .def_property_readonly("sliding_window", [](const Scheduler& s) { return s.cache_config().sliding_window; })
       .def_property_readonly("null_block", [](const Scheduler& s) { return s.block_manager().null_block(); })
       .def_property_readonly("num_lookahead_tokens", [](const Scheduler& s) { return s.config().num_lookahead_tokens; })
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
-      .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.block_manager().num_free_blocks(); })
-      .def_property_readonly("num_blocks", [](const Scheduler& s) { return s.block_manager().num_blocks(); })
-      .def_property_readonly("usage", [](const Scheduler& s) { return s.block_manager().usage(); })
-      .def_property_readonly("num_cached_blocks", [](const Scheduler& s) { return s.block_manager().num_cached_blocks(); })
-      .def_property_readonly("num_tail_waste_slots", [](const Scheduler& s) { return s.block_manager().num_tail_waste_slots(); })
-      .def_property_readonly("prefix_cache_queries", [](const Scheduler& s) { return s.block_manager().prefix_cache_queries(); })
-      .def_property_readonly("prefix_cache_hits", [](const Scheduler& s) { return s.block_manager().prefix_cache_hits(); })
+      .def_property_readonly("num_free_blocks", [](const Scheduler& s) { return s.kv_cache().num_free_blocks(); })
+      .def_property_readonly("num_blocks", [](const Scheduler& s) { return s.kv_cache().num_blocks(); })
+      .def_property_readonly("usage", [](const Scheduler& s) { return s.kv_cache().usage(); })
+      .def_property_readonly("num_cached_blocks", [](const Scheduler& s) { return s.kv_cache().num_cached_blocks(); })
+      .def_property_readonly("num_tail_waste_slots", [](const Scheduler& s) { return s.kv_cache().num_tail_waste_slots(); })
+      .def_property_readonly("prefix_cache_queries", [](const Scheduler& s) { return s.kv_cache().prefix_cache_queries(); })
+      .def_property_readonly("prefix_cache_hits", [](const Scheduler& s) { return s.kv_cache().prefix_cache_hits(); })
       .def_property_readonly("last_schedule_us", &Scheduler::last_schedule_us)
       .def_property_readonly("last_update_us", &Scheduler::last_update_us)
       .def_property_readonly("total_schedule_us", &Scheduler::total_schedule_us)

@@ -47,12 +47,13 @@ BlockManager::BlockManager(int32_t num_blocks, int32_t block_size, bool enable_p
   if (sliding_window_ > 0) null_block_ = pool_.allocate();
 }
 
-PrefixMatch BlockManager::find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key) const {
+PrefixMatch BlockManager::find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key,
+                                             int64_t limit) const {
   PrefixMatch m;
   m.num_query_tokens = n;
-  if (!enable_prefix_caching_ || n <= 1) return m;
+  if (!enable_prefix_caching_ || n <= 1 || limit <= 0) return m;
   // Never reuse the block holding the last token: it must be recomputed (and would be written).
-  const int64_t max_blocks = (n - 1) / block_size_;
+  const int64_t max_blocks = std::min<int64_t>((n - 1) / block_size_, limit);
   if (sliding_window_ > 0) {
     std::vector<BlockHash> hashes;
     std::vector<int32_t> hits;
@@ -137,6 +138,20 @@ BlockManager::Handle BlockManager::allocate(const std::string& id, const PrefixM
   return h;
 }
 
+int64_t BlockManager::append_cost(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) const {
+  check_non_negative(num_computed, "num_computed_tokens");
+  check_non_negative(num_new, "num_new_tokens");
+  check_non_negative(num_lookahead, "num_lookahead_tokens");
+  const SeqBlocks& s = seq(h);
+  const size_t need = static_cast<size_t>(blocks_for(num_computed + num_new + num_lookahead));
+  const size_t have = s.blocks.size();
+  int64_t cow = 0;
+  for (size_t j = static_cast<size_t>(num_computed / block_size_); j < std::min(have, need); ++j) {
+    cow += pool_.table_refs(s.blocks[j]) > 1 ? 1 : 0;
+  }
+  return cow + (need > have ? static_cast<int64_t>(need - have) : 0);
+}
+
 bool BlockManager::append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) {
   check_non_negative(num_computed, "num_computed_tokens");
   check_non_negative(num_new, "num_new_tokens");
@@ -146,7 +161,7 @@ bool BlockManager::append_slots(Handle h, int64_t num_computed, int64_t num_new,
   const size_t need = static_cast<size_t>(blocks_for(end));
   const size_t have = s.blocks.size();
   const size_t first = static_cast<size_t>(num_computed / block_size_);
-  int64_t cow = 0;
+  int64_t cow = 0;  // the count append_cost() gives, inlined: this is every decode step's path
   for (size_t j = first; j < std::min(have, need); ++j) cow += pool_.table_refs(s.blocks[j]) > 1 ? 1 : 0;
   const int64_t fresh = need > have ? static_cast<int64_t>(need - have) : 0;
   if (cow + fresh > num_free_blocks()) return false;

@@ -52,9 +52,11 @@ class BlockManager {
   BlockManager(int32_t num_blocks, int32_t block_size = 16, bool enable_prefix_caching = true,
                double watermark = 0.01, int32_t sliding_window = 0);
 
-  // Longest cached prefix of tokens in full blocks, never covering the last token. With a window only
+  // Longest cached prefix of tokens in full blocks, never covering the last token nor more than
+  // max_blocks blocks (a hybrid cache asks each group for at most the others' hit). With a window only
   // the blocks the next query still reads must be cached (the match is found scanning from the right).
-  PrefixMatch find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key) const;
+  PrefixMatch find_cached_prefix(const int64_t* tokens, int64_t n, uint64_t extra_key,
+                                 int64_t max_blocks = INT64_MAX) const;
   // Whether allocate() would succeed (free blocks after allocation >= watermark blocks).
   bool can_allocate(const PrefixMatch& match, int64_t num_new_tokens, int32_t num_lookahead) const;
   // Creates sequence `id` reusing the matched blocks plus fresh blocks for num_new_tokens +
@@ -62,6 +64,8 @@ class BlockManager {
   // Throws std::invalid_argument if id is live or counts are negative.
   Handle allocate(const std::string& id, const PrefixMatch& match, int64_t num_new_tokens,
                   int32_t num_lookahead, uint64_t extra_key);
+  // Blocks append_slots() would take from the free queue (fresh + copy-on-write); throws for negative counts.
+  int64_t append_cost(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead) const;
   // Ensures slots for num_computed + num_new + num_lookahead tokens, copy-on-writing shared blocks
   // that will be written. Ignores the watermark. False (nothing changed) if blocks run out.
   bool append_slots(Handle h, int64_t num_computed, int64_t num_new, int32_t num_lookahead);

@@ -24,8 +24,7 @@ double micros_since(std::chrono::steady_clock::time_point t0) {
 Scheduler::Scheduler(const SchedulerConfig& config, const CacheConfig& cache_config)
     : config_(config),
       cache_config_(checked(config, cache_config)),
-      bm_(cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-          cache_config.watermark, cache_config.sliding_window),
+      bm_(cache_config.groups(), cache_config.block_size, cache_config.enable_prefix_caching, cache_config.watermark),
       waiting_(config.priority_policy()) {
   while ((1 << block_shift_) < cache_config.block_size) ++block_shift_;
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
@@ -47,11 +46,14 @@ void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> 
                                 " tokens, more than max_num_batched_tokens=" +
                                 std::to_string(config_.max_num_batched_tokens) + " (chunked prefill is off)");
   }
-  const int64_t blocks = admission_blocks(n, config_.num_lookahead_tokens);
-  const int64_t usable = admissible_blocks();
-  if (blocks > usable) {
-    throw std::invalid_argument("prompt needs " + std::to_string(blocks) + " KV blocks but only " +
-                                std::to_string(usable) + " can be admitted");
+  for (size_t g = 0; g < bm_.num_groups(); ++g) {
+    const int64_t blocks = admission_blocks(n, config_.num_lookahead_tokens, g);
+    const int64_t usable = admissible_blocks(g);
+    if (blocks > usable) {
+      throw std::invalid_argument("prompt needs " + std::to_string(blocks) + " KV blocks" +
+                                  (g > 0 ? " of group " + std::to_string(g) : std::string()) + " but only " +
+                                  std::to_string(usable) + " can be admitted");
+    }
   }
   if (requests_.count(request_id)) throw std::invalid_argument("duplicate request id '" + request_id + "'");
   auto req = std::make_unique<Request>(request_id, std::move(prompt_token_ids), arrival_time, priority, extra_key,
@@ -60,17 +62,18 @@ void Scheduler::add_request(const std::string& request_id, std::vector<int64_t> 
   requests_.emplace(request_id, std::move(req));
 }
 
-int64_t Scheduler::admission_blocks(int64_t num_tokens, int32_t num_lookahead) const {
+int64_t Scheduler::admission_blocks(int64_t num_tokens, int32_t num_lookahead, size_t g) const {
   int64_t chunk = num_tokens;  // the longest step a prompt of num_tokens can take
   if (config_.enable_chunked_prefill) {
     chunk = std::min<int64_t>(chunk, config_.max_num_batched_tokens);
     if (config_.long_prefill_token_threshold > 0) chunk = std::min<int64_t>(chunk, config_.long_prefill_token_threshold);
   }
-  return bm_.max_live_blocks(num_tokens + num_lookahead, chunk + num_lookahead);
+  return bm_.group(g).max_live_blocks(num_tokens + num_lookahead, chunk + num_lookahead);
 }
 
-int64_t Scheduler::admissible_blocks() const {
-  return bm_.num_blocks() - bm_.num_reserved_blocks() - bm_.watermark_blocks();
+int64_t Scheduler::admissible_blocks(size_t g) const {
+  const BlockManager& bm = bm_.group(g);
+  return bm.num_blocks() - bm.num_reserved_blocks() - bm.watermark_blocks();
 }
 
 bool Scheduler::abort(const std::string& request_id) {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/block_manager.h"
+#include "core/kv_cache_coordinator.h"
 #include "core/request.h"
 #include "core/scheduler_config.h"
 #include "core/scheduler_output.h"
@@ -102,8 +103,10 @@ class Scheduler {
   const Request& get_request(const std::string& request_id) const;
   // All live requests.
   const std::unordered_map<std::string, std::unique_ptr<Request>>& requests() const { return requests_; }
-  // The KV block manager.
-  const BlockManager& block_manager() const { return bm_; }
+  // The KV block manager of group 0 (the only one unless the cache is hybrid).
+  const BlockManager& block_manager() const { return bm_.group(0); }
+  // Every KV-cache group's block manager.
+  const KVCacheCoordinator& kv_cache() const { return bm_; }
   // Drops every cached prefix hash (see BlockManager::reset_prefix_cache).
   bool reset_prefix_cache() { return bm_.reset_prefix_cache(); }
   // The scheduler config.
@@ -175,10 +178,12 @@ class Scheduler {
   void validate_accepted_drafts(size_t row, const int64_t* tokens, int64_t m) const;
   // Throws std::logic_error naming `what` while a step with rows awaits update().
   void require_no_pending_step(const char* what) const;
-  // Most blocks a prompt of num_tokens holds at once (its longest chunk, the window, the lookahead).
-  int64_t admission_blocks(int64_t num_tokens, int32_t num_lookahead) const;
-  // Blocks admission may hand out: all but the reserved null block and the watermark.
-  int64_t admissible_blocks() const;
+  // Most blocks of group g a prompt of num_tokens holds at once (its longest chunk, the window, the lookahead).
+  int64_t admission_blocks(int64_t num_tokens, int32_t num_lookahead, size_t g = 0) const;
+  // Blocks of group g admission may hand out: all but the reserved null block and the watermark.
+  int64_t admissible_blocks(size_t g = 0) const;
+  // A hybrid cache's slot mappings of groups 1.. for one row starting at flat token index t.
+  void fill_group_slots(SchedulerOutput& out, const Row& row, int64_t t) const;
   // Finishes a live request with a FINISHED_* status and frees its blocks.
   void finish_request(Request* r, RequestStatus status);
   // Removes r from the running list.
@@ -186,7 +191,7 @@ class Scheduler {
 
   SchedulerConfig config_;
   CacheConfig cache_config_;
-  BlockManager bm_;
+  KVCacheCoordinator bm_;  // one BlockManager per KV-cache group (usually one)
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
   std::vector<std::unique_ptr<Request>> graveyard_;  // finished since the last schedule()
   WaitingQueue waiting_;

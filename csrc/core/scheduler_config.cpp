@@ -31,6 +31,21 @@ void CacheConfig::validate() const {
   require(sliding_window >= 0, "sliding_window", ">= 0 (0 = full attention)", std::to_string(sliding_window));
   require(sliding_window == 0 || num_blocks >= 2, "num_blocks", ">= 2 with a sliding window (one is the null block)",
           std::to_string(num_blocks));
+  for (size_t g = 0; g < extra_groups.size(); ++g) {
+    const KVCacheGroupConfig& k = extra_groups[g];
+    const std::string name = "extra_groups[" + std::to_string(g) + "].";
+    require(k.sliding_window >= 0, name + "sliding_window", ">= 0 (0 = full attention)",
+            std::to_string(k.sliding_window));
+    require(k.num_blocks >= (k.sliding_window > 0 ? 2 : 1), name + "num_blocks",
+            k.sliding_window > 0 ? ">= 2 with a sliding window (one is the null block)" : ">= 1",
+            std::to_string(k.num_blocks));
+  }
+}
+
+std::vector<KVCacheGroupConfig> CacheConfig::groups() const {
+  std::vector<KVCacheGroupConfig> all{{num_blocks, sliding_window}};
+  all.insert(all.end(), extra_groups.begin(), extra_groups.end());
+  return all;
 }
 
 }  // namespace pagellm

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace pagellm {
 
@@ -22,6 +23,13 @@ struct SchedulerConfig {
   bool priority_policy() const { return policy == "priority"; }
 };
 
+// One KV-cache group's pool (csrc/core/kv_cache_coordinator.h): its block count (its null block
+// included) and its window (0 = every block lives as long as its request).
+struct KVCacheGroupConfig {
+  int32_t num_blocks = 0;
+  int32_t sliding_window = 0;
+};
+
 // Paged KV cache shape.
 struct CacheConfig {
   int32_t num_blocks = 1024;
@@ -29,6 +37,12 @@ struct CacheConfig {
   bool enable_prefix_caching = true;
   double watermark = 0.01;
   int32_t sliding_window = 0;  // every layer sees the last W keys: blocks before them are freed; 0 = full
+  // Groups 1.. of a hybrid cache (a mixed model's sliding layers get their own block ids and tables);
+  // group 0 is (num_blocks, sliding_window). Empty: one group, one block table per request.
+  std::vector<KVCacheGroupConfig> extra_groups;
+
+  // Every group, group 0 first.
+  std::vector<KVCacheGroupConfig> groups() const;
 
   // Throws std::invalid_argument naming the bad field and its allowed range.
   void validate() const;

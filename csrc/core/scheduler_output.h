@@ -56,6 +56,12 @@ struct SchedulerOutput {
   // row's last token, or every one of a spec row's 1 + k tokens in position order.
   std::vector<int64_t> logits_indices;
   std::vector<int64_t> cow_copies;              // [C, 2] (src, dst) block copies to apply first, in order
+  // A hybrid cache (KV-cache groups 1.., csrc/core/kv_cache_coordinator.h) only, else empty: each group's
+  // slot mapping [T] and block tables [R, max_blocks_in_batch] (its own block ids; slot_mapping and
+  // block_tables above are group 0's), and the group of each copy-on-write pair [C].
+  std::vector<std::vector<int64_t>> group_slot_mappings;
+  std::vector<UninitVector<int32_t>> group_block_tables;
+  std::vector<int32_t> cow_copy_groups;
   std::vector<std::string> preempted_request_ids;
   int32_t num_decode_reqs = 0;
   int64_t total_num_scheduled_tokens = 0;

@@ -66,7 +66,7 @@ void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
   while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     Request* r = waiting_.front();
     const std::vector<int64_t>& tokens = r->all_token_ids();
-    const PrefixMatch match = bm_.find_cached_prefix(tokens.data(), r->num_tokens(), r->extra_key());
+    const HybridPrefixMatch match = bm_.find_cached_prefix(tokens.data(), r->num_tokens(), r->extra_key());
     const int64_t computed = match.num_tokens(cache_config_.block_size);
     const int64_t n = chunk_size(*r, computed, budget);
     if (n <= 0) break;  // head of line does not fit the budget (chunked prefill off)
@@ -127,6 +127,20 @@ void Scheduler::fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t)
     out.positions[static_cast<size_t>(t + k)] = p;
     out.slot_mapping[static_cast<size_t>(t + k)] = (static_cast<int64_t>(table[p >> block_shift_]) << block_shift_) | (p & mask);
   }
+  if (bm_.num_groups() > 1) fill_group_slots(out, row, t);
+}
+
+void Scheduler::fill_group_slots(SchedulerOutput& out, const Row& row, int64_t t) const {
+  const int64_t c = row.req->num_computed_tokens();
+  const int64_t mask = cache_config_.block_size - 1;
+  for (size_t g = 1; g < bm_.num_groups(); ++g) {
+    const int32_t* table = bm_.block_table(row.req->seq_handle(), g).data();
+    int64_t* slots = out.group_slot_mappings[g - 1].data() + t;
+    for (int64_t k = 0; k < row.num_tokens; ++k) {
+      const int64_t p = c + k;
+      slots[k] = (static_cast<int64_t>(table[p >> block_shift_]) << block_shift_) | (p & mask);
+    }
+  }
 }
 
 std::unique_ptr<SchedulerOutput> Scheduler::build_output(std::vector<Row>& rows, std::vector<std::string>& preempted) {
@@ -180,16 +194,29 @@ void Scheduler::fill_token_arrays(SchedulerOutput& o, const std::vector<Row>& ro
   out->slot_mapping.resize(static_cast<size_t>(total));
   out->max_blocks_in_batch = max_blocks;
   out->block_tables.resize(R * static_cast<size_t>(max_blocks));  // uninitialized: every entry is written below
+  const size_t num_extra = bm_.num_groups() - 1;  // a hybrid cache's groups 1..: same shapes, their own ids
+  if (num_extra > 0) {
+    out->group_slot_mappings.assign(num_extra, std::vector<int64_t>(static_cast<size_t>(total)));
+    out->group_block_tables.resize(num_extra);
+    for (auto& t : out->group_block_tables) t.resize(R * static_cast<size_t>(max_blocks));
+  }
   for (size_t i = 0; i < R; ++i) {
     fill_row_tokens(*out, rows[i], out->query_start_loc[i]);
     const std::vector<int32_t>& table = bm_.block_table(rows[i].req->seq_handle());
     int32_t* dst = out->block_tables.data() + i * static_cast<size_t>(max_blocks);
     std::memcpy(dst, table.data(), table.size() * sizeof(int32_t));
     std::fill(dst + table.size(), dst + max_blocks, 0);
+    for (size_t g = 1; g <= num_extra; ++g) {  // every group's table has group 0's length
+      const std::vector<int32_t>& gt = bm_.block_table(rows[i].req->seq_handle(), g);
+      int32_t* gdst = out->group_block_tables[g - 1].data() + i * static_cast<size_t>(max_blocks);
+      std::memcpy(gdst, gt.data(), gt.size() * sizeof(int32_t));
+      std::fill(gdst + gt.size(), gdst + max_blocks, 0);
+    }
   }
-  for (const auto& c : bm_.take_cow_copies()) {
-    out->cow_copies.push_back(c.first);
-    out->cow_copies.push_back(c.second);
+  for (const GroupCowCopy& c : bm_.take_cow_copies()) {
+    out->cow_copies.push_back(c.src);
+    out->cow_copies.push_back(c.dst);
+    if (num_extra > 0) out->cow_copy_groups.push_back(c.group);
   }
 }
 

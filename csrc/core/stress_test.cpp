@@ -3,7 +3,9 @@
 // KV content of every running request is compared with its tokens. With drafts on, decode-ready
 // requests get random drafts before each step and a random prefix of them is accepted. With a sliding
 // window, only the positions the next query reads must hold their tokens, entries before them must be
-// the null block, and a request never holds more blocks than admission counted.
+// the null block, and a request never holds more blocks than admission counted. A hybrid cache (extra
+// KV-cache groups, e.g. a full group plus a sliding one) is checked group by group, each with its own
+// simulated KV content.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -20,7 +22,10 @@ namespace {
 class StressHarness {
  public:
   StressHarness(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, bool use_drafts = false)
-      : s_(c, k), rng_(seed), kv_(static_cast<size_t>(k.num_blocks) * k.block_size, -7), use_drafts_(use_drafts) {
+      : s_(c, k), rng_(seed), use_drafts_(use_drafts) {
+    for (const KVCacheGroupConfig& g : k.groups()) {
+      kv_.emplace_back(static_cast<size_t>(g.num_blocks) * k.block_size, -7);
+    }
     for (int i = 0; i < 4; ++i) prefixes_.push_back(random_tokens(8 + 8 * i));
   }
 
@@ -36,16 +41,18 @@ class StressHarness {
       } else {
         fork_decode_ready();
       }
-      check_invariants();
+      for (size_t g = 0; g < kv_.size(); ++g) check_invariants(g);
       if (::testing::Test::HasFailure()) {
         ADD_FAILURE() << "first failure at op " << op << " (dice " << dice << ")";
         return;
       }
     }
     for (const auto& id : live_ids()) s_.abort(id);
-    check_invariants();
-    const BlockManager& bm = s_.block_manager();
-    EXPECT_EQ(bm.num_free_blocks(), bm.num_blocks() - bm.num_reserved_blocks());
+    for (size_t g = 0; g < kv_.size(); ++g) {
+      check_invariants(g);
+      const BlockManager& bm = s_.kv_cache().group(g);
+      EXPECT_EQ(bm.num_free_blocks(), bm.num_blocks() - bm.num_reserved_blocks()) << "group " << g;
+    }
     EXPECT_FALSE(s_.has_unfinished_requests());
   }
 
@@ -102,25 +109,33 @@ class StressHarness {
   // Simulated runner: copies, then writes the scheduled tokens' "KV" (the token id) into their slots.
   void run_model(const SchedulerOutput& out) {
     const int64_t bs = s_.cache_config().block_size;
+    ASSERT_EQ(out.group_slot_mappings.size(), kv_.size() - 1);
+    ASSERT_EQ(out.cow_copy_groups.size(), kv_.size() > 1 ? static_cast<size_t>(out.num_cow_copies()) : 0u);
     for (int32_t c = 0; c < out.num_cow_copies(); ++c) {
+      std::vector<int64_t>& kv = kv_[out.cow_copy_groups.empty() ? 0 : static_cast<size_t>(out.cow_copy_groups[c])];
       const int64_t src = out.cow_copies[2 * c], dst = out.cow_copies[2 * c + 1];
-      std::copy_n(kv_.begin() + src * bs, bs, kv_.begin() + dst * bs);
+      std::copy_n(kv.begin() + src * bs, bs, kv.begin() + dst * bs);
     }
     cow_copies += out.num_cow_copies();
-    std::set<int64_t> slots;
-    for (int64_t t = 0; t < out.total_num_scheduled_tokens; ++t) {
-      ASSERT_TRUE(slots.insert(out.slot_mapping[t]).second) << "two tokens share a slot";
-      ASSERT_EQ(s_.block_manager().pool().block(static_cast<int32_t>(out.slot_mapping[t] / bs)).ref_count, 1)
-          << "write into a shared block";
-      ASSERT_NE(out.slot_mapping[t] / bs, s_.block_manager().null_block()) << "write into the null block";
-      kv_[static_cast<size_t>(out.slot_mapping[t])] = out.input_ids[t];
+    for (size_t g = 0; g < kv_.size(); ++g) {
+      const BlockManager& bm = s_.kv_cache().group(g);
+      const std::vector<int64_t>& slot_mapping = g == 0 ? out.slot_mapping : out.group_slot_mappings[g - 1];
+      if (g > 0) ASSERT_EQ(out.group_block_tables[g - 1].size(), out.block_tables.size());
+      std::set<int64_t> slots;
+      for (int64_t t = 0; t < out.total_num_scheduled_tokens; ++t) {
+        ASSERT_TRUE(slots.insert(slot_mapping[t]).second) << "two tokens share a slot";
+        ASSERT_EQ(bm.pool().block(static_cast<int32_t>(slot_mapping[t] / bs)).ref_count, 1)
+            << "write into a shared block of group " << g;
+        ASSERT_NE(slot_mapping[t] / bs, bm.null_block()) << "write into the null block of group " << g;
+        kv_[g][static_cast<size_t>(slot_mapping[t])] = out.input_ids[t];
+      }
     }
   }
 
-  // Slot of position p of a request's block table.
-  int64_t slot_of(const Request& r, int64_t p) const {
+  // Slot of position p of a request's block table in group g.
+  int64_t slot_of(const Request& r, int64_t p, size_t g = 0) const {
     const int64_t bs = s_.cache_config().block_size;
-    return s_.block_manager().block_table(r.seq_handle())[static_cast<size_t>(p / bs)] * bs + p % bs;
+    return s_.kv_cache().block_table(r.seq_handle(), g)[static_cast<size_t>(p / bs)] * bs + p % bs;
   }
 
   // Random drafts for decode-ready requests, with bad calls that must leave the drafts untouched.
@@ -228,7 +243,11 @@ class StressHarness {
         if (base && out->num_draft_tokens[i] == 0) {
           // Legacy lookahead: accepted tokens beyond the first had their KV written in the lookahead slots.
           const int64_t seq_len = out->seq_lens[i];  // children get no draft KV
-          for (int32_t k = 0; k < L; ++k) kv_[static_cast<size_t>(slot_of(r, seq_len + k))] = k < m - 1 ? accepted[k] : -1;
+          for (size_t g = 0; g < kv_.size(); ++g) {
+            for (int32_t k = 0; k < L; ++k) {
+              kv_[g][static_cast<size_t>(slot_of(r, seq_len + k, g))] = k < m - 1 ? accepted[k] : -1;
+            }
+          }
         }
         toks.insert(toks.end(), accepted.begin(), accepted.end());
         if (length || r.num_tokens() + m + L + 1 >= s_.config().max_model_len) {
@@ -241,13 +260,13 @@ class StressHarness {
       n.push_back(m);
     }
     s_.update(out->step_id, n.data(), static_cast<int64_t>(n.size()), toks.data(), static_cast<int64_t>(toks.size()), finished);
-    check_kv_content();
+    for (size_t g = 0; g < kv_.size(); ++g) check_kv_content(g);
   }
 
   // Every running request's cached positions the next query reads hold exactly its tokens; older
   // ones (sliding window) are null entries.
-  void check_kv_content() {
-    const BlockManager& bm = s_.block_manager();
+  void check_kv_content(size_t g) {
+    const BlockManager& bm = s_.kv_cache().group(g);
     const int64_t bs = bm.block_size();
     for (const auto& kv : s_.requests()) {
       const Request& r = *kv.second;
@@ -260,14 +279,14 @@ class StressHarness {
                                                s_.config().max_num_batched_tokens + s_.config().num_lookahead_tokens);
       ASSERT_LE(bm.num_live_blocks(r.seq_handle()), bound) << r.request_id();
       for (int64_t p = first * bs; p < r.num_computed_tokens(); ++p) {
-        ASSERT_EQ(kv_[static_cast<size_t>(slot_of(r, p))], r.all_token_ids()[static_cast<size_t>(p)])
-            << r.request_id() << " position " << p;
+        ASSERT_EQ(kv_[g][static_cast<size_t>(slot_of(r, p, g))], r.all_token_ids()[static_cast<size_t>(p)])
+            << r.request_id() << " position " << p << " group " << g;
       }
     }
   }
 
-  void check_invariants() {
-    const BlockManager& bm = s_.block_manager();
+  void check_invariants(size_t g) {
+    const BlockManager& bm = s_.kv_cache().group(g);
     const BlockPool& pool = bm.pool();
     const int64_t bs = bm.block_size();
     std::vector<int32_t> holders(static_cast<size_t>(bm.num_blocks()), 0);
@@ -309,7 +328,9 @@ class StressHarness {
         ++cached;
         ASSERT_EQ(pool.indexed_block(blk.hash.hash), b);
         ASSERT_EQ(hash_block_tokens(blk.parent_hash, blk.token_ids.data(), bs, blk.extra_key), blk.hash);
-        for (int64_t k = 0; k < bs; ++k) ASSERT_EQ(kv_[static_cast<size_t>(b * bs + k)], blk.token_ids[static_cast<size_t>(k)]);
+        for (int64_t k = 0; k < bs; ++k) {
+          ASSERT_EQ(kv_[g][static_cast<size_t>(b * bs + k)], blk.token_ids[static_cast<size_t>(k)]);
+        }
       }
     }
     ASSERT_EQ(free_count, bm.num_free_blocks());
@@ -319,7 +340,7 @@ class StressHarness {
 
   Scheduler s_;
   std::mt19937 rng_;
-  std::vector<int64_t> kv_;
+  std::vector<std::vector<int64_t>> kv_;  // per group: the simulated content of every slot
   std::vector<std::vector<int64_t>> prefixes_;
   int64_t next_id_ = 0;
   std::string log_;
@@ -342,7 +363,9 @@ void run_stress(const SchedulerConfig& c, const CacheConfig& k, uint32_t seed, i
   EXPECT_GT(h.prefix_hits(), 0);
   EXPECT_GT(h.forks, 0);
   EXPECT_GT(h.cow_copies, 0);
-  if (k.sliding_window > 0) EXPECT_GT(h.dropped, 0);
+  bool window = k.sliding_window > 0;
+  for (const KVCacheGroupConfig& g : k.extra_groups) window = window || g.sliding_window > 0;
+  if (window) EXPECT_GT(h.dropped, 0);
   std::printf("steps=%lld preemptions=%lld prefix_hit_tokens=%lld forks=%lld cow=%lld dropped=%lld\n",
               static_cast<long long>(h.steps), static_cast<long long>(h.preemptions),
               static_cast<long long>(h.prefix_hits()), static_cast<long long>(h.forks),
@@ -428,6 +451,35 @@ TEST(Stress, SlidingWindowDraftsPriorityBlockSize2) {
   k.watermark = 0.05;
   k.sliding_window = 5;
   run_stress(c, k, 77, 50000, /*use_drafts=*/true);
+}
+
+TEST(Stress, HybridFullAndSlidingGroups) {  // Gemma 2-like: a full group and a sliding group of its own
+  SchedulerConfig c;
+  c.max_num_seqs = 12;
+  c.max_num_batched_tokens = 24;
+  c.max_model_len = 96;
+  c.long_prefill_token_threshold = 12;
+  CacheConfig k;
+  k.num_blocks = 44;
+  k.block_size = 4;
+  k.extra_groups = {{24, 7}};
+  run_stress(c, k, 4242, 50000);
+}
+
+TEST(Stress, HybridSlidingFirstDraftsPriorityBlockSize2) {  // group 0 slides, groups 1 and 2 do not / slide wider
+  SchedulerConfig c;
+  c.max_num_seqs = 10;
+  c.max_num_batched_tokens = 24;
+  c.max_model_len = 80;
+  c.policy = "priority";
+  c.num_lookahead_tokens = 3;
+  CacheConfig k;
+  k.num_blocks = 30;
+  k.block_size = 2;
+  k.watermark = 0.05;
+  k.sliding_window = 5;
+  k.extra_groups = {{64, 0}, {40, 9}};
+  run_stress(c, k, 78, 50000, /*use_drafts=*/true);
 }
 
 }  // namespace

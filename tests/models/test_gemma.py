@@ -77,12 +77,15 @@ def test_prompt_logprobs_and_greedy_match_hf(name, backend, tmp_root):
 
 
 def test_model_structure(tmp_root):
-    """Interleaved windows, one spec per layer (sliding and full in one group), tied head, 1 + w norms."""
+    """Interleaved windows, one spec per layer (one page shape; a hybrid cache splits sliding from full), tied
+    head, 1 + w norms."""
     hf, model, *_ = _case("gemma2", tmp_root)
     assert model.window_sizes == [6, -1, 6]
     specs = model.kv_cache_specs(16, torch.float32)
     assert [type(specs[i]) for i in range(3)] == [SlidingWindowSpec, FullAttentionSpec, SlidingWindowSpec]
-    assert len(group_kv_cache_specs(specs)) == 1  # same page shape: one block table (the window is a mask)
+    assert len(group_kv_cache_specs(specs)) == 1  # same page shape: one group when the window is a mask
+    hybrid = group_kv_cache_specs(specs, split_windows=True)  # the engine's: the sliding layers free their blocks
+    assert [(g.layer_ids, g.sliding_window) for g in hybrid] == [((0, 2), 6), ((1,), 0)]
     assert model.lm_head.weight is model.model.embed_tokens.weight
     hf_w = hf.model.layers[0].pre_feedforward_layernorm.weight
     assert torch.equal(model.model.layers[0].pre_feedforward_layernorm.weight, 1.0 + hf_w.float())
@@ -241,7 +244,9 @@ def test_engine_prefix_cache_and_preemption_match_hf(gemma_dir, shared_prefix_re
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert counter.num_preempted > 0
     assert outs[0].num_cached_tokens >= 20 and eng.scheduler.prefix_cache_hits > 0
-    assert not eng.has_unfinished_requests() and eng.num_free_blocks == eng.scheduler.num_blocks
+    # a hybrid cache: the sliding group's null block is never a request's
+    assert eng.scheduler.num_kv_cache_groups == 2
+    assert not eng.has_unfinished_requests() and eng.num_free_blocks == eng.scheduler.num_blocks - 1
 
 
 def test_engine_batch_invariance(gemma_dir):

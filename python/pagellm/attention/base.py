@@ -17,7 +17,7 @@ token each (tokens `[0, num_decode_tokens)`), the rest are prefill chunks.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -34,6 +34,8 @@ class AttentionMetadata:
     block_tables:     int32 [num_reqs, max_blocks_per_req]  physical block ids, padded with 0
     seq_lens:         int32 [num_reqs]        context length after this step (cached + new tokens)
     query_start_loc:  int32 [num_reqs + 1]    prefix sums of query lengths
+    group_slot_mappings, group_block_tables: a hybrid KV cache's groups 1.. (each with its own block ids), the
+        shapes of slot_mapping / block_tables (group 0's); () with one group. `for_group(g)` is group g's view.
     """
 
     num_reqs: int
@@ -45,10 +47,23 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     seq_lens: torch.Tensor
     query_start_loc: torch.Tensor
+    group_slot_mappings: tuple[torch.Tensor, ...] = ()
+    group_block_tables: tuple[torch.Tensor, ...] = ()
 
     @property
     def num_decode_tokens(self) -> int:
         return self.num_decode_reqs
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return 1 + len(self.group_slot_mappings)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata one group's layers read: its slot mapping and block tables, no other group's."""
+        if group == 0:
+            return self if not self.group_slot_mappings else replace(self, group_slot_mappings=(), group_block_tables=())
+        return replace(self, slot_mapping=self.group_slot_mappings[group - 1],
+                       block_tables=self.group_block_tables[group - 1], group_slot_mappings=(), group_block_tables=())
 
 
 @dataclass(frozen=True)

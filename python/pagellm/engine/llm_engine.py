@@ -86,12 +86,15 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
         # through the executor only (execute_model once per step, collective_rpc for everything else)
         self.executor = get_executor_cls(config.parallel_config.distributed_executor_backend)(config, files)
         self.num_blocks = self.executor.num_kv_blocks
-        kv_info = self.executor.collective_rpc("describe")[0]
+        kv_infos = self.executor.collective_rpc("describe")
+        kv_info = kv_infos[0]
         self.kv_cache_bytes_per_token: int = kv_info["kv_cache_bytes_per_token"]  # /metrics, capacity planning
         logger.info("KV cache: %s", kv_info["kv_cache_summary"])
-        # a window > 0 (every layer slides by it) lets the block manager free blocks that left it
+        # a window > 0 (every layer slides by it) lets the block manager free blocks that left it; a hybrid cache
+        # (a mixed model) adds its groups 1.., each (num_blocks, window) with its own block ids and tables
         self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks),
-                                      sliding_window=kv_info["kv_cache_sliding_window"])
+                                      sliding_window=kv_info["kv_cache_sliding_window"],
+                                      extra_groups=_common_extra_groups(kv_infos))
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats
@@ -439,7 +442,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
     def get_stats(self) -> EngineStats:
         """Load figures from the C++ scheduler and block manager (call between steps)."""
         s = self.scheduler
-        usable_blocks = s.num_blocks - (1 if s.null_block >= 0 else 0)  # a window's null block is never a request's
+        usable_blocks = s.num_blocks - s.num_reserved_blocks  # a window's null block is never a request's
         return EngineStats(
             num_running=s.num_running, num_waiting=s.num_waiting, kv_cache_usage=s.usage,
             num_free_blocks=s.num_free_blocks, num_total_blocks=usable_blocks,
@@ -447,3 +450,11 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
             num_steps=s.num_steps, timestamp=time.time(), spec_decode=EngineStats.spec_snapshot(self),
             kv_cache_bytes_per_token=self.kv_cache_bytes_per_token,
         )  # fmt: skip
+
+
+def _common_extra_groups(kv_infos: list[dict]) -> list[tuple[int, int]]:
+    """A hybrid cache's groups 1.. (num_blocks, window) that every rank holds: the fewest blocks per group (the
+    ranks size alike, but like `num_kv_blocks` the scheduler's count must fit each)."""
+    per_rank = [info["kv_cache_extra_groups"] for info in kv_infos]
+    return [(min(groups[g][0] for groups in per_rank), window) for g, (_, window) in enumerate(per_rank[0])]
+

@@ -17,6 +17,7 @@ import torch
 
 from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
 from pagellm.attention.cpu_backend import MULTI_QUERY_MAX_LEN
+from pagellm.attention.kv_groups import KVGroupAttention
 from pagellm.attention.tree_verify import TreeVerifyAttention
 from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
@@ -60,7 +61,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: BaseAttentionBackend,
                  kv_caches: KVCaches, device: torch.device, use_step_graph: bool | None = None) -> None:
         self.model = model
-        self.attn_backend = attn_backend
+        # a hybrid KV cache: each layer attends through its group's block table (attention/kv_groups.py)
+        self.attn_backend = KVGroupAttention(attn_backend, kv_caches.layer_groups) if kv_caches.num_groups > 1 \
+            else attn_backend
         self.kv_caches = kv_caches
         self.device = torch.device(device)
         self.lora_state = None  # a LoRAStepState when LoRA is on (set by the Worker)
@@ -85,6 +88,7 @@ class ModelRunner:
 
     def build_metadata(self, sched_out) -> AttentionMetadata:
         num_reqs = sched_out.num_reqs
+        groups = range(1, self.kv_caches.num_groups)  # a hybrid cache's groups past 0: their own ids
         return AttentionMetadata(
             num_reqs=num_reqs,
             num_tokens=sched_out.total_num_scheduled_tokens,
@@ -95,6 +99,8 @@ class ModelRunner:
             block_tables=self._to_device(sched_out.block_tables),
             seq_lens=self._to_device(sched_out.seq_lens),
             query_start_loc=self._to_device(sched_out.query_start_loc),
+            group_slot_mappings=tuple(self._to_device(sched_out.group_slot_mapping(g)) for g in groups),
+            group_block_tables=tuple(self._to_device(sched_out.group_block_tables(g)) for g in groups),
         )
 
     def _forward(self, metadata: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -111,14 +117,21 @@ class ModelRunner:
         """A decode-only step (one token per row) through the step graph of its shape (captured from `_forward`)."""
         width = md.block_tables.shape[1]
         padded = _block_table_width(width)
-        block_tables = md.block_tables
-        if padded != width:
-            block_tables = torch.zeros((md.num_reqs, padded), dtype=block_tables.dtype, device=block_tables.device)
-            block_tables[:, :width] = md.block_tables
-        inputs = [input_ids, positions, md.slot_mapping, block_tables, md.seq_lens, md.query_start_loc]
+
+        def pad(tables: torch.Tensor) -> torch.Tensor:
+            if padded == width:
+                return tables
+            out = torch.zeros((md.num_reqs, padded), dtype=tables.dtype, device=tables.device)
+            out[:, :width] = tables
+            return out
+
+        inputs = [input_ids, positions, md.slot_mapping, pad(md.block_tables), md.seq_lens, md.query_start_loc]
+        extra = len(md.group_slot_mappings)  # a hybrid cache's groups 1..: their slot mappings, then their tables
+        inputs += [*md.group_slot_mappings, *(pad(t) for t in md.group_block_tables)]
 
         def step(ins: list[torch.Tensor]) -> torch.Tensor:
-            step_md = replace(md, slot_mapping=ins[2], block_tables=ins[3], seq_lens=ins[4], query_start_loc=ins[5])
+            step_md = replace(md, slot_mapping=ins[2], block_tables=ins[3], seq_lens=ins[4], query_start_loc=ins[5],
+                              group_slot_mappings=tuple(ins[6 : 6 + extra]), group_block_tables=tuple(ins[6 + extra :]))
             return self._forward(step_md, ins[0], ins[1])
 
         return self.step_graphs.run((md.num_reqs, padded), inputs, step)
@@ -138,8 +151,12 @@ class ModelRunner:
         """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter.
         `draft_parents`: the spec rows' drafts are trees (engine/tree_step.py): each draft's parent in its row."""
         cow_copies = sched_out.cow_copies
-        if len(cow_copies):
+        if len(cow_copies) and self.kv_caches.num_groups == 1:
             self.kv_caches.copy_blocks(self._to_device(cow_copies))
+        elif len(cow_copies):  # a hybrid cache: each pair copies in its own group's layers
+            groups = sched_out.cow_copy_groups
+            for g in np.unique(groups):
+                self.kv_caches.copy_blocks(self._to_device(np.ascontiguousarray(cow_copies[groups == g])), int(g))
 
         metadata = self.build_metadata(sched_out)
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
@@ -198,7 +215,9 @@ def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
     return AttentionMetadata(num_reqs=n, num_tokens=n, num_decode_reqs=n, max_query_len=1, max_seq_len=md.max_seq_len,
                              slot_mapping=md.slot_mapping, block_tables=md.block_tables.index_select(0, rows),
                              seq_lens=seq_lens, query_start_loc=torch.arange(n + 1, dtype=torch.int32,
-                                                                             device=q_lens.device))
+                                                                             device=q_lens.device),
+                             group_slot_mappings=md.group_slot_mappings,
+                             group_block_tables=tuple(t.index_select(0, rows) for t in md.group_block_tables))
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,

@@ -33,16 +33,30 @@ class SchedulerOutputSnapshot:
     max_blocks_in_batch: int
     num_reqs: int
     arrays: dict[str, np.ndarray]
+    # a hybrid KV cache's groups 1..: (slot mapping, block tables) of each ([] with one group)
+    groups: list[tuple[np.ndarray, np.ndarray]]
 
     ARRAY_FIELDS = ("num_scheduled_tokens", "query_start_loc", "num_computed_tokens", "seq_lens", "input_ids",
                     "positions", "slot_mapping", "block_tables", "do_sample", "num_draft_tokens", "draft_token_ids",
-                    "logits_indices", "cow_copies")
+                    "logits_indices", "cow_copies", "cow_copy_groups")
 
     @classmethod
     def of(cls, so) -> "SchedulerOutputSnapshot":
+        groups = [(np.array(so.group_slot_mapping(g), copy=True), np.array(so.group_block_tables(g), copy=True))
+                  for g in range(1, so.num_kv_cache_groups)]
         return cls(int(so.step_id), list(so.request_ids), int(so.num_decode_reqs), int(so.total_num_scheduled_tokens),
                    int(so.max_blocks_in_batch), int(so.num_reqs),
-                   {name: np.array(getattr(so, name), copy=True) for name in cls.ARRAY_FIELDS})
+                   {name: np.array(getattr(so, name), copy=True) for name in cls.ARRAY_FIELDS}, groups)
+
+    @property
+    def num_kv_cache_groups(self) -> int:
+        return 1 + len(self.groups)
+
+    def group_slot_mapping(self, group: int) -> np.ndarray:
+        return self.arrays["slot_mapping"] if group == 0 else self.groups[group - 1][0]
+
+    def group_block_tables(self, group: int) -> np.ndarray:
+        return self.arrays["block_tables"] if group == 0 else self.groups[group - 1][1]
 
     def __getattr__(self, name: str):
         arrays = self.__dict__.get("arrays")

@@ -37,8 +37,8 @@ class Worker(WorkerLoRAMixin):
         self.dtype = mc.torch_dtype(resolve_dtype("auto", model_files.hf_config))
         self.model = build_model(model_files, self.dtype, self.device, quantization=mc.quantization)
         self.model.eval()
-        # per-layer specs -> groups -> blocks that fit; ValueError when the block manager's one block
-        # table per request cannot serve the groups, or one max-length request does not fit
+        # per-layer specs -> groups -> blocks that fit (a mixed sliding/full model: a hybrid cache, a block table per
+        # group); ValueError when the groups' block sizes differ, or one max-length request does not fit
         self.kv_cache_dtype = self.dtype if cc.kv_cache_dtype == "auto" else cc.kv_cache_dtype
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             self.model.kv_cache_specs(cc.block_size, self.kv_cache_dtype), self.device, sc.max_model_len, sc.max_num_seqs,
@@ -132,5 +132,6 @@ class Worker(WorkerLoRAMixin):
                 "kv_cache_bytes_per_token": self.kv_cache_config.bytes_per_token,
                 "kv_cache_summary": self.kv_cache_config.describe_bytes_per_token(),
                 "kv_cache_sliding_window": self.kv_cache_config.sliding_window,
+                "kv_cache_extra_groups": self.kv_cache_config.extra_groups,
                 "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "step_graphs": self.runner.step_graphs is not None}

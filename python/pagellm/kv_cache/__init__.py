@@ -3,6 +3,9 @@
     specs = model.kv_cache_specs(block_size, dtype)                # layer id -> spec
     config = make_kv_cache_config(specs, device, max_model_len, max_num_seqs, kv_cache_memory_gb=1)
     kv_caches = allocate_kv_caches(config, device)                 # kv_caches[layer_id] -> PagedKVCache
+
+A mixed sliding / full model gets a hybrid cache (config.is_hybrid: a group per window, each with its own
+block ids and block table); see groups.py.
 """
 
 from pagellm.kv_cache.cache import KVCaches, LatentKVCache, LayerKVCache, PagedKVCache, allocate_kv_caches
@@ -13,8 +16,10 @@ from pagellm.kv_cache.groups import (
     bytes_per_block,
     check_one_block_table,
     count_layer_kinds,
+    determine_group_num_blocks,
     determine_num_blocks,
     group_kv_cache_specs,
+    is_mixed_window_model,
     kv_bytes_per_token,
     make_kv_cache_config,
 )
@@ -49,8 +54,10 @@ __all__ = [
     "bytes_per_block",
     "check_one_block_table",
     "count_layer_kinds",
+    "determine_group_num_blocks",
     "determine_num_blocks",
     "group_kv_cache_specs",
+    "is_mixed_window_model",
     "kv_bytes_per_token",
     "make_kv_cache_config",
 ]

@@ -4,7 +4,8 @@
                    (+ k_scale, v_scale [num_blocks, num_kv_heads, block_size] float32, one per row, for quantized
                    cache dtypes)
     LatentKVCache  MLA layers: cache [num_blocks, block_size, latent_dim] (+ scale [num_blocks, block_size] float32)
-    KVCaches       layer id -> cache object; a shared layer's id returns its target's object
+    KVCaches       layer id -> cache object; a shared layer's id returns its target's object; a hybrid cache's
+                   groups (each with its own block ids and count) copy their blocks apart
 """
 
 from __future__ import annotations
@@ -131,19 +132,30 @@ class KVCaches:
 
     caches: layer id -> the cache object of each layer that owns one
     shared: layer id -> target layer id, for layers that read another layer's cache
+    layer_groups: a hybrid cache's layer id -> group index for every owning layer (each group's ids are its
+        own: its layers share one num_blocks, other groups may have another); None = one group
     """
 
-    def __init__(self, caches: Mapping[int, LayerKVCache], shared: Mapping[int, int] | None = None) -> None:
+    def __init__(self, caches: Mapping[int, LayerKVCache], shared: Mapping[int, int] | None = None,
+                 layer_groups: Mapping[int, int] | None = None) -> None:
         if not caches:
             raise ValueError("KVCaches needs at least one layer cache")
         for layer_id, cache in caches.items():
             if not isinstance(cache, (PagedKVCache, LatentKVCache)):
                 raise TypeError(f"layer {layer_id}: expected a PagedKVCache or LatentKVCache, "
                                 f"got {type(cache).__name__}")
-        num_blocks = {c.num_blocks for c in caches.values()}
-        if len(num_blocks) != 1:
-            raise ValueError(f"every layer's cache must have the same num_blocks (one block id indexes them all), "
-                             f"got {sorted(num_blocks)}")
+        groups = {i: 0 for i in caches} if layer_groups is None else {i: layer_groups.get(i) for i in caches}
+        if any(g is None for g in groups.values()):
+            raise ValueError(f"layer_groups must name the group of every owning layer {sorted(caches)}, got "
+                             f"{dict(layer_groups or {})}")
+        self.num_groups = max(groups.values()) + 1
+        self.group_num_blocks: list[int] = []
+        for g in range(self.num_groups):
+            num_blocks = {c.num_blocks for i, c in caches.items() if groups[i] == g}
+            if len(num_blocks) != 1:
+                raise ValueError(f"every layer's cache of group {g} must have the same num_blocks (one block id "
+                                 f"indexes them all), got {sorted(num_blocks) or 'no layer'}")
+            self.group_num_blocks.append(num_blocks.pop())
         shared = dict(shared or {})
         for layer_id, target in shared.items():
             if target not in caches:
@@ -151,8 +163,11 @@ class KVCaches:
                                  f"owners: {sorted(caches)}")
         self._owned = dict(sorted(caches.items()))
         self._by_layer = {**self._owned, **{i: self._owned[t] for i, t in shared.items()}}
-        self.num_blocks = num_blocks.pop()
-        self._compiled_copies, self._reference_copies = _plan_copies(self._owned.values())
+        # every layer's group (a shared layer: its target's), for attention to pick the group's block table
+        self.layer_groups = {**groups, **{i: groups[t] for i, t in shared.items()}}
+        self.num_blocks = self.group_num_blocks[0]
+        self._copies = [_plan_copies([c for i, c in self._owned.items() if groups[i] == g])
+                        for g in range(self.num_groups)]
 
     def __getitem__(self, layer_id: int) -> LayerKVCache:
         try:
@@ -175,19 +190,22 @@ class KVCaches:
         for cache in self._owned.values():
             yield from cache.tensors()
 
-    def copy_blocks(self, block_mapping: torch.Tensor) -> None:
-        """Copy block src -> dst in every allocated tensor (keys, values, latents, scales).
+    def copy_blocks(self, block_mapping: torch.Tensor, group: int = 0) -> None:
+        """Copy block src -> dst in every allocated tensor (keys, values, latents, scales) of one group (a hybrid
+        cache's ids are per group; else the one group holds every layer).
 
         block_mapping: int64 [num_pairs, 2] of (src, dst) block ids.
         """
+        compiled, rest = self._copies[group]
         if not ops.ops_available()[0]:
             # a build without the compiled ops still runs the engine, on the pure-torch reference
-            reference.copy_blocks(list(self.tensors()), [], block_mapping)
+            tensors = [t for keys, values in compiled for t in (*keys, *values)] + rest
+            reference.copy_blocks(tensors, [], block_mapping)
             return
-        for key_caches, value_caches in self._compiled_copies:
+        for key_caches, value_caches in compiled:
             ops.copy_blocks(key_caches, value_caches, block_mapping)
-        if self._reference_copies:
-            reference.copy_blocks(self._reference_copies, [], block_mapping)
+        if rest:
+            reference.copy_blocks(rest, [], block_mapping)
 
 
 def _plan_copies(caches) -> tuple[list[tuple[list[torch.Tensor], list[torch.Tensor]]], list[torch.Tensor]]:
@@ -216,16 +234,18 @@ def _plan_copies(caches) -> tuple[list[tuple[list[torch.Tensor], list[torch.Tens
 
 
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device) -> KVCaches:
-    """Zero-filled caches for every allocating layer of every group, `kv_cache_config.num_blocks` blocks each."""
-    n = kv_cache_config.num_blocks
+    """Zero-filled caches for every allocating layer of every group, its group's block count each
+    (`kv_cache_config.num_blocks` unless the cache is hybrid)."""
+    layer_groups = kv_cache_config.layer_groups()
     caches: dict[int, LayerKVCache] = {}
     shared: dict[int, int] = {}
     for layer_id, spec in kv_cache_config.layer_specs.items():
         if isinstance(spec, SharedKVSpec):
             shared[layer_id] = spec.target_layer
         else:
+            n = kv_cache_config.num_blocks_of(layer_groups[layer_id])
             caches[layer_id] = _allocate_layer(spec, n, torch.device(device))
-    return KVCaches(caches, shared)
+    return KVCaches(caches, shared, layer_groups if kv_cache_config.is_hybrid else None)
 
 
 def _allocate_layer(spec: FullAttentionSpec | MLAAttentionSpec, num_blocks: int, device: torch.device) -> LayerKVCache:

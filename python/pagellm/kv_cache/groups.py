@@ -1,36 +1,50 @@
 """Grouping the layers' KV-cache specs, and sizing the cache from memory.
 
 A `KVCacheGroup` is a set of layers whose pages look alike (same `page_spec`: block size, heads,
-head/latent dim, cache dtype) and that share one block table. Full and sliding-window layers of the
-same shape are one group (the window is a mask; every block stays allocated). Shared layers join
-their target's group and allocate nothing.
+head/latent dim, cache dtype) and that share one block table. Shared layers join their target's group
+and allocate nothing.
 
-One block id indexes a page in every allocated layer of every group, so one block costs
-`KVCacheConfig.bytes_per_block` = the sum of every group's pages. That works for any mix of page
-shapes with one tokens-per-block, because the C++ block manager keeps ONE block table per request
-today. Groups that need their own block tables (a different block_size, or a sliding-window group
-that frees blocks that left its window) will need one table per group there; until then
-`make_kv_cache_config` refuses them (`KVCacheConfig.num_block_tables` > 1) with a ValueError.
+One group set per model, two ways to give out block ids:
 
-A model whose every layer is a SlidingWindowSpec with one window (Mistral, Qwen2 with a sliding window
-on all layers) frees its blocks already: `KVCacheConfig.sliding_window` goes to the C++ block manager,
-which after each step replaces the table entries of blocks entirely before `num_computed - window + 1`
-by a reserved null block (the table keeps its length), releases them (still hashed) and admits by the
-window (a request holds at most ceil((window - 1 + chunk) / block_size) + 1 blocks); prefix hits need
-only the window's blocks. Kernels need nothing new: null entries lie before every query's window.
+- Shared ids (every model but a mixed one; `KVCacheConfig.is_hybrid` False): one block id indexes a page
+  in every allocated layer of every group, so one block costs `bytes_per_block` = the sum of every
+  group's pages, and the C++ scheduler keeps ONE block table per request. Full and sliding-window layers
+  of one shape are one group. A model whose every layer is a SlidingWindowSpec with one window (Mistral,
+  Qwen2 with a window on all layers) frees its blocks: `KVCacheConfig.sliding_window` goes to the C++
+  block manager, which after each step replaces the table entries of blocks entirely before
+  `num_computed - window + 1` by a reserved null block (the table keeps its length), releases them (still
+  hashed) and admits by the window (a request holds at most ceil((window - 1 + chunk) / block_size) + 1
+  blocks); prefix hits need only the window's blocks.
 
-Freeing a sliding layer's blocks in a MIXED model (Gemma 2/3: sliding and full layers) needs, in order:
-1. storage: a block id indexes a page in EVERY layer here, so freeing it for the sliding layers would
-   free it for the full ones too. Sliding and full layers need separate block ids: per-group pools
-   (own tensors, own free queues), or one pool whose ids each hold a page of one group only.
-2. C++ BlockManager: one block table per (request, group), each group with its own window. The per-table
-   mechanism exists (csrc/core/block_manager: the null block, drop_outside_window after each step,
-   max_live_blocks for admission, the right-to-left prefix scan); what is missing is several tables per
-   request, admission / the watermark / preemption summed over groups, and CoW pairs naming their group.
-3. prefix cache: each group's hit as above; the request's hit length is the minimum over groups.
-4. SchedulerOutput carries one block-table array and one slot mapping per group (the ids differ), so does
-   AttentionMetadata, each layer's backend call reads its group's, and step-graph replay copies them all. Kernels need nothing new: null entries are masked.
-Until then a mixed model's window is a mask and a sliding layer's blocks live as long as the request.
+- A hybrid cache (a MIXED model, `is_mixed_window_model`: Gemma 2/3's local and global layers, Qwen2
+  with `max_window_layers`, several windows): `group_kv_cache_specs(split_windows=True)` puts the layers
+  of each window in a group of their own (`KVCacheGroup.sliding_window`), the others in theirs, and
+  every group gets its OWN block ids (`KVCacheConfig.group_num_blocks`), like vLLM's hybrid KV cache
+  manager:
+  1. storage: per-group pools. Each layer's tensors hold its group's block count (`allocate_kv_caches`);
+     copy-on-write copies run per group (`KVCaches.copy_blocks(mapping, group)`). Chosen over one pool
+     whose ids each hold a page of one group because the groups need not have equal page sizes or
+     equal layer counts (one pool would need vLLM's trick of equal-sized groups sharing tensors), and
+     the window group's need is bounded (its blocks per request), so a fixed split sizes it exactly;
+     the C++ pools stay the single-table BlockManager unchanged, one per group.
+  2. C++ (csrc/core/kv_cache_coordinator.*): one BlockManager per group, each with its own window, null
+     block, free queue, prefix-cache index and watermark; a request has a block table in each (same
+     length; handles identical, the groups moving in lockstep). Admission and growth are all or
+     nothing over the groups (every group must have room above its watermark), so a step preempts
+     until every group fits; copy-on-write pairs name their group (`SchedulerOutput.cow_copy_groups`).
+  3. prefix cache: each group finds its hit (a window group from the right) at most the others' length,
+     until they agree: the request's hit is the minimum over groups.
+  4. SchedulerOutput carries one slot mapping and block table per group (`group_slot_mapping(g)`,
+     `group_block_tables(g)`; group 0's are `slot_mapping` / `block_tables`), AttentionMetadata too
+     (`group_slot_mappings`, `group_block_tables`, `for_group(g)`); the model runner wraps the backend
+     in `KVGroupAttention` (one backend instance per group, each layer sent to its group's) and
+     step-graph replays take every group's arrays as inputs. Kernels need nothing new: null entries
+     lie before every query's window.
+  Sizing (`determine_group_num_blocks`): `num_kv_blocks` gives every group that many blocks; else the
+  budget buys N max-length requests (at most max_num_seqs), each window group gets N requests' worth of
+  its bounded blocks (+ its null block) and the other groups share the rest.
+  `free_sliding_blocks=False` (a pipeline stage; the draft model's own BlockManager) keeps the shared-id
+  path, the window a mask. Groups with different block sizes are still refused (`check_one_block_table`).
 
 Budget (`determine_num_blocks`): `kv_cache_memory_gb` when given, else `kv_cache_fraction` of the
 memory still free after the weights were loaded (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable in
@@ -72,6 +86,8 @@ class KVCacheGroup:
     layer_ids: tuple[int, ...]
     spec: AttentionPageSpec
     shared_layer_ids: tuple[int, ...] = ()
+    # a hybrid cache's window group: its block manager frees the blocks that left this window (0 = none)
+    sliding_window: int = 0
 
     @property
     def allocated_layer_ids(self) -> tuple[int, ...]:
@@ -101,12 +117,39 @@ class KVCacheConfig:
     # False: keep every block even when these layers all slide (a pipeline stage sees only its own layers, but
     # the driver's one block manager serves every stage, whose other layers may be full attention)
     free_sliding_blocks: bool = True
+    # hybrid cache: each group's own block count (its ids index only its layers' pages; group 0's = num_blocks);
+    # () = every group shares the `num_blocks` ids
+    group_num_blocks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 1:
             raise ValueError(f"num_blocks must be an integer >= 1, got {self.num_blocks!r}")
         if not self.groups:
             raise ValueError("a KVCacheConfig needs at least one group")
+        if self.group_num_blocks and (len(self.group_num_blocks) != len(self.groups)
+                                      or self.group_num_blocks[0] != self.num_blocks
+                                      or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
+                                             for n in self.group_num_blocks)):
+            raise ValueError(f"group_num_blocks must hold one integer >= 1 per group ({len(self.groups)}), the first "
+                             f"equal to num_blocks ({self.num_blocks}); got {self.group_num_blocks!r}")
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether each group has its own block ids and block table (a mixed model freeing its window groups)."""
+        return bool(self.group_num_blocks)
+
+    def num_blocks_of(self, group: int) -> int:
+        """Block ids of one group (every group's the same `num_blocks` unless hybrid)."""
+        return self.group_num_blocks[group] if self.group_num_blocks else self.num_blocks
+
+    def layer_groups(self) -> dict[int, int]:
+        """Layer id -> its group's index (shared layers: their target's group)."""
+        return {layer_id: g for g, group in enumerate(self.groups) for layer_id in group.layer_ids}
+
+    @property
+    def extra_groups(self) -> list[tuple[int, int]]:
+        """(num_blocks, sliding_window) of groups 1.. of a hybrid cache, for the C++ scheduler; [] otherwise."""
+        return [(n, g.sliding_window) for n, g in zip(self.group_num_blocks[1:], self.groups[1:])]
 
     @property
     def num_groups(self) -> int:
@@ -114,8 +157,8 @@ class KVCacheConfig:
 
     @property
     def num_block_tables(self) -> int:
-        """Distinct block tables a request needs (the C++ block manager supports 1)."""
-        return len({g.block_size for g in self.groups})
+        """Block tables a request holds: one per group of a hybrid cache, else one."""
+        return len(self.groups) if self.is_hybrid else len({g.block_size for g in self.groups})
 
     @property
     def block_size(self) -> int:
@@ -123,7 +166,10 @@ class KVCacheConfig:
 
     @property
     def sliding_window(self) -> int:
-        """The block manager's window (see `block_manager_window`); 0 = every block lives as long as its request."""
+        """The (group 0) block manager's window (see `block_manager_window`; a hybrid cache's: group 0's);
+        0 = every block lives as long as its request."""
+        if self.is_hybrid:
+            return self.groups[0].sliding_window
         return block_manager_window(self.layer_specs) if self.free_sliding_blocks else 0
 
     @property
@@ -132,7 +178,7 @@ class KVCacheConfig:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
+        return sum(self.num_blocks_of(g) * group.page_size_bytes for g, group in enumerate(self.groups))
 
     @property
     def bytes_per_token(self) -> int:
@@ -159,26 +205,40 @@ def kv_bytes_per_token(layer_specs: Mapping[int, KVCacheSpec]) -> int:
     return bytes_per_block(groups) // groups[0].block_size
 
 
-def group_kv_cache_specs(layer_specs: Mapping[int, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+def group_kv_cache_specs(layer_specs: Mapping[int, KVCacheSpec],
+                         split_windows: bool = False) -> tuple[KVCacheGroup, ...]:
     """Group layers by page shape, in order of their first layer; shared layers join their target's group.
+    `split_windows`: sliding-window layers form groups of their own, one per window (a hybrid cache).
 
     Raises TypeError for a value that is not a spec, ValueError for bad layer ids or shared targets.
     """
     _check_layer_specs(layer_specs)
-    members: dict[AttentionPageSpec, list[int]] = {}
-    shared: dict[AttentionPageSpec, list[int]] = {}
+
+    def window(spec: KVCacheSpec) -> int:
+        return spec.window_size if split_windows and type(spec) is SlidingWindowSpec else 0
+
+    members: dict[tuple[AttentionPageSpec, int], list[int]] = {}
+    shared: dict[tuple[AttentionPageSpec, int], list[int]] = {}
     for layer_id in sorted(layer_specs):
         spec = layer_specs[layer_id]
         if isinstance(spec, SharedKVSpec):
-            page = layer_specs[spec.target_layer].page_spec
-            shared.setdefault(page, []).append(layer_id)
+            target = layer_specs[spec.target_layer]
+            key = (target.page_spec, window(target))
+            shared.setdefault(key, []).append(layer_id)
         else:
-            page = spec.page_spec
-        members.setdefault(page, []).append(layer_id)
+            key = (spec.page_spec, window(spec))
+        members.setdefault(key, []).append(layer_id)
     return tuple(
-        KVCacheGroup(layer_ids=tuple(ids), spec=page, shared_layer_ids=tuple(shared.get(page, ())))
-        for page, ids in sorted(members.items(), key=lambda kv: kv[1][0])
+        KVCacheGroup(layer_ids=tuple(ids), spec=key[0], shared_layer_ids=tuple(shared.get(key, ())),
+                     sliding_window=key[1])
+        for key, ids in sorted(members.items(), key=lambda kv: kv[1][0])
     )
+
+
+def is_mixed_window_model(layer_specs: Mapping[int, KVCacheSpec]) -> bool:
+    """Some layers slide and some do not (or slide by other windows): one block table cannot free their blocks
+    (`block_manager_window` is 0), a hybrid cache with a group per window can."""
+    return block_manager_window(layer_specs) == 0 and any(type(s) is SlidingWindowSpec for s in layer_specs.values())
 
 
 def _check_layer_specs(layer_specs: Mapping[int, KVCacheSpec]) -> None:
@@ -222,7 +282,8 @@ def bytes_per_block(groups: Sequence[KVCacheGroup]) -> int:
 
 
 def check_one_block_table(groups: Sequence[KVCacheGroup]) -> None:
-    """Raise ValueError when the groups need more than one block table per request (not supported yet)."""
+    """Raise ValueError when the groups have different block sizes (every block table, a hybrid cache's too,
+    maps position p to table[p // block_size] with one block size)."""
     if not groups:
         raise ValueError("no KV-cache groups: the model has no attention layers")
     block_sizes = sorted({g.block_size for g in groups})
@@ -230,7 +291,8 @@ def check_one_block_table(groups: Sequence[KVCacheGroup]) -> None:
         described = "; ".join(f"layers {list(g.layer_ids)}: {g.spec}" for g in groups)
         raise ValueError(
             f"this model's KV cache needs {len(block_sizes)} block tables per request (block sizes {block_sizes}), "
-            f"but the block manager keeps one per request; give every layer the same block_size. Groups: {described}"
+            f"but the block manager needs one block size for all of them; give every layer the same block_size. "
+            f"Groups: {described}"
         )
 
 
@@ -305,13 +367,67 @@ def determine_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, m
     return num_blocks
 
 
+def determine_group_num_blocks(groups: Sequence[KVCacheGroup], device: torch.device, max_model_len: int,
+                               max_num_seqs: int, kv_cache_memory_gb: float | None = None,
+                               kv_cache_fraction: float = 0.9, num_blocks_override: int | None = None,
+                               max_chunk_tokens: int | None = None) -> tuple[int, ...]:
+    """A hybrid cache's block count per group. `num_blocks_override`: every group gets exactly that many.
+    Else the budget first buys whole requests: N = how many max-length requests fit (at most max_num_seqs), a
+    request costing in each group the blocks it holds at once there (a window group: its window plus a chunk).
+    Each window group gets N requests' blocks (+ its null block); the groups without a window share the rest
+    equally (capped at max_num_seqs max-length requests), so prompts shorter than the window are the case
+    where a window group, not the memory, bounds concurrency.
+
+    Raises ValueError with a suggested setting when one max-length request does not fit.
+    """
+    check_one_block_table(groups)
+    block_size = groups[0].block_size
+    chunk = max_model_len if max_chunk_tokens is None else min(max_chunk_tokens, max_model_len)
+    per_seq = [max_blocks_per_request(block_size, max_model_len, g.sliding_window, chunk) for g in groups]
+    reserved = [1 if g.sliding_window else 0 for g in groups]  # the null block
+    if num_blocks_override is not None:
+        counts = tuple(int(num_blocks_override) for _ in groups)
+        source = "num_kv_blocks"
+    else:
+        budget, source = _memory_budget(device, kv_cache_memory_gb, kv_cache_fraction)
+        request_bytes = sum(n * g.page_size_bytes for n, g in zip(per_seq, groups))
+        fixed_bytes = sum(r * g.page_size_bytes for r, g in zip(reserved, groups))
+        n_seqs = min(max_num_seqs, max(0, budget - fixed_bytes) // request_bytes)
+        window_bytes = sum((n_seqs * n + r) * g.page_size_bytes
+                           for n, r, g in zip(per_seq, reserved, groups) if g.sliding_window)
+        full_page_bytes = sum(g.page_size_bytes for g in groups if not g.sliding_window)
+        full_cap = max([n * max_num_seqs for n, g in zip(per_seq, groups) if not g.sliding_window], default=0)
+        full_blocks = min(full_cap, (budget - window_bytes) // full_page_bytes) if full_page_bytes else 0
+        counts = tuple(n_seqs * n + r if g.sliding_window else full_blocks for n, r, g in zip(per_seq, reserved, groups))
+    for g, (n, need, r) in enumerate(zip(counts, per_seq, reserved)):
+        if n < need + r:
+            one_request = sum((p + q) * grp.page_size_bytes for p, q, grp in zip(per_seq, reserved, groups))
+            raise ValueError(
+                f"the KV cache ({source}: {n} blocks of {block_size} tokens in group {g}, layers "
+                f"{list(groups[g].layer_ids)}) cannot hold one request of max_model_len={max_model_len} tokens "
+                f"({need + r} blocks needed there). Set kv_cache_memory_gb >= {one_request / GiB:.3f} or lower "
+                f"max_model_len.")
+    max_concurrency = min((n - r) / p for n, p, r in zip(counts, per_seq, reserved))
+    logger.info("KV cache (hybrid, %s): %s blocks x %d tokens per group (windows %s; %.3f GiB); max concurrency "
+                "%.2fx requests of %d tokens", source, list(counts), block_size, [g.sliding_window for g in groups],
+                sum(n * g.page_size_bytes for n, g in zip(counts, groups)) / GiB, max_concurrency, max_model_len)
+    return counts
+
+
 def make_kv_cache_config(layer_specs: Mapping[int, KVCacheSpec], device: torch.device, max_model_len: int,
                          max_num_seqs: int, kv_cache_memory_gb: float | None = None, kv_cache_fraction: float = 0.9,
                          num_blocks_override: int | None = None, max_chunk_tokens: int | None = None,
                          free_sliding_blocks: bool = True) -> KVCacheConfig:
-    """Group the layers, refuse what the block manager cannot serve yet, size: the engine's one call.
+    """Group the layers, refuse what the block manager cannot serve, size: the engine's one call.
+    A mixed model (`is_mixed_window_model`) gets a hybrid cache: a group per window, each with its own block ids.
     `max_chunk_tokens`: the scheduler's longest step per request (sizing with a sliding window).
     `free_sliding_blocks`: False when `layer_specs` are not the whole model's (a pipeline stage)."""
+    if free_sliding_blocks and is_mixed_window_model(layer_specs):
+        groups = group_kv_cache_specs(layer_specs, split_windows=True)
+        counts = determine_group_num_blocks(groups, device, max_model_len, max_num_seqs, kv_cache_memory_gb,
+                                            kv_cache_fraction, num_blocks_override, max_chunk_tokens)
+        return KVCacheConfig(num_blocks=counts[0], groups=groups, layer_specs=dict(layer_specs),
+                             free_sliding_blocks=True, group_num_blocks=counts)
     groups = group_kv_cache_specs(layer_specs)
     config = KVCacheConfig(num_blocks=1, groups=groups, layer_specs=dict(layer_specs),
                            free_sliding_blocks=free_sliding_blocks)

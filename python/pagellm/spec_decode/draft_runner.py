@@ -104,7 +104,8 @@ class DraftRunner:
         self.model = model
         # raises ValueError when num_blocks cannot hold one max_model_len sequence
         self.kv_cache_config = make_kv_cache_config(model.kv_cache_specs(block_size, kv_cache_dtype), self.device,
-                                                    max_model_len, max_num_seqs, num_blocks_override=num_blocks)
+                                                    max_model_len, max_num_seqs, num_blocks_override=num_blocks,
+                                                    free_sliding_blocks=False)  # its BlockManager keeps one table
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)
         # no watermark: the draft admits whatever fits (a sequence that does not fit just gets no drafts)
         self.block_manager = _C.BlockManager(self.kv_cache_config.num_blocks, block_size, enable_prefix_caching, 0.0)
