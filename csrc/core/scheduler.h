@@ -210,6 +210,7 @@ class Scheduler {
   std::vector<Request*> running_;
   std::deque<PendingStep> pending_;  // in schedule() order; a step without rows is dropped by the next schedule()
   int32_t max_steps_in_flight_ = 1;
+  int32_t row_limit_ = 0;  // rows this schedule() may take: max_num_seqs, or a micro-batch's share of it
   uint64_t step_counter_ = 0;
   int32_t block_shift_ = 0;
   bool has_drafts_ = false;  // some request holds drafts (keeps schedule() free of a loop otherwise)

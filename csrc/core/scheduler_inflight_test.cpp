@@ -91,8 +91,9 @@ TEST(SchedulerInFlight, ARequestIsNotRescheduledUntilItsStepIsUpdated) {
   update_with_stub(s, *o2);
   update_with_stub(s, *o3);
   EXPECT_EQ(s.num_steps_in_flight(), 0);
-  auto o4 = s.schedule();  // both free again: one batch
-  EXPECT_EQ(ids_of(*o4), (std::set<std::string>{"a", "b"}));
+  auto o4 = s.schedule();  // both free again: each micro-batch takes its share, ceil(2 / 2)
+  EXPECT_EQ(ids_of(*o4), std::set<std::string>{"a"});
+  EXPECT_EQ(ids_of(*s.schedule()), std::set<std::string>{"b"});
 }
 
 TEST(SchedulerInFlight, AStepWithoutRowsIsNeverInFlight) {
@@ -113,7 +114,7 @@ TEST(SchedulerInFlight, AStepWithoutRowsIsNeverInFlight) {
 
 TEST(SchedulerInFlight, PreemptionNeverTakesAnInFlightRequest) {
   // 6 blocks of 4 tokens: a (8 tokens + decode) and b (8 tokens) cannot both grow for long.
-  auto owner = make(16, 6, 4, 2, false);
+  auto owner = make(16, 6, 4, 1, false);  // one step at a time while a and b grow
   Scheduler& s = *owner;
   s.add_request("a", seq_tokens(0, 8), 0.0);
   auto o1 = s.schedule();
@@ -127,10 +128,11 @@ TEST(SchedulerInFlight, PreemptionNeverTakesAnInFlightRequest) {
   ASSERT_EQ(ids_of(*o3), (std::set<std::string>{"a", "b"}));
   update_with_stub(s, *o3);
   // now: a has 11 tokens (3 blocks), b 13 (3 full blocks); b needs a 4th block to decode
-  auto o4 = s.schedule();  // b is the latest arrival: it preempts itself rather than a
-  EXPECT_EQ(o4->preempted_request_ids, std::vector<std::string>{"b"});
+  s.set_max_steps_in_flight(2);
+  auto o4 = s.schedule();  // a's share of two micro-batches
   EXPECT_EQ(ids_of(*o4), std::set<std::string>{"a"});
-  auto o5 = s.schedule();  // a is in flight: a victim must come from the others, so b waits
+  auto o5 = s.schedule();  // a is in flight: not a victim, though it holds the blocks b needs; b yields
+  EXPECT_EQ(o5->preempted_request_ids, std::vector<std::string>{"b"});
   EXPECT_EQ(o5->num_reqs(), 0);
   EXPECT_EQ(s.get_request("a").status(), RequestStatus::RUNNING);
   EXPECT_EQ(s.get_request("b").status(), RequestStatus::PREEMPTED);
@@ -200,6 +202,24 @@ TEST(SchedulerInFlight, ForkJoinsTheOldestStepOnly) {
   EXPECT_EQ(s.get_request("p#1").output_token_ids(), std::vector<int64_t>{8});
   EXPECT_FALSE(s.get_request("p#1").in_flight());
   update_with_stub(s, *o2);
+}
+
+TEST(SchedulerInFlight, DecodesSplitEvenlyOverTheMicroBatches) {
+  auto owner = make(64, 64);
+  Scheduler& s = *owner;
+  for (int i = 0; i < 5; ++i) s.add_request("r" + std::to_string(i), seq_tokens(10 * i, 4), i);
+  auto o1 = s.schedule();  // ceil(5 / 2) = 3 of the 5 live requests
+  auto o2 = s.schedule();  // the other 2
+  EXPECT_EQ(ids_of(*o1), (std::set<std::string>{"r0", "r1", "r2"}));
+  EXPECT_EQ(ids_of(*o2), (std::set<std::string>{"r3", "r4"}));
+  update_with_stub(s, *o1);
+  auto o3 = s.schedule();  // r0..r2 decode while r3, r4 are in flight
+  EXPECT_EQ(ids_of(*o3), (std::set<std::string>{"r0", "r1", "r2"}));
+  EXPECT_EQ(o3->num_decode_reqs, 3);
+  update_with_stub(s, *o2);
+  update_with_stub(s, *o3);
+  s.set_max_steps_in_flight(1);
+  EXPECT_EQ(s.schedule()->num_reqs(), 5);  // one step at a time: every request in one batch, as before
 }
 
 // Two steps always in flight over many requests of different lengths with a small cache: every request

@@ -20,6 +20,11 @@ std::unique_ptr<SchedulerOutput> Scheduler::schedule() {
                                   [](const std::unique_ptr<Request>& r) { return !r->in_flight(); }),
                    graveyard_.end());
   int64_t budget = config_.max_num_batched_tokens;
+  row_limit_ = config_.max_num_seqs;
+  if (max_steps_in_flight_ > 1) {  // an even share of the live requests, so every micro-batch has rows
+    const int64_t live = std::min<int64_t>(config_.max_num_seqs, static_cast<int64_t>(running_.size()) + waiting_.size());
+    row_limit_ = static_cast<int32_t>(std::max<int64_t>(1, (live + max_steps_in_flight_ - 1) / max_steps_in_flight_));
+  }
   std::vector<Row> rows;
   rows.reserve(running_.size() + 8);
   std::vector<std::string> preempted;
@@ -44,7 +49,7 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
   const std::vector<Request*> snapshot = running_;  // preemption edits running_
   const int32_t lookahead = config_.num_lookahead_tokens;
   for (Request* r : snapshot) {
-    if (budget <= 0 || static_cast<int32_t>(rows.size()) >= config_.max_num_seqs) break;
+    if (budget <= 0 || static_cast<int32_t>(rows.size()) >= row_limit_) break;
     if (r->status() != RequestStatus::RUNNING || r->in_flight()) continue;  // preempted earlier; awaits update()
     const int64_t computed = r->num_computed_tokens();
     const int64_t n = chunk_size(*r, computed, budget);
@@ -69,7 +74,8 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
 
 void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
   const int32_t lookahead = config_.num_lookahead_tokens;
-  while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+  while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs &&
+         static_cast<int32_t>(rows.size()) < row_limit_) {
     Request* r = waiting_.front();
     const std::vector<int64_t>& tokens = r->all_token_ids();
     const PrefixMatch match = bm_.find_cached_prefix(tokens.data(), r->num_tokens(), r->extra_key());
