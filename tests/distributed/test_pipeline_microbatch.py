@@ -225,6 +225,20 @@ def test_a_failed_step_in_flight_fails_only_its_requests(llama_pp2, llama_refere
     _assert_idle_and_empty(engine)
 
 
+def test_n2_children_fork_into_the_step_in_flight(llama_pp2, llama4_dir):
+    """n > 1: the children are forked into the oldest step when it is collected; seeded sampling gives the
+    same tokens as one rank (each sequence has its own generator)."""
+    requests = {"n2": (PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, detokenize=False)),
+                **{f"r{i}": (PROMPTS[i], _params(i)) for i in (2, 3, 5)}}
+    ref = _run(_llm(llama4_dir).llm_engine, requests)
+    got = _run(llama_pp2.llm_engine, requests)
+    assert [c.token_ids for c in got["n2"].outputs] == [c.token_ids for c in ref["n2"].outputs]
+    assert len(got["n2"].outputs) == 2
+    for rid in ("r2", "r3", "r5"):
+        _assert_same(ref[rid], got[rid])
+    _assert_idle_and_empty(llama_pp2.llm_engine)
+
+
 def test_microbatching_off_runs_one_step_at_a_time(llama4_dir, llama_reference):
     llm = _llm(llama4_dir, pp=2, num_kv_blocks=TINY_CACHE, pipeline_microbatching=False)
     try:
