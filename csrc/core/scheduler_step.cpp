@@ -22,7 +22,8 @@ std::unique_ptr<SchedulerOutput> Scheduler::schedule() {
   int64_t budget = config_.max_num_batched_tokens;
   row_limit_ = config_.max_num_seqs;
   if (max_steps_in_flight_ > 1) {  // an even share of the live requests, so every micro-batch has rows
-    const int64_t live = std::min<int64_t>(config_.max_num_seqs, static_cast<int64_t>(running_.size()) + waiting_.size());
+    const int64_t live =
+        std::min<int64_t>(config_.max_num_seqs, static_cast<int64_t>(running_.size()) + waiting_.size());
     row_limit_ = static_cast<int32_t>(std::max<int64_t>(1, (live + max_steps_in_flight_ - 1) / max_steps_in_flight_));
   }
   std::vector<Row> rows;

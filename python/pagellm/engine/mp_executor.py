@@ -30,8 +30,7 @@ import socket
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing import connection
 from typing import Any, Callable
 
