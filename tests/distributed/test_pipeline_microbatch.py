@@ -225,6 +225,31 @@ def test_a_failed_step_in_flight_fails_only_its_requests(llama_pp2, llama_refere
     _assert_idle_and_empty(engine)
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_step_failing_on_a_stage_fails_only_its_requests(stage, llama_pp2, llama_reference):
+    """The stage raises before its activations moved: it still receives / sends them (zeros), so the other
+    stage stays at the same step; the step's requests fail, the executor is not broken, the rest go on."""
+    engine = llama_pp2.llm_engine
+    engine.collective_rpc(_fail_next_step_on_stage, (stage,))
+    requests = _all_requests()
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    engine.step()
+    doomed = list(engine._batch_queue[0].seq_ids)  # the first step submitted is the one that fails
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert sorted(final) == sorted(requests)
+    for rid, out in final.items():
+        if rid in doomed:
+            assert f"stage {stage} exploded" in out.error
+        else:
+            _assert_same(llama_reference[rid], out)
+    _assert_idle_and_empty(engine)
+
+
 def test_n2_children_fork_into_the_step_in_flight(llama_pp2, llama4_dir):
     """n > 1: the children are forked into the oldest step when it is collected; seeded sampling gives the
     same tokens as one rank (each sequence has its own generator)."""
@@ -269,3 +294,18 @@ def test_pipeline_microbatching_option_is_checked():
 
 def _pid(worker):
     return os.getpid()
+
+
+def _fail_next_step_on_stage(worker, stage: int) -> None:
+    """On pipeline stage `stage`: the next step raises before the model runs (so before any activation moves)."""
+    from pagellm.distributed import get_pp_state
+
+    if get_pp_state().rank != stage:
+        return
+    execute = worker.runner.execute
+
+    def failing(*args, **kwargs):
+        worker.runner.execute = execute
+        raise RuntimeError(f"stage {stage} exploded")
+
+    worker.runner.execute = failing

@@ -25,11 +25,14 @@ others run (stage s waits for s-1's activations, the driver waits for the last s
     step skips its row; a step that fails fails only its own requests and closes only its pending step.
 Activations still go stage to stage with blocking send / recv (in step order on every pair of stages): stage
 0 computes step k+1 while the next stage runs step k; its send may then wait for that stage's receive. A stage
-that raises before it sends leaves the next one waiting: the executor's bounded wait then breaks it, as
-without micro-batches.
+whose step raises before its activations moved still receives / sends them (`stage_step`, zeros sent), so
+the next stage never takes step k+1's activations for step k's and the engine goes on.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -81,6 +84,7 @@ def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
         return
     dist.send(hidden.contiguous(), dst=state.next_rank)
     dist.send(residual.contiguous(), dst=state.next_rank)
+    state.traffic.num_sent += 1
 
 
 def recv_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
@@ -96,7 +100,29 @@ def recv_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
     if num_tokens:
         dist.recv(hidden, src=state.prev_rank)
         dist.recv(residual, src=state.prev_rank)
+        state.traffic.num_received += 1
     return hidden, residual
+
+
+@contextmanager
+def stage_step(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> Iterator[None]:
+    """One step of T = `num_tokens` on this stage. When it raises before it received the previous stage's
+    activations, they are received (and dropped) on the way out; before it sent its own, zeros are sent. So
+    the stages stay at the same step: the step fails (the driver fails its requests and never caches their
+    KV) and the next steps run as usual, instead of the next stage waiting forever or taking step k+1's
+    activations for step k's."""
+    state = get_pp_state()
+    received, sent = state.traffic.num_received, state.traffic.num_sent
+    try:
+        yield
+    except BaseException:
+        if state.prev_rank is not None and state.traffic.num_received == received:
+            recv_activations(num_tokens, hidden_size, dtype, device)
+        if state.next_rank is not None and state.traffic.num_sent == sent:
+            zeros = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+            send_activations(zeros, zeros)
+        raise
 
 
 def check_kv_sharing_within_stages(kv_sharing: dict[int, int]) -> None:
