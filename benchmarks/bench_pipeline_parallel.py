@@ -9,7 +9,11 @@ micro-batches (two steps in flight over disjoint halves of the requests).
 PP=2 ranks pin themselves to one half of the allowed CPUs each (pagellm.engine.mp_worker); PP=1 gets all of
 them (PAGELLM_NUM_THREADS = the CPU count). The three engines are built once and stay up; each round runs the
 same greedy workload on each in turn (the first, untimed, run warms them). Throughput counts generated tokens
-over the wall time from the first add_request to the last output, in the driver.
+over the wall time from the first add_request to the last output, in the driver. On a shared machine that
+number moves with the load, so the PP=2 rows also report how the stages overlapped, from each rank's own
+compute intervals (a step from its start, or from when the previous stage's activations arrived, to its end,
+or to when it starts sending them on; CLOCK_MONOTONIC, one clock for every process): busy = the share of the
+wall time a stage computed, both = the share during which both stages did (about 0 when they take turns).
 """
 
 from __future__ import annotations
@@ -38,6 +42,67 @@ def write_random_llama(path: Path, shape: dict, dtype: torch.dtype) -> Path:
     cfg = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     LlamaForCausalLM(cfg).to(dtype).save_pretrained(str(path))
     return path
+
+
+def _record_step_intervals(worker) -> None:
+    """On every rank: keep each step's compute interval (monotonic), without the waits for activations."""
+    import pagellm.models.llama as llama  # the random model is a Llama: its forward receives / sends
+
+    if getattr(worker, "bench_intervals", None) is not None:
+        return
+    worker.bench_intervals, marks = [], {}
+    execute, recv, send = worker.runner.execute, llama.recv_activations, llama.send_activations
+
+    def received(*args, **kwargs):
+        out = recv(*args, **kwargs)
+        marks["computing_from"] = time.monotonic()
+        return out
+
+    def sending(*args, **kwargs):
+        marks["computing_to"] = time.monotonic()
+        return send(*args, **kwargs)
+
+    def timed(*args, **kwargs):
+        marks.clear()
+        t0 = time.monotonic()
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            t1 = time.monotonic()
+            worker.bench_intervals.append((marks.get("computing_from", t0), marks.get("computing_to", t1)))
+
+    llama.recv_activations, llama.send_activations, worker.runner.execute = received, sending, timed
+
+
+def _take_step_intervals(worker) -> list[tuple[float, float]]:
+    taken, worker.bench_intervals = worker.bench_intervals, []
+    return taken
+
+
+def _busy(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in intervals)
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Seconds during which an interval of `a` and one of `b` both ran (each list in time order, disjoint)."""
+    total, j = 0.0, 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            total += max(0.0, min(e, b[k][1]) - max(s, b[k][0]))
+            k += 1
+    return total
+
+
+def stage_overlap(engine, secs: float) -> str:
+    """'busy a% / b%, both c%' of the last run (PP=2), or '-' for one process."""
+    if engine.config.parallel_config.pipeline_parallel_size == 1:
+        return "-"
+    first, last = engine.collective_rpc(_take_step_intervals)
+    return (f"{100 * _busy(first) / secs:.0f}% / {100 * _busy(last) / secs:.0f}%, "
+            f"both {100 * _overlap(first, last) / secs:.0f}%")
 
 
 def build(model: str, pp: int, microbatching: bool, dtype: str, cpus: int):
@@ -96,11 +161,13 @@ def main() -> int:
         try:
             for engine in engines.values():  # warm-up: first-call costs, thread pools, page faults
                 run_workload(engine, a.requests, a.prompt_len, min(a.new_tokens, 4), shape["vocab_size"])
+                if engine.config.parallel_config.pipeline_parallel_size > 1:
+                    engine.collective_rpc(_record_step_intervals)
             print(f"offline throughput, random Llama {shape['hidden_size']}x{shape['num_hidden_layers']} layers, "
                   f"{dtype}, {a.requests} requests x ({a.prompt_len} prompt + {a.new_tokens} new) tokens, "
                   f"{cpus} CPUs, {a.rounds} rounds interleaved")
-            print("| config | round | load (1 min) | wall s | generated tok/s | vs PP=1 |")
-            print("|---|---:|---:|---:|---:|---:|", flush=True)
+            print("| config | round | load (1 min) | wall s | generated tok/s | vs PP=1 | stages busy, both |")
+            print("|---|---:|---:|---:|---:|---:|---|", flush=True)
             rates: dict[str, list[float]] = {name: [] for name in engines}
             for r in range(a.rounds):
                 for name, engine in engines.items():
@@ -109,8 +176,8 @@ def main() -> int:
                                                    shape["vocab_size"])
                     rates[name].append(generated / secs)
                     ratio = rates[name][-1] / rates["PP=1"][-1]
-                    print(f"| {name} | {r + 1} | {load:.1f} | {secs:.2f} | {rates[name][-1]:.1f} | {ratio:.2f}x |",
-                          flush=True)
+                    print(f"| {name} | {r + 1} | {load:.1f} | {secs:.2f} | {rates[name][-1]:.1f} | {ratio:.2f}x | "
+                          f"{stage_overlap(engine, secs)} |", flush=True)
             print("\nmedians:")
             for name, values in rates.items():
                 med = statistics.median(values)
