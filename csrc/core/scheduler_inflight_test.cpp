@@ -5,6 +5,7 @@
 #include <deque>
 #include <map>
 #include <numeric>
+#include <random>
 #include <set>
 #include <vector>
 
@@ -116,7 +117,7 @@ TEST(SchedulerInFlight, PreemptionNeverTakesAnInFlightRequest) {
   // 6 blocks of 4 tokens: a (8 tokens + decode) and b (8 tokens) cannot both grow for long.
   auto owner = make(16, 6, 4, 1, false);  // one step at a time while a and b grow
   Scheduler& s = *owner;
-  s.add_request("a", seq_tokens(0, 8), 0.0);
+  s.add_request("a", seq_tokens(0, 8), 5.0);  // the latest arrival: the victim, were it not in flight
   auto o1 = s.schedule();
   update_with_stub(s, *o1);  // a: 8 prompt tokens + 1 output, 3 blocks
   s.add_request("b", seq_tokens(100, 11), 1.0);  // 3 blocks
@@ -131,7 +132,7 @@ TEST(SchedulerInFlight, PreemptionNeverTakesAnInFlightRequest) {
   s.set_max_steps_in_flight(2);
   auto o4 = s.schedule();  // a's share of two micro-batches
   EXPECT_EQ(ids_of(*o4), std::set<std::string>{"a"});
-  auto o5 = s.schedule();  // a is in flight: not a victim, though it holds the blocks b needs; b yields
+  auto o5 = s.schedule();  // a is in flight: not the victim, though it arrived last; b yields
   EXPECT_EQ(o5->preempted_request_ids, std::vector<std::string>{"b"});
   EXPECT_EQ(o5->num_reqs(), 0);
   EXPECT_EQ(s.get_request("a").status(), RequestStatus::RUNNING);
@@ -267,6 +268,111 @@ TEST(SchedulerInFlight, TwoStepsInFlightLeakNothing) {
   EXPECT_EQ(max_queue, 2);  // the pipeline was kept full at times
   for (const auto& [id, n] : want) EXPECT_EQ(static_cast<int64_t>(got[id].size()), n) << id;
   EXPECT_EQ(s.block_manager().num_free_blocks(), free0);
+}
+
+// Random arrivals, aborts (also of requests in flight), forks, finishes and preemptions with up to three
+// steps in flight: no request rides in two pending steps, a request in flight stays RUNNING (never a
+// preemption victim) and is in exactly one of them, and once everything is updated and aborted every
+// block is free again.
+void random_in_flight_run(uint32_t seed, int32_t max_in_flight, bool prefix_caching) {
+  auto owner = make(24, 24, 4, max_in_flight, prefix_caching);
+  Scheduler& s = *owner;
+  std::mt19937 rng(seed);
+  const std::vector<int64_t> prefix = seq_tokens(500, 12);
+  std::deque<std::unique_ptr<SchedulerOutput>> queue;
+  int64_t next_id = 0, preempted = 0, aborted_in_flight = 0, forks = 0, max_queue = 0;
+  const auto live_ids = [&s]() {
+    std::vector<std::string> ids;
+    for (const auto& kv : s.requests()) ids.push_back(kv.first);
+    std::sort(ids.begin(), ids.end());
+    return ids;
+  };
+  const auto update_oldest = [&]() {
+    std::unique_ptr<SchedulerOutput> out = std::move(queue.front());
+    queue.pop_front();
+    std::vector<std::string> rows(out->request_ids);
+    if (rng() % 4 == 0) {  // n > 1: a sampling row forks a child into this (the oldest) step
+      for (int32_t i = 0; i < out->num_reqs(); ++i) {
+        const auto& id = out->request_ids[static_cast<size_t>(i)];
+        if (out->do_sample[static_cast<size_t>(i)] && s.requests().count(id)) {
+          rows.push_back("c" + std::to_string(next_id++));
+          s.fork(id, rows.back());
+          ++forks;
+          break;
+        }
+      }
+    }
+    std::vector<int32_t> n;
+    std::vector<int64_t> toks;
+    std::vector<FinishedRequest> finished;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const bool live = s.requests().count(rows[i]) > 0;  // aborted while in flight: no token
+      const bool sample = i >= out->request_ids.size() || out->do_sample[i];
+      n.push_back(live && sample ? 1 : 0);
+      if (!live || !sample) continue;
+      toks.push_back(static_cast<int64_t>(rng() % 50));
+      if (s.get_request(rows[i]).num_tokens() + 2 >= 64 || rng() % 6 == 0) {
+        finished.emplace_back(rows[i], RequestStatus::FINISHED_LENGTH);
+      }
+    }
+    s.update(out->step_id, n.data(), static_cast<int64_t>(n.size()), toks.data(), static_cast<int64_t>(toks.size()),
+             finished);
+  };
+  for (int op = 0; op < 20000 && !::testing::Test::HasFailure(); ++op) {
+    const uint32_t dice = rng() % 100;
+    if (dice < 25 && s.num_waiting() < 12) {
+      std::vector<int64_t> prompt(prefix.begin(), prefix.begin() + 1 + rng() % prefix.size());
+      for (uint32_t j = rng() % 10; j > 0; --j) prompt.push_back(static_cast<int64_t>(rng() % 50));
+      s.add_request("r" + std::to_string(next_id++), prompt, static_cast<double>(op));
+    } else if (dice < 60 && s.num_steps_in_flight() < max_in_flight) {
+      auto out = s.schedule();
+      preempted += static_cast<int64_t>(out->preempted_request_ids.size());
+      for (const auto& id : out->preempted_request_ids) ASSERT_FALSE(s.get_request(id).in_flight()) << id;
+      if (out->num_reqs() > 0) queue.push_back(std::move(out));
+      max_queue = std::max<int64_t>(max_queue, static_cast<int64_t>(queue.size()));
+    } else if (dice < 88 && !queue.empty()) {
+      update_oldest();
+    } else if (dice < 96) {
+      const auto ids = live_ids();
+      if (ids.empty()) continue;
+      const std::string& id = ids[rng() % ids.size()];
+      aborted_in_flight += s.get_request(id).in_flight() ? 1 : 0;
+      ASSERT_TRUE(s.abort(id));
+    } else {
+      for (const auto& id : live_ids()) {  // a decode-ready request not in flight forks on its own
+        const Request& r = s.get_request(id);
+        if (r.status() == RequestStatus::RUNNING && !r.in_flight() && r.num_computed_tokens() == r.num_tokens() - 1) {
+          s.fork(id, "f" + std::to_string(next_id++));
+          ++forks;
+          break;
+        }
+      }
+    }
+    std::map<std::string, int> in_steps;
+    for (const auto& q : queue) {
+      for (const auto& id : q->request_ids) ASSERT_EQ(++in_steps[id], 1) << id << " in two pending steps";
+    }
+    for (const auto& [id, r] : s.requests()) {
+      ASSERT_EQ(r->in_flight(), in_steps.count(id) > 0) << id;
+      if (r->in_flight()) ASSERT_EQ(r->status(), RequestStatus::RUNNING) << id;
+    }
+    ASSERT_EQ(s.num_steps_in_flight(), static_cast<int32_t>(queue.size()));
+  }
+  while (!queue.empty()) update_oldest();
+  for (const auto& id : live_ids()) s.abort(id);
+  EXPECT_FALSE(s.has_unfinished_requests());
+  EXPECT_EQ(s.block_manager().num_free_blocks(), s.block_manager().num_blocks());
+  EXPECT_EQ(max_queue, max_in_flight);
+  EXPECT_GT(preempted, 0);
+  EXPECT_GT(aborted_in_flight, 0);
+  EXPECT_GT(forks, 0);
+  if (prefix_caching) EXPECT_GT(s.block_manager().prefix_cache_hits(), 0);
+}
+
+TEST(SchedulerInFlight, RandomRunsKeepTheInvariants) {
+  random_in_flight_run(11, 2, true);
+  random_in_flight_run(12, 3, true);
+  random_in_flight_run(13, 2, false);
 }
 
 }  // namespace
