@@ -264,6 +264,43 @@ def test_n2_children_fork_into_the_step_in_flight(llama_pp2, llama4_dir):
     _assert_idle_and_empty(llama_pp2.llm_engine)
 
 
+def test_async_llm_streams_and_aborts_over_micro_batches(llama_pp2, llama_reference):
+    """The server's front: concurrent streams over PP=2 micro-batches, one stream closed early (an abort,
+    possibly while its step is in flight); the others end as on one rank."""
+    import asyncio
+
+    from pagellm.engine.async_llm import AsyncLLM
+
+    front = AsyncLLM(llama_pp2.llm_engine)
+    requests = _all_requests()
+
+    async def consume(rid: str, stop_after: int | None = None):
+        last = None
+        ids, params = requests[rid]
+        async for out in front.generate({"prompt_token_ids": ids}, params, request_id=rid):
+            last = out
+            if stop_after is not None and len(out.outputs[0].token_ids) >= stop_after:
+                break  # closing the generator aborts the request
+        return rid, last
+
+    async def main():
+        return await asyncio.gather(*(consume(rid, 2 if rid == "r1" else None) for rid in requests))
+
+    try:
+        results = dict(asyncio.run(main()))
+    finally:
+        front.shutdown()
+    assert not front.errored and front.dead_error is None
+    assert not results["r1"].finished
+    for rid, out in results.items():
+        if rid != "r1":
+            _assert_same(llama_reference[rid], out)
+    engine = llama_pp2.llm_engine
+    while engine.has_unfinished_requests():  # a step of the aborted stream may still be in flight
+        engine.step()
+    _assert_idle_and_empty(engine)
+
+
 def test_microbatching_off_runs_one_step_at_a_time(llama4_dir, llama_reference):
     llm = _llm(llama4_dir, pp=2, num_kv_blocks=TINY_CACHE, pipeline_microbatching=False)
     try:
