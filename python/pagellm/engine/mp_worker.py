@@ -6,8 +6,9 @@ PipelineParallelState (global rank = pp_rank * tp_size + tp_rank), builds a `Wor
 kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback text) out. A None message
 ends it. With pipeline stages (pp > 1) a thread reads the pipe ahead into a queue: the driver writes step
 k+1 while this rank still runs step k, and neither side may block on the other's full pipe (the driver
-would wait to write while this rank waits to write step k's reply). Only the first rank of the last pipeline stage (`output_rank`) returns step outputs (the other
-ranks' are identical copies, or nothing on earlier stages, which the driver does not need).
+would wait to write while this rank waits to write step k's reply). Only the first rank of the last
+pipeline stage (`output_rank`) returns step outputs (the other ranks' are identical copies, or nothing on
+earlier stages, which the driver does not need).
 """
 
 from __future__ import annotations
