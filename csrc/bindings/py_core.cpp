@@ -71,6 +71,7 @@ void bind_request(py::module_& m) {
       .def_property_readonly("priority", &Request::priority)
       .def_property_readonly("extra_key", &Request::extra_key)
       .def_property_readonly("num_preemptions", &Request::num_preemptions)
+      .def_property_readonly("in_flight", &Request::in_flight)
       .def_property_readonly("num_cached_tokens", &Request::num_cached_tokens)
       .def_property_readonly("max_tokens", [](const Request& r) -> std::optional<int64_t> {
             if (r.max_tokens() == Request::kUnlimitedTokens) return std::nullopt;
@@ -249,8 +250,11 @@ void bind_scheduler(py::module_& m) {
       .def("update", &update, py::arg("output"), py::arg("num_new_tokens"), py::arg("new_token_ids"),
            py::arg("finished") = std::vector<FinishedRequest>())
       .def("abort", &Scheduler::abort, py::arg("request_id"))
-      .def("abort_pending_step", &Scheduler::abort_pending_step)
+      .def("abort_pending_step", &Scheduler::abort_pending_step, py::arg("step_id") = 0)
       .def_property_readonly("has_pending_step", &Scheduler::has_pending_step)
+      .def("set_max_steps_in_flight", &Scheduler::set_max_steps_in_flight, py::arg("n"))
+      .def_property_readonly("max_steps_in_flight", &Scheduler::max_steps_in_flight)
+      .def_property_readonly("num_steps_in_flight", &Scheduler::num_steps_in_flight)
       .def("fork", &Scheduler::fork, py::arg("parent_id"), py::arg("child_id"))
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("get_request", [](const Scheduler& s, const std::string& id) { return s.get_request(id); }, py::arg("request_id"))

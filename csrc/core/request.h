@@ -94,6 +94,11 @@ class Request {
   void set_draft_token_ids(std::vector<int64_t> drafts) { draft_token_ids_ = std::move(drafts); }
   // Drops the drafts (consumed by schedule(), or lost to a preemption).
   void clear_draft_token_ids() { draft_token_ids_.clear(); }
+  // Whether a scheduled step of this request awaits update() (pipeline micro-batches: not scheduled again
+  // until then, since its next step needs that step's token and progress).
+  bool in_flight() const { return in_flight_; }
+  // Sets the in-flight mark (schedule() sets it, update() / abort_pending_step() clear it).
+  void set_in_flight(bool v) { in_flight_ = v; }
   // Copy of this request under a new id (for fork): same tokens, state, priority and arrival; no drafts.
   Request clone_as(const std::string& new_id) const;
 
@@ -112,6 +117,7 @@ class Request {
   int64_t num_cached_tokens_ = 0;
   int32_t seq_handle_ = -1;
   int64_t queue_order_ = 0;
+  bool in_flight_ = false;
 };
 
 }  // namespace pagellm

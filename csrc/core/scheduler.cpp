@@ -83,21 +83,45 @@ bool Scheduler::abort(const std::string& request_id) {
   return true;
 }
 
-std::vector<std::string> Scheduler::abort_pending_step() {
+void Scheduler::set_max_steps_in_flight(int32_t n) {
+  if (n < 1 || n > 64) {
+    throw std::invalid_argument("max_steps_in_flight must be in [1, 64] (got " + std::to_string(n) + ")");
+  }
+  require_no_pending_step("set_max_steps_in_flight");
+  max_steps_in_flight_ = n;
+}
+
+int32_t Scheduler::num_steps_in_flight() const {
+  return static_cast<int32_t>(std::count_if(pending_.begin(), pending_.end(),
+                                            [](const PendingStep& p) { return !p.rows.empty(); }));
+}
+
+const Scheduler::PendingStep* Scheduler::oldest_pending() const {
+  for (const PendingStep& p : pending_) {
+    if (!p.rows.empty()) return &p;
+  }
+  return nullptr;
+}
+
+void Scheduler::close_pending(std::deque<PendingStep>::iterator it) {
+  for (Request* r : it->rows) r->set_in_flight(false);  // finished rows too: graveyard_ may drop them now
+  pending_.erase(it);
+}
+
+std::vector<std::string> Scheduler::abort_pending_step(uint64_t step_id) {
   std::vector<std::string> aborted;
-  if (!pending_.active) return aborted;
-  for (Request* r : pending_.rows) {  // rows finished since schedule() still live in graveyard_
+  PendingStep* oldest = oldest_pending();
+  if (step_id == 0 && oldest == nullptr && !pending_.empty()) step_id = pending_.front().step_id;
+  if (step_id == 0 && oldest != nullptr) step_id = oldest->step_id;
+  const auto it = std::find_if(pending_.begin(), pending_.end(),
+                               [step_id](const PendingStep& p) { return p.step_id == step_id; });
+  if (it == pending_.end()) return aborted;
+  for (Request* r : it->rows) {  // rows finished since schedule() still live in graveyard_
     if (is_finished(r->status())) continue;
     aborted.push_back(r->request_id());
     finish_request(r, RequestStatus::FINISHED_ABORTED);
   }
-  pending_.active = false;
-  pending_.rows.clear();
-  pending_.num_tokens.clear();
-  pending_.sample.clear();
-  pending_.draft_start.assign(1, 0);
-  pending_.draft_token_ids.clear();
-  pending_.num_base_rows = 0;
+  close_pending(it);
   return aborted;
 }
 
@@ -109,12 +133,16 @@ void Scheduler::fork(const std::string& parent_id, const std::string& child_id) 
     throw std::invalid_argument(std::string("fork: parent must be RUNNING (is ") + to_string(p->status()) + ")");
   }
   int64_t row = -1;
-  if (pending_.active) {
-    const auto it = std::find(pending_.rows.begin(), pending_.rows.end(), p);
-    if (it != pending_.rows.end()) row = it - pending_.rows.begin();
+  PendingStep* step = oldest_pending();
+  if (step != nullptr) {
+    const auto it = std::find(step->rows.begin(), step->rows.end(), p);
+    if (it != step->rows.end()) row = it - step->rows.begin();
   }
-  if (row >= 0 && !pending_.sample[static_cast<size_t>(row)]) {
+  if (row >= 0 && !step->sample[static_cast<size_t>(row)]) {
     throw std::invalid_argument("fork: parent is mid-prefill in the pending step (no sampled token)");
+  }
+  if (row < 0 && p->in_flight()) {
+    throw std::invalid_argument("fork: parent's step is in flight behind the oldest pending step");
   }
   if (row < 0 && p->num_computed_tokens() != p->num_tokens() - 1) {
     throw std::invalid_argument("fork: parent is mid-prefill (num_computed_tokens != num_tokens - 1)");
@@ -123,18 +151,20 @@ void Scheduler::fork(const std::string& parent_id, const std::string& child_id) 
   child->set_seq_handle(bm_.fork(p->seq_handle(), child_id));
   running_.push_back(child.get());
   if (row >= 0) {
-    pending_.rows.push_back(child.get());
-    pending_.num_tokens.push_back(pending_.num_tokens[static_cast<size_t>(row)]);
-    pending_.sample.push_back(1);
+    child->set_in_flight(true);
+    step->rows.push_back(child.get());
+    step->num_tokens.push_back(step->num_tokens[static_cast<size_t>(row)]);
+    step->sample.push_back(1);
   }
   requests_.emplace(child_id, std::move(child));
 }
 
-void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
-                                int64_t num_new_token_ids, const std::vector<FinishedRequest>& finished) const {
-  if (num_rows != static_cast<int64_t>(pending_.rows.size())) {
+void Scheduler::validate_update(const PendingStep& pending, const int32_t* num_new, int64_t num_rows,
+                                const int64_t* new_token_ids, int64_t num_new_token_ids,
+                                const std::vector<FinishedRequest>& finished) const {
+  if (num_rows != static_cast<int64_t>(pending.rows.size())) {
     throw std::invalid_argument("num_new_tokens has " + std::to_string(num_rows) + " entries, expected " +
-                                std::to_string(pending_.rows.size()) + " (scheduled rows + forked children)");
+                                std::to_string(pending.rows.size()) + " (scheduled rows + forked children)");
   }
   for (const auto& f : finished) {
     if (!is_finished(f.second)) {
@@ -145,12 +175,12 @@ void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, const 
   const int64_t max_accept = 1 + config_.num_lookahead_tokens;
   for (int64_t i = 0; i < num_rows; ++i) {
     const int64_t m = num_new[i];
-    const Request* r = pending_.rows[static_cast<size_t>(i)];
-    const bool sample = pending_.sample[static_cast<size_t>(i)] != 0;
+    const Request* r = pending.rows[static_cast<size_t>(i)];
+    const bool sample = pending.sample[static_cast<size_t>(i)] != 0;
     const auto where = [i, m]() { return "num_new_tokens[" + std::to_string(i) + "]=" + std::to_string(m); };
     const size_t row = static_cast<size_t>(i);
-    const int32_t k = row < pending_.num_base_rows ? pending_.draft_start[row + 1] - pending_.draft_start[row] : 0;
-    const int64_t row_max = row < pending_.num_base_rows ? (k > 0 ? 1 + k : max_accept) : 1;
+    const int32_t k = row < pending.num_base_rows ? pending.draft_start[row + 1] - pending.draft_start[row] : 0;
+    const int64_t row_max = row < pending.num_base_rows ? (k > 0 ? 1 + k : max_accept) : 1;
     if (m < 0 || (!sample && m != 0) || m > row_max) {
       throw std::invalid_argument(where() + ": must be 0 for a non-sampling row, else in [1, " +
                                   std::to_string(row_max) + "]");
@@ -166,10 +196,10 @@ void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, const 
     throw std::invalid_argument("new_token_ids has " + std::to_string(num_new_token_ids) +
                                 " entries but num_new_tokens sums to " + std::to_string(total));
   }
-  if (pending_.draft_token_ids.empty()) return;
+  if (pending.draft_token_ids.empty()) return;
   const int64_t* tok = new_token_ids;
-  for (size_t i = 0; i < pending_.num_base_rows; ++i) {
-    if (pending_.rows[i]->status() == RequestStatus::RUNNING) validate_accepted_drafts(i, tok, num_new[i]);
+  for (size_t i = 0; i < pending.num_base_rows; ++i) {
+    if (pending.rows[i]->status() == RequestStatus::RUNNING) validate_accepted_drafts(pending, i, tok, num_new[i]);
     tok += num_new[i];
   }
 }
@@ -177,18 +207,22 @@ void Scheduler::validate_update(const int32_t* num_new, int64_t num_rows, const 
 void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
                        int64_t num_new_token_ids, const std::vector<FinishedRequest>& finished) {
   const auto t0 = std::chrono::steady_clock::now();
-  if (!pending_.active || pending_.step_id != step_id) {
+  // The oldest step with rows, or a step without rows before it (nothing to apply but `finished`).
+  auto it = pending_.begin();
+  while (it != pending_.end() && it->step_id != step_id && it->rows.empty()) ++it;
+  if (it == pending_.end() || it->step_id != step_id) {
     throw std::invalid_argument("update(): output of step " + std::to_string(step_id) +
-                                " is not the pending step (each step is updated exactly once, in order)");
+                                " is not the oldest pending step (each step is updated exactly once, in order)");
   }
-  validate_update(num_new, num_rows, new_token_ids, num_new_token_ids, finished);
+  const PendingStep& pending = *it;
+  validate_update(pending, num_new, num_rows, new_token_ids, num_new_token_ids, finished);
   const int64_t* tok = new_token_ids;
   for (int64_t i = 0; i < num_rows; ++i) {
-    Request* r = pending_.rows[static_cast<size_t>(i)];
+    Request* r = pending.rows[static_cast<size_t>(i)];
     const int64_t m = num_new[i];
     if (r->status() == RequestStatus::RUNNING) {  // skip rows aborted since schedule()
       // A finishing spec row that keeps no token wrote KV past its tokens: never cache beyond them.
-      int64_t computed = std::min(r->num_computed_tokens() + pending_.num_tokens[static_cast<size_t>(i)],
+      int64_t computed = std::min(r->num_computed_tokens() + pending.num_tokens[static_cast<size_t>(i)],
                                   r->num_tokens());
       if (m > 0) {
         r->append_output_tokens(tok, m);
@@ -196,7 +230,7 @@ void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_row
       }
       r->set_num_computed_tokens(computed);
       bm_.cache_full_blocks(r->seq_handle(), r->all_token_ids().data(), computed);
-      if (config_.num_lookahead_tokens > 0 && pending_.sample[static_cast<size_t>(i)]) {
+      if (config_.num_lookahead_tokens > 0 && pending.sample[static_cast<size_t>(i)]) {
         bm_.shrink(r->seq_handle(), r->num_tokens());  // drop slots of rejected drafts
       }
       bm_.drop_outside_window(r->seq_handle(), computed);  // after caching: the blocks stay findable
@@ -207,7 +241,8 @@ void Scheduler::update(uint64_t step_id, const int32_t* num_new, int64_t num_row
     Request* r = find(f.first);
     if (r != nullptr) finish_request(r, f.second);
   }
-  pending_.active = false;
+  pending_.erase(pending_.begin(), it);  // steps without rows before it
+  close_pending(pending_.begin());
   last_update_us_ = micros_since(t0);
   total_update_us_ += last_update_us_;
 }

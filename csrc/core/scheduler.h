@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -31,7 +32,10 @@ using FinishedRequest = std::pair<std::string, RequestStatus>;
 
 // Step protocol: optionally set_draft_tokens(); out = schedule(); run the model (apply out.cow_copies
 // first); optionally fork(); update(out, ...). A step with rows is "pending" until its update();
-// schedule() refuses to run while one is pending. Single-threaded.
+// schedule() refuses to run while max_steps_in_flight (default 1) are pending. Single-threaded.
+// Pipeline micro-batches (max_steps_in_flight > 1): schedule() hands out further steps over disjoint
+// requests before the earlier ones are updated; a request of a pending step is "in flight" and neither
+// scheduled again nor preempted until its step's update(). Steps are updated in the order scheduled.
 // Speculative decoding: num_lookahead_tokens (L) is the most drafts a request may get per step. Every
 // sampling row reserves L slots after its token; a spec row's k <= L drafts occupy the first k of them.
 class Scheduler {
@@ -64,12 +68,19 @@ class Scheduler {
   // puts that path first (and moved its KV into the row's first lookahead slots). Throws
   // std::invalid_argument for another total count or a negative id, std::logic_error with no pending step.
   void set_pending_draft_tokens(std::vector<int64_t> draft_token_ids);
+  // Lets schedule() hand out up to n steps before their update() (pipeline micro-batches; 1 = one step
+  // at a time). Throws std::invalid_argument outside [1, 64], std::logic_error while a step is pending.
+  void set_max_steps_in_flight(int32_t n);
+  // The most steps with rows that may await update() at once.
+  int32_t max_steps_in_flight() const { return max_steps_in_flight_; }
+  // Steps with rows awaiting update().
+  int32_t num_steps_in_flight() const;
   // Ids of the running requests that are decode-ready (may take drafts), in running order.
   std::vector<std::string> decode_ready_request_ids() const;
-  // Builds the next batch (see SchedulerOutput). Throws std::logic_error if the previous step with
-  // scheduled rows has not been update()d.
+  // Builds the next batch (see SchedulerOutput) from requests not in flight. Throws std::logic_error if
+  // max_steps_in_flight steps with scheduled rows await update().
   std::unique_ptr<SchedulerOutput> schedule();
-  // Applies the model results of the pending step. Row i of num_new_tokens is the number of tokens
+  // Applies the model results of the oldest pending step (step_id). Row i of num_new_tokens is the number of tokens
   // accepted for scheduled row i (0 for non-sampling prefill chunks, 1 for a normal sample,
   // 1..1+k for a spec row with k drafts, whose first m - 1 tokens must equal its first drafts;
   // 1..1+num_lookahead_tokens for another sampling row whose lookahead KV the caller wrote itself),
@@ -81,15 +92,17 @@ class Scheduler {
   void update(uint64_t step_id, const int32_t* num_new_tokens, int64_t num_rows,
               const int64_t* new_token_ids, int64_t num_new_token_ids,
               const std::vector<FinishedRequest>& finished);
-  // Aborts a live request and frees its blocks at once; false if unknown or already finished.
+  // Aborts a live request and frees its blocks at once (also while its step is in flight: that step's
+  // update() skips the row); false if unknown or already finished.
   bool abort(const std::string& request_id);
-  // Closes the pending step without applying it (its model run or sampling failed): every request still
-  // live among its rows (scheduled, or forked into it) is aborted and its blocks freed, so no KV written
-  // by the failed step is ever cached or reused. Returns the ids aborted; a no-op without a pending step.
-  std::vector<std::string> abort_pending_step();
+  // Closes pending step step_id (0: the oldest) without applying it (its model run or sampling failed):
+  // every request still live among its rows (scheduled, or forked into it) is aborted and its blocks
+  // freed, so no KV written by the failed step is ever cached or reused. Other pending steps stay.
+  // Returns the ids aborted; a no-op when no such step is pending.
+  std::vector<std::string> abort_pending_step(uint64_t step_id = 0);
   // Creates child_id as a RUNNING copy of parent_id sharing its blocks. Allowed when the parent is
-  // RUNNING and either (a) it is a sampling row (decode or last prefill chunk) of the pending step:
-  // the child joins that step as an extra row, or (b) it is not in a pending step and is decode-ready
+  // RUNNING and either (a) it is a sampling row (decode or last prefill chunk) of the oldest pending step:
+  // the child joins that step as an extra row, or (b) it is not in flight and is decode-ready
   // (num_computed == num_tokens - 1). Throws UnknownRequestError / std::invalid_argument otherwise.
   void fork(const std::string& parent_id, const std::string& child_id);
 
@@ -113,8 +126,8 @@ class Scheduler {
   const SchedulerConfig& config() const { return config_; }
   // The cache config.
   const CacheConfig& cache_config() const { return cache_config_; }
-  // Whether a step with rows awaits update().
-  bool has_pending_step() const { return pending_.active; }
+  // Whether a step awaits update() (a step without rows counts until the next schedule()).
+  bool has_pending_step() const { return !pending_.empty(); }
 
   // C++ time of the last schedule() call, microseconds.
   double last_schedule_us() const { return last_schedule_us_; }
@@ -138,7 +151,6 @@ class Scheduler {
   // The step between schedule() and update().
   struct PendingStep {
     uint64_t step_id = 0;
-    bool active = false;
     std::vector<Request*> rows;
     std::vector<int32_t> num_tokens;
     std::vector<uint8_t> sample;
@@ -155,7 +167,7 @@ class Scheduler {
   void schedule_waiting(int64_t& budget, std::vector<Row>& rows);
   // Tokens of r to compute this step given `computed` and the budget (0 = cannot schedule).
   int64_t chunk_size(const Request& r, int64_t computed, int64_t budget) const;
-  // Running request with the largest (priority, arrival_time); latest in running order on ties.
+  // Running request not in flight with the largest (priority, arrival_time); latest in running order on ties.
   Request* pick_victim() const;
   // Preempts by recompute: frees blocks, resets progress, requeues at the front, unschedules.
   void preempt(Request* victim, int64_t& budget, std::vector<Row>& rows, std::vector<std::string>& preempted);
@@ -163,7 +175,7 @@ class Scheduler {
   std::unique_ptr<SchedulerOutput> build_output(std::vector<Row>& rows, std::vector<std::string>& preempted);
   // Fills the flat token arrays, block tables and copy-on-write pairs.
   void fill_token_arrays(SchedulerOutput& out, const std::vector<Row>& rows, int32_t max_blocks);
-  // Records the rows (and their drafts, flat) of the step that update() will apply.
+  // Queues the rows (and their drafts, flat) of the step that update() will apply; marks them in flight.
   void record_pending(uint64_t step_id, const std::vector<Row>& rows, const std::vector<int64_t>& draft_token_ids);
   // Fills the per-token arrays of one row starting at flat token index t.
   void fill_row_tokens(SchedulerOutput& out, const Row& row, int64_t t) const;
@@ -171,11 +183,16 @@ class Scheduler {
   int32_t drafts_to_schedule(const Request& r, int64_t n, int64_t budget) const;
   // Drops the drafts of every running request after schedule() consumed them.
   void clear_all_drafts();
+  // The oldest pending step with rows (nullptr if none).
+  const PendingStep* oldest_pending() const;
+  PendingStep* oldest_pending() { return const_cast<PendingStep*>(std::as_const(*this).oldest_pending()); }
+  // Removes pending step `it`, clearing its rows' in-flight marks.
+  void close_pending(std::deque<PendingStep>::iterator it);
   // Checks update() arguments without changing anything; throws std::invalid_argument.
-  void validate_update(const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
+  void validate_update(const PendingStep& p, const int32_t* num_new, int64_t num_rows, const int64_t* new_token_ids,
                        int64_t num_new_token_ids, const std::vector<FinishedRequest>& finished) const;
   // Checks that a spec row's accepted tokens start with its drafts; throws std::invalid_argument.
-  void validate_accepted_drafts(size_t row, const int64_t* tokens, int64_t m) const;
+  void validate_accepted_drafts(const PendingStep& p, size_t row, const int64_t* tokens, int64_t m) const;
   // Throws std::logic_error naming `what` while a step with rows awaits update().
   void require_no_pending_step(const char* what) const;
   // Most blocks of group g a prompt of num_tokens holds at once (its longest chunk, the window, the lookahead).
@@ -193,10 +210,12 @@ class Scheduler {
   CacheConfig cache_config_;
   KVCacheCoordinator bm_;  // one BlockManager per KV-cache group (usually one)
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
-  std::vector<std::unique_ptr<Request>> graveyard_;  // finished since the last schedule()
+  std::vector<std::unique_ptr<Request>> graveyard_;  // finished, possibly still rows of a pending step
   WaitingQueue waiting_;
   std::vector<Request*> running_;
-  PendingStep pending_;
+  std::deque<PendingStep> pending_;  // in schedule() order; a step without rows is dropped by the next schedule()
+  int32_t max_steps_in_flight_ = 1;
+  int32_t row_limit_ = 0;  // rows this schedule() may take: max_num_seqs, or a micro-batch's share of it
   uint64_t step_counter_ = 0;
   int32_t block_shift_ = 0;
   bool has_drafts_ = false;  // some request holds drafts (keeps schedule() free of a loop otherwise)

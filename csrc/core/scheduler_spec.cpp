@@ -14,9 +14,9 @@ bool decode_ready(const Request& r) {
 }  // namespace
 
 void Scheduler::require_no_pending_step(const char* what) const {
-  if (pending_.active && !pending_.rows.empty()) {
-    throw std::logic_error(std::string(what) + ": call update() for step " + std::to_string(pending_.step_id) +
-                           " first");
+  const PendingStep* p = oldest_pending();
+  if (p != nullptr) {
+    throw std::logic_error(std::string(what) + ": call update() for step " + std::to_string(p->step_id) + " first");
   }
 }
 
@@ -65,16 +65,17 @@ void Scheduler::set_num_lookahead_tokens(int32_t num_lookahead_tokens) {
 }
 
 void Scheduler::set_pending_draft_tokens(std::vector<int64_t> draft_token_ids) {
-  if (!pending_.active) throw std::logic_error("set_pending_draft_tokens: no step is pending");
-  if (draft_token_ids.size() != pending_.draft_token_ids.size()) {
+  if (pending_.empty()) throw std::logic_error("set_pending_draft_tokens: no step is pending");
+  PendingStep& pending = oldest_pending() != nullptr ? *oldest_pending() : pending_.front();
+  if (draft_token_ids.size() != pending.draft_token_ids.size()) {
     throw std::invalid_argument("set_pending_draft_tokens: " + std::to_string(draft_token_ids.size()) +
                                 " draft ids, the pending step has " +
-                                std::to_string(pending_.draft_token_ids.size()));
+                                std::to_string(pending.draft_token_ids.size()));
   }
   if (std::any_of(draft_token_ids.begin(), draft_token_ids.end(), [](int64_t t) { return t < 0; })) {
     throw std::invalid_argument("set_pending_draft_tokens: draft token ids must be >= 0");
   }
-  pending_.draft_token_ids = std::move(draft_token_ids);
+  pending.draft_token_ids = std::move(draft_token_ids);
 }
 
 std::vector<std::string> Scheduler::decode_ready_request_ids() const {
@@ -97,15 +98,16 @@ void Scheduler::clear_all_drafts() {
   has_drafts_ = false;
 }
 
-void Scheduler::validate_accepted_drafts(size_t row, const int64_t* tokens, int64_t m) const {
-  const int32_t start = pending_.draft_start[row];
-  const int32_t k = pending_.draft_start[row + 1] - start;
+void Scheduler::validate_accepted_drafts(const PendingStep& pending, size_t row, const int64_t* tokens,
+                                         int64_t m) const {
+  const int32_t start = pending.draft_start[row];
+  const int32_t k = pending.draft_start[row + 1] - start;
   // Tokens 0..m-2 were computed from the drafts' KV: they must be those drafts.
   for (int64_t j = 0; j + 1 < m && j < k; ++j) {
-    if (tokens[j] != pending_.draft_token_ids[static_cast<size_t>(start + j)]) {
+    if (tokens[j] != pending.draft_token_ids[static_cast<size_t>(start + j)]) {
       throw std::invalid_argument("update(): accepted token " + std::to_string(j) + " of row " + std::to_string(row) +
                                   " is " + std::to_string(tokens[j]) + " but draft " + std::to_string(j) + " was " +
-                                  std::to_string(pending_.draft_token_ids[static_cast<size_t>(start + j)]) +
+                                  std::to_string(pending.draft_token_ids[static_cast<size_t>(start + j)]) +
                                   " (only the last accepted token may differ from the drafts)");
     }
   }

@@ -9,11 +9,23 @@ namespace pagellm {
 
 std::unique_ptr<SchedulerOutput> Scheduler::schedule() {
   const auto t0 = std::chrono::steady_clock::now();
-  if (pending_.active && !pending_.rows.empty()) {
-    throw std::logic_error("schedule(): call update() for step " + std::to_string(pending_.step_id) + " first");
+  if (num_steps_in_flight() >= max_steps_in_flight_) {
+    throw std::logic_error("schedule(): call update() for step " + std::to_string(oldest_pending()->step_id) +
+                           " first");
   }
-  graveyard_.clear();  // no pending step can reference finished requests any more
+  pending_.erase(std::remove_if(pending_.begin(), pending_.end(), [](const PendingStep& p) { return p.rows.empty(); }),
+                 pending_.end());
+  // Finished requests no pending step references any more (rows of a step keep their in-flight mark).
+  graveyard_.erase(std::remove_if(graveyard_.begin(), graveyard_.end(),
+                                  [](const std::unique_ptr<Request>& r) { return !r->in_flight(); }),
+                   graveyard_.end());
   int64_t budget = config_.max_num_batched_tokens;
+  row_limit_ = config_.max_num_seqs;
+  if (max_steps_in_flight_ > 1) {  // an even share of the live requests, so every micro-batch has rows
+    const int64_t live =
+        std::min<int64_t>(config_.max_num_seqs, static_cast<int64_t>(running_.size()) + waiting_.size());
+    row_limit_ = static_cast<int32_t>(std::max<int64_t>(1, (live + max_steps_in_flight_ - 1) / max_steps_in_flight_));
+  }
   std::vector<Row> rows;
   rows.reserve(running_.size() + 8);
   std::vector<std::string> preempted;
@@ -38,8 +50,8 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
   const std::vector<Request*> snapshot = running_;  // preemption edits running_
   const int32_t lookahead = config_.num_lookahead_tokens;
   for (Request* r : snapshot) {
-    if (budget <= 0 || static_cast<int32_t>(rows.size()) >= config_.max_num_seqs) break;
-    if (r->status() != RequestStatus::RUNNING) continue;  // preempted earlier in this loop
+    if (budget <= 0 || static_cast<int32_t>(rows.size()) >= row_limit_) break;
+    if (r->status() != RequestStatus::RUNNING || r->in_flight()) continue;  // preempted earlier; awaits update()
     const int64_t computed = r->num_computed_tokens();
     const int64_t n = chunk_size(*r, computed, budget);
     if (n <= 0) continue;
@@ -63,7 +75,8 @@ void Scheduler::schedule_running(int64_t& budget, std::vector<Row>& rows, std::v
 
 void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
   const int32_t lookahead = config_.num_lookahead_tokens;
-  while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+  while (!waiting_.empty() && budget > 0 && static_cast<int32_t>(running_.size()) < config_.max_num_seqs &&
+         static_cast<int32_t>(rows.size()) < row_limit_) {
     Request* r = waiting_.front();
     const std::vector<int64_t>& tokens = r->all_token_ids();
     const HybridPrefixMatch match = bm_.find_cached_prefix(tokens.data(), r->num_tokens(), r->extra_key());
@@ -87,6 +100,7 @@ void Scheduler::schedule_waiting(int64_t& budget, std::vector<Row>& rows) {
 Request* Scheduler::pick_victim() const {
   Request* victim = nullptr;
   for (Request* r : running_) {
+    if (r->in_flight()) continue;  // a pending step writes its KV: never free its blocks under it
     if (victim == nullptr || r->priority() > victim->priority() ||
         (r->priority() == victim->priority() && r->arrival_time() >= victim->arrival_time())) {
       victim = r;
@@ -222,19 +236,17 @@ void Scheduler::fill_token_arrays(SchedulerOutput& o, const std::vector<Row>& ro
 
 void Scheduler::record_pending(uint64_t step_id, const std::vector<Row>& rows,
                                const std::vector<int64_t>& draft_token_ids) {
-  pending_.step_id = step_id;
-  pending_.active = true;
-  pending_.rows.clear();
-  pending_.num_tokens.clear();
-  pending_.sample.clear();
-  pending_.draft_start.assign(1, 0);
-  pending_.draft_token_ids = draft_token_ids;
-  pending_.num_base_rows = rows.size();
+  PendingStep& p = pending_.emplace_back();
+  p.step_id = step_id;
+  p.draft_start.assign(1, 0);
+  p.draft_token_ids = draft_token_ids;
+  p.num_base_rows = rows.size();
   for (const Row& row : rows) {
-    pending_.rows.push_back(row.req);
-    pending_.num_tokens.push_back(row.num_tokens);
-    pending_.sample.push_back(row.sample ? 1 : 0);
-    pending_.draft_start.push_back(pending_.draft_start.back() + row.num_drafts);
+    row.req->set_in_flight(true);
+    p.rows.push_back(row.req);
+    p.num_tokens.push_back(row.num_tokens);
+    p.sample.push_back(row.sample ? 1 : 0);
+    p.draft_start.push_back(p.draft_start.back() + row.num_drafts);
   }
 }
 

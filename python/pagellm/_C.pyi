@@ -48,6 +48,9 @@ class Request:
     @property
     def num_preemptions(self) -> int: ...
     @property
+    def in_flight(self) -> bool:
+        """A scheduled step of this request awaits update() (not scheduled again until then)."""
+    @property
     def num_cached_tokens(self) -> int: ...
     @property
     def max_tokens(self) -> Optional[int]:
@@ -177,12 +180,21 @@ class Scheduler:
         """num_new_tokens: per row 0 (prefill chunk), 1, or 1..1+k for a spec row whose first m - 1 tokens
         must be its drafts; then one 0/1 entry per forked child. ValueError (state untouched) otherwise."""
     def abort(self, request_id: str) -> bool: ...
-    def abort_pending_step(self) -> List[str]:
-        """Close the pending step without applying it (its model run failed): its live rows' requests are
-        aborted and their blocks freed (the step's KV is never cached); returns their ids. No-op if none."""
+    def abort_pending_step(self, step_id: int = 0) -> List[str]:
+        """Close pending step step_id (0: the oldest) without applying it (its model run failed): its live
+        rows' requests are aborted and their blocks freed (the step's KV is never cached); returns their
+        ids. Other pending steps stay. No-op if no such step is pending."""
     @property
     def has_pending_step(self) -> bool:
-        """Whether a step with rows awaits update()."""
+        """Whether a step awaits update() (one without rows counts until the next schedule())."""
+    def set_max_steps_in_flight(self, n: int) -> None:
+        """Pipeline micro-batches: schedule() may hand out up to n steps (over disjoint requests, each an even
+        share of the live ones) before their update(); n in [1, 64]. RuntimeError while a step is pending."""
+    @property
+    def max_steps_in_flight(self) -> int: ...
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps with rows awaiting update()."""
     def fork(self, parent_id: str, child_id: str) -> None: ...
     def has_unfinished_requests(self) -> bool: ...
     def get_request(self, request_id: str) -> Request: ...

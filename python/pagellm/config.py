@@ -197,6 +197,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni": one worker in this process; "mp": worker processes
     pipeline_parallel_size: int = 1  # contiguous stages of decoder layers (pagellm.distributed.pipeline)
+    # pipeline_parallel_size > 1 over "mp": keep one micro-batch per stage in flight (False: the stages take turns)
+    pipeline_microbatching: bool = True
     # "ray" only: the cluster ("host:port", "ray://host:port", "auto"; None: RAY_ADDRESS, else a local Ray)
     # and how the ranks' placement-group bundles spread over its nodes
     ray_address: str | None = None
@@ -206,6 +208,8 @@ class ParallelConfig:
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         _require(_is_int(tp) and tp >= 1, "tensor_parallel_size", "an integer >= 1", tp)
         _require(_is_int(pp) and pp >= 1, "pipeline_parallel_size", "an integer >= 1", pp)
+        _require(isinstance(self.pipeline_microbatching, bool), "pipeline_microbatching", "a bool",
+                 self.pipeline_microbatching)
         backend = self.distributed_executor_backend
         if backend is None:
             object.__setattr__(self, "distributed_executor_backend", "uni" if self.world_size == 1 else "mp")
@@ -258,6 +262,7 @@ class EngineArgs:
     distributed_executor_backend: str | None = None  # None: "uni" for one rank, "mp" for more (vLLM's rule)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    pipeline_microbatching: bool = True  # PP > 1: a micro-batch per stage in flight (False: one batch at a time)
     ray_address: str | None = None  # distributed_executor_backend="ray": the cluster (None: RAY_ADDRESS / local)
     ray_placement_strategy: str = "PACK"  # or "SPREAD": one rank per node where the cluster allows
     seed: int = 0
@@ -279,7 +284,7 @@ class EngineArgs:
             raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
         self.lora_config()  # ValueError for bad LoRA limits, before any model is opened
         ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend,
-                       self.pipeline_parallel_size, ray_address=self.ray_address,
+                       self.pipeline_parallel_size, self.pipeline_microbatching, ray_address=self.ray_address,
                        ray_placement_strategy=self.ray_placement_strategy)  # likewise
 
     def lora_config(self) -> LoRAConfig | None:
@@ -325,7 +330,8 @@ class EngineArgs:
         )
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend,
-                            pipeline_parallel_size=self.pipeline_parallel_size, ray_address=self.ray_address,
+                            pipeline_parallel_size=self.pipeline_parallel_size,
+                            pipeline_microbatching=self.pipeline_microbatching, ray_address=self.ray_address,
                             ray_placement_strategy=self.ray_placement_strategy)
         return EngineConfig(model_config=mc, cache_config=cc, scheduler_config=sc, parallel_config=pc,
                             speculative_config=self.speculative_config, lora_config=self.lora_config())

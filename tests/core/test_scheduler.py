@@ -231,3 +231,26 @@ def test_draft_tokens_through_the_bindings():
     assert s.num_lookahead_tokens == 0
     with pytest.raises(ValueError):
         s.set_draft_tokens("a", [1])
+
+
+def test_steps_in_flight_through_the_bindings():
+    """Pipeline micro-batches: two steps over disjoint requests before the first update (the C++ gtest
+    scheduler_inflight_test covers the rules; this checks what Python sees)."""
+    s = make(max_num_batched_tokens=8)
+    with pytest.raises(ValueError, match=r"\[1, 64\]"):
+        s.set_max_steps_in_flight(0)
+    s.set_max_steps_in_flight(2)
+    assert s.max_steps_in_flight == 2 and s.num_steps_in_flight == 0
+    s.add_request("a", list(range(8)), arrival_time=0.0)
+    s.add_request("b", list(range(20, 28)), arrival_time=1.0)
+    o1, o2 = s.schedule(), s.schedule()
+    assert (o1.request_ids, o2.request_ids) == (["a"], ["b"])
+    assert s.get_request("a").in_flight and s.num_steps_in_flight == 2
+    with pytest.raises(RuntimeError, match="call update"):
+        s.schedule()
+    with pytest.raises(ValueError, match="oldest pending step"):
+        s.update(o2, np.ones(1, np.int32), np.full(1, 7, np.int64))
+    assert s.abort_pending_step(o2.step_id) == ["b"]  # the newer step failed; a's goes on
+    s.update(o1, np.ones(1, np.int32), np.full(1, 7, np.int64))
+    assert not s.get_request("a").in_flight and s.get_output_token_ids("a") == [7]
+    assert s.num_free_blocks + 2 == s.num_blocks  # a holds its 8 computed tokens; b's blocks came back

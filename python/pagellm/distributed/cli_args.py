@@ -1,5 +1,5 @@
-"""--tensor-parallel-size / --pipeline-parallel-size / --distributed-executor-backend for `pagellm generate`
-and `serve` (vLLM's names)."""
+"""--tensor-parallel-size / --pipeline-parallel-size (--no-pipeline-microbatching) /
+--distributed-executor-backend for `pagellm generate` and `serve` (vLLM's names)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pipeline-parallel-size", "-pp", type=_tp_size, default=None,
                    help="pipeline stages the decoder layers are split over (contiguous layer ranges, one group of "
                         "tensor-parallel ranks each; default 1)")
+    p.add_argument("--no-pipeline-microbatching", dest="pipeline_microbatching", action="store_false", default=None,
+                   help="with --pipeline-parallel-size > 1: run one batch at a time through the stages instead of "
+                        "one micro-batch per stage in flight")
     p.add_argument("--distributed-executor-backend", choices=("uni", "mp", "ray"), default=None,
                    help="uni: the model in this process; mp: one worker process per rank; ray: one Ray actor per "
                         "rank, on any node of a Ray cluster (default: uni for one rank, mp for more)")
@@ -40,6 +43,8 @@ def parallel_engine_kwargs(a: argparse.Namespace) -> dict:
         out["tensor_parallel_size"] = a.tensor_parallel_size
     if getattr(a, "pipeline_parallel_size", None) is not None:
         out["pipeline_parallel_size"] = a.pipeline_parallel_size
+    if getattr(a, "pipeline_microbatching", None) is not None:
+        out["pipeline_microbatching"] = a.pipeline_microbatching
     if getattr(a, "distributed_executor_backend", None) is not None:
         out["distributed_executor_backend"] = a.distributed_executor_backend
     for name in ("ray_address", "ray_placement_strategy"):

@@ -9,7 +9,7 @@ group is), and threading it through every model constructor would touch every mo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -56,6 +56,15 @@ def get_tp_rank() -> int:
     return _state[0].rank
 
 
+@dataclass
+class StageTraffic:
+    """Activation sends / receives this stage made (pagellm.distributed.pipeline counts them): a step that fails
+    half-way is completed from them, so the stages stay at the same step."""
+
+    num_sent: int = 0
+    num_received: int = 0
+
+
 @dataclass(frozen=True)
 class PipelineParallelState:
     """This process's pipeline stage: `rank` in [0, size) and the decoder layers [layer_start, layer_end) it
@@ -69,6 +78,7 @@ class PipelineParallelState:
     layer_end: int | None = None
     prev_rank: int | None = None
     next_rank: int | None = None
+    traffic: StageTraffic = field(default_factory=StageTraffic, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:

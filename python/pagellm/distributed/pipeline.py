@@ -11,21 +11,28 @@ stage's KV cache holds only its own layers; block ids are shared: the driver's o
 them for every stage (each stage sizes its cache for 1/pp of the layers from 1/(tp*pp) of the memory, so
 every stage fits the same number of blocks).
 
-Micro-batches in flight (not built yet): now every stage idles while the others run (stage s waits for
-s-1's activations, the driver waits for the last stage). Keeping pp micro-batches in flight needs:
-  - the scheduler to hand out up to pp SchedulerOutputs before the first one's tokens are known, over
-    disjoint requests (a request's next step needs its sampled token), each with its own block
-    allocations, and to hold a request that is in flight out of the next batches (an "in flight" state
-    beside running / waiting, set at schedule time, cleared at update time);
-  - the executor to send step k+1 to stage 0 while step k runs on stage 1 (a queue of outstanding
-    steps per stage, replies matched by step_id) and the engine loop to update with step k's output
-    while step k+1 runs: `step()` becomes schedule -> submit -> collect the oldest finished step;
-  - abort / preemption to wait for (or discard) an in-flight step's output of that request.
-The C++ scheduler does none of this today (one SchedulerOutput, then update), so the stages run one batch
-at a time.
+Micro-batches in flight (pipeline_microbatching, on by default): without them every stage idles while the
+others run (stage s waits for s-1's activations, the driver waits for the last stage). With them:
+  - the C++ scheduler hands out up to pp SchedulerOutputs before the first one's tokens are known
+    (`set_max_steps_in_flight`), over disjoint requests, each an even share of the live ones with its own
+    block allocations; a request of a pending step is "in flight" (set at schedule time, cleared by its
+    step's update) and is neither scheduled again nor chosen as a preemption victim until then;
+  - the mp executor writes step k+1 to every rank while step k still runs on a later stage
+    (`submit_model`; one FIFO of outstanding calls, replies matched by position, oldest first), and the
+    engine loop (engine/batch_queue.py) is schedule -> submit -> collect the oldest step;
+  - an abort frees a request's blocks at once even while its step is in flight (every stage runs the steps
+    in order, so the step's late writes land before any later step can reuse the blocks) and the collected
+    step skips its row; a step that fails fails only its own requests and closes only its pending step.
+Activations still go stage to stage with blocking send / recv (in step order on every pair of stages): stage
+0 computes step k+1 while the next stage runs step k; its send may then wait for that stage's receive. A stage
+whose step raises before its activations moved still receives / sends them (`stage_step`, zeros sent), so
+the next stage never takes step k+1's activations for step k's and the engine goes on.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -77,6 +84,7 @@ def send_activations(hidden: torch.Tensor, residual: torch.Tensor) -> None:
         return
     dist.send(hidden.contiguous(), dst=state.next_rank)
     dist.send(residual.contiguous(), dst=state.next_rank)
+    state.traffic.num_sent += 1
 
 
 def recv_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
@@ -92,7 +100,29 @@ def recv_activations(num_tokens: int, hidden_size: int, dtype: torch.dtype,
     if num_tokens:
         dist.recv(hidden, src=state.prev_rank)
         dist.recv(residual, src=state.prev_rank)
+        state.traffic.num_received += 1
     return hidden, residual
+
+
+@contextmanager
+def stage_step(num_tokens: int, hidden_size: int, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> Iterator[None]:
+    """One step of T = `num_tokens` on this stage. When it raises before it received the previous stage's
+    activations, they are received (and dropped) on the way out; before it sent its own, zeros are sent. So
+    the stages stay at the same step: the step fails (the driver fails its requests and never caches their
+    KV) and the next steps run as usual, instead of the next stage waiting forever or taking step k+1's
+    activations for step k's."""
+    state = get_pp_state()
+    received, sent = state.traffic.num_received, state.traffic.num_sent
+    try:
+        yield
+    except BaseException:
+        if state.prev_rank is not None and state.traffic.num_received == received:
+            recv_activations(num_tokens, hidden_size, dtype, device)
+        if state.next_rank is not None and state.traffic.num_sent == sent:
+            zeros = torch.zeros((num_tokens, hidden_size), dtype=dtype, device=device)
+            send_activations(zeros, zeros)
+        raise
 
 
 def check_kv_sharing_within_stages(kv_sharing: dict[int, int]) -> None:

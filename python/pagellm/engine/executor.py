@@ -7,6 +7,10 @@
 weight updates from an RL trainer, sleep/wake, tensor-parallel set-up and kernel-swap experiments use.
 "uni" runs the one worker in process; "mp" (mp_executor.py) runs tensor_parallel_size workers in
 processes on this host; "ray" (ray_executor.py) runs them as Ray actors on the nodes of a Ray cluster.
+
+Pipeline micro-batches: an executor whose `max_concurrent_batches` is n > 1 lets the engine submit up to n
+steps (`submit_model`) before it collects the oldest (`collect_model`), so pipeline stages work on different
+steps at once. The default submit runs the step at once (the handle holds its output).
 """
 
 from __future__ import annotations
@@ -67,6 +71,20 @@ class ExecutorBase(ABC):
     @abstractmethod
     def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
         """Run one step on the workers; returns the driver worker's output (logits of the sampling rows)."""
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps that may be submitted before the oldest is collected (1: one step at a time)."""
+        return 1
+
+    def submit_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> Any:
+        """Start one step (arguments as execute_model); returns a handle for collect_model. Steps are
+        collected in the order submitted. Default: runs the step now."""
+        return self.execute_model(sched_out, prompt_logprob_rows, **kwargs)
+
+    def collect_model(self, handle: Any) -> ModelRunnerOutput:
+        """The output of the submitted step `handle` (waits for it); raises what the step raised."""
+        return handle
 
     @abstractmethod
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),

@@ -11,6 +11,9 @@ decision (passed back to the scheduler in `update`). n > 1: the request is prefi
 prompt's last chunk samples, n tokens are drawn (sequence i with its own generator, seeded
 seed + i) and children f"{rid}#{i}" are forked sharing the prompt's blocks.
 
+Pipeline parallelism with micro-batches (an executor with max_concurrent_batches > 1): `step()` becomes
+schedule -> submit -> collect the oldest step (engine/batch_queue.py); otherwise the path above.
+
 Faults: bad input is refused by `add_request` before anything is registered; an exception inside
 `step()` fails only that step's requests (engine/step_recovery.py) and the engine stays usable.
 """
@@ -27,6 +30,7 @@ import torch
 
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine import maintenance
+from pagellm.engine.batch_queue import BatchQueueStep
 from pagellm.engine.executor import get_executor_cls
 from pagellm.engine import mp_executor  # noqa: F401 (registers the "mp" executor)
 from pagellm.engine import ray_executor  # noqa: F401 (registers the "ray" executor; imports Ray only when used)
@@ -58,7 +62,7 @@ def _eos_ids(files, tokenizer) -> list[int]:
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
-class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.MaintenanceMethods):
+class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods, maintenance.MaintenanceMethods):
     def __init__(self, config: EngineConfig, *, model_files=None, log_stats: bool = True,
                  proposer: BaseProposer | None = None) -> None:
         from pagellm import _C  # noqa: PLC0415
@@ -95,6 +99,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
         self.scheduler = _C.Scheduler(**sc.cpp_kwargs(), **cc.cpp_kwargs(self.num_blocks),
                                       sliding_window=kv_info["kv_cache_sliding_window"],
                                       extra_groups=_common_extra_groups(kv_infos))
+        self._init_batch_queue()  # pipeline micro-batches when the executor takes several steps at once
         self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats
@@ -198,7 +203,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
             self.proposer.release([s.seq_id for s in st.seqs])
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.output_processor.requests)
+        """Requests not finished, or a step still in flight (its requests may all have been aborted)."""
+        return bool(self.output_processor.requests) or self.num_steps_in_flight > 0
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.output_processor.requests)
@@ -217,6 +223,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery, LoRAEngineMethods, maintenance.Mai
         scheduler's pending step is closed, and the other requests go on. KeyboardInterrupt / SystemExit
         get the same cleanup, then propagate. Raises only EngineRecoveryError (the cleanup itself failed;
         the engine is unusable) or those interrupts."""
+        if self._batch_queue is not None:
+            return self._step_with_batch_queue()
         in_step: list[str] = []  # the sequences this step touched so far (empty: every live request)
         try:
             return self._run_step(in_step)

@@ -8,6 +8,13 @@ and supervised here.
     rank 0 … rank tp*pp-1  (mp_worker.py: a Worker each, one gloo world; all-reduces inside a stage's
                             forward, activations sent stage to stage; the last stage's output is the step's)
 
+Pipeline micro-batches (pipeline_parallel_size > 1, pipeline_microbatching): `submit_model` writes a step to
+every rank and returns without waiting, so stage 0 starts step k+1 while the last stage still runs step k.
+Every call (step or collective_rpc) joins one FIFO of outstanding calls; each rank answers its calls in order
+(pp > 1: a thread on the rank reads the pipe ahead, so the driver's writes never wait on a busy rank), so the
+replies are matched to calls by position, oldest first: `collect_model` of a later step, or a collective_rpc,
+first reads the replies of the calls before it.
+
 Supervision: every wait has a deadline (PAGELLM_MP_STEP_TIMEOUT_S, default 300 s; start-up 2x) and
 watches the processes' sentinels. A rank that dies fails the call with `WorkerDiedError` naming the rank,
 its pid and exit code; the executor is then broken (every later call raises the same error at once), the
@@ -22,7 +29,8 @@ import pickle
 import socket
 import time
 import weakref
-from dataclasses import replace
+from collections import deque
+from dataclasses import dataclass, replace
 from multiprocessing import connection
 from typing import Any, Callable
 
@@ -41,6 +49,15 @@ logger = init_logger(__name__)
 
 class WorkerDiedError(RuntimeError):
     """A worker process exited (or stopped answering) while the executor needed it; the executor is unusable."""
+
+
+@dataclass
+class _OutstandingCall:
+    """A call written to every rank whose replies are not read yet (filled in by `_wait`)."""
+
+    what: str
+    replies: list | None = None
+    error: BaseException | None = None
 
 
 def _free_port() -> int:
@@ -104,6 +121,9 @@ class MultiprocExecutor(ExecutorBase):
                                 speculative=config.speculative_config is not None, allowed_cpus=len(allowed))
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
+        microbatching = self.pp_size > 1 and getattr(pc, "pipeline_microbatching", True)
+        self._max_concurrent_batches = self.pp_size if microbatching else 1
+        self._outstanding: deque[_OutstandingCall] = deque()  # written to every rank, replies not read yet
         # every rank is on this host: the TP all-reduce goes through shared memory unless gloo is forced
         shm_name = new_segment_name() if self.tp_size > 1 and allreduce_backend() == "shm" else None
         self._broken: WorkerDiedError | None = None
@@ -137,6 +157,11 @@ class MultiprocExecutor(ExecutorBase):
         return self._num_kv_blocks
 
     @property
+    def max_concurrent_batches(self) -> int:
+        """pipeline_parallel_size with micro-batching (one step per stage in flight), else 1."""
+        return self._max_concurrent_batches
+
+    @property
     def broken_error(self) -> WorkerDiedError | None:
         """Why the executor cannot run calls any more (a rank died or stopped answering); None while healthy."""
         return self._broken
@@ -147,16 +172,22 @@ class MultiprocExecutor(ExecutorBase):
 
     # ---- calls -----------------------------------------------------------------------------------------
     def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
+        return self.collect_model(self.submit_model(sched_out, prompt_logprob_rows, **kwargs))
+
+    def submit_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> _OutstandingCall:
+        """Write the step to every rank and return at once (the snapshot is taken now)."""
         snapshot = sched_out if isinstance(sched_out, SchedulerOutputSnapshot) else SchedulerOutputSnapshot.of(sched_out)
-        replies = self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)
-        return replies[self.output_rank]
+        return self._send_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)
+
+    def collect_model(self, handle: _OutstandingCall) -> ModelRunnerOutput:
+        return self._wait(handle)[self.output_rank]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         check_rpc_method(method)
-        return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
+        return self._wait(self._send_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True))
 
-    def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:
+    def _send_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> _OutstandingCall:
         if self._broken is not None:
             raise self._broken
         try:
@@ -168,9 +199,33 @@ class MultiprocExecutor(ExecutorBase):
             try:
                 conn.send_bytes(payload)
             except OSError:
-                raise self._mark_broken(rank, "while receiving a call") from None
-        what = f"call {getattr(method, '__name__', method)!r}"
-        return self._gather(range(self.world_size), self.step_timeout_s, what)
+                self._fail_outstanding(self._mark_broken(rank, "while receiving a call"))
+                raise self._broken from None
+        call = _OutstandingCall(f"call {getattr(method, '__name__', method)!r}")
+        self._outstanding.append(call)
+        return call
+
+    def _wait(self, call: _OutstandingCall) -> list[Any]:
+        """`call`'s replies in rank order, reading (and keeping for their callers) those of older calls first;
+        raises what a rank raised for it, or WorkerDiedError (then every outstanding call fails with it)."""
+        while call.replies is None and call.error is None:
+            oldest = self._outstanding[0]
+            try:
+                oldest.replies = self._gather(range(self.world_size), self.step_timeout_s, oldest.what)
+            except WorkerDiedError as e:
+                self._fail_outstanding(e)
+                break
+            except Exception as e:  # noqa: BLE001 - a rank raised: this call fails, the ranks go on
+                oldest.error = e
+            self._outstanding.popleft()
+        if call.error is not None:
+            raise call.error
+        return call.replies
+
+    def _fail_outstanding(self, error: WorkerDiedError) -> None:
+        for c in self._outstanding:
+            c.error = error
+        self._outstanding.clear()
 
     def _gather(self, ranks, timeout_s: float, what: str) -> list[Any]:
         """Every rank's reply, in rank order; raises a rank's exception after all replied, WorkerDiedError

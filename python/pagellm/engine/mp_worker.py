@@ -4,14 +4,19 @@ A rank pins itself to its slice of the CPUs, joins the gloo group, sets its Tens
 PipelineParallelState (global rank = pp_rank * tp_size + tp_rank), builds a `Worker`, reports
 ("ready", num_kv_blocks) and then serves requests from the driver over its pipe: pickled (method, args,
 kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback text) out. A None message
-ends it. Only the first rank of the last pipeline stage (`output_rank`) returns step outputs (the other
-ranks' are identical copies, or nothing on earlier stages, which the driver does not need).
+ends it. With pipeline stages (pp > 1) a thread reads the pipe ahead into a queue: the driver writes step
+k+1 while this rank still runs step k, and neither side may block on the other's full pipe (the driver
+would wait to write while this rank waits to write step k's reply). Only the first rank of the last
+pipeline stage (`output_rank`) returns step outputs (the other ranks' are identical copies, or nothing on
+earlier stages, which the driver does not need).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -139,15 +144,34 @@ def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, conf
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send_bytes(_error_reply(e))
         return
-    _serve(worker, rank == output_rank(tp_size, pp_size), conn)
+    _serve(worker, rank == output_rank(tp_size, pp_size), conn, read_ahead=pp_size > 1)
 
 
-def _serve(worker, returns_outputs: bool, conn) -> None:
+def _read_ahead(conn, inbox: queue.SimpleQueue) -> None:
+    """Moves the driver's messages into `inbox` as they arrive; None once the pipe closes."""
     while True:
         try:
-            message = conn.recv_bytes()
-        except (EOFError, OSError):  # the driver is gone
+            inbox.put(conn.recv_bytes())
+        except (EOFError, OSError):
+            inbox.put(None)
             return
+
+
+def _serve(worker, returns_outputs: bool, conn, read_ahead: bool = False) -> None:
+    inbox: queue.SimpleQueue | None = None
+    if read_ahead:
+        inbox = queue.SimpleQueue()
+        threading.Thread(target=_read_ahead, args=(conn, inbox), name="pagellm-pipe-reader", daemon=True).start()
+    while True:
+        if inbox is not None:
+            message = inbox.get()
+            if message is None:  # the driver is gone
+                return
+        else:
+            try:
+                message = conn.recv_bytes()
+            except (EOFError, OSError):  # the driver is gone
+                return
         request = pickle.loads(message)
         if request is None:
             return

@@ -26,10 +26,12 @@ class EngineRecoveryError(RuntimeError):
 class StepRecovery:
     """Mixed into LLMEngine (uses its scheduler, output_processor and _forget)."""
 
-    def _fail_step(self, exc: BaseException, seq_ids: Iterable[str]) -> list[RequestOutput]:
+    def _fail_step(self, exc: BaseException, seq_ids: Iterable[str], step_id: int | None = 0) -> list[RequestOutput]:
         """Fail the requests of sequences `seq_ids` (all live requests when none is known, e.g. the
-        scheduler itself raised) after `exc` interrupted a step; returns their final outputs. Raises
-        EngineRecoveryError when the engine cannot be brought back to a consistent state."""
+        scheduler itself raised) after `exc` interrupted a step, and close the scheduler's pending step
+        `step_id` (0: the oldest; None: none, e.g. schedule() raised while other steps are in flight);
+        returns their final outputs. Raises EngineRecoveryError when the engine cannot be brought back to
+        a consistent state."""
         message = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         seq_ids = list(seq_ids)
         try:
@@ -42,7 +44,8 @@ class StepRecovery:
             outputs = [self._fail_request(st, message) for st in states]
             for sid in orphans:  # sequences the scheduler runs but Python does not know: drop them too
                 self.scheduler.abort(sid)
-            unknown = self.scheduler.abort_pending_step()  # rows of already failed requests are skipped
+            # rows of already failed requests are skipped
+            unknown = [] if step_id is None else self.scheduler.abort_pending_step(step_id)
             if unknown:
                 logger.warning("aborted scheduler rows without a request state: %s", unknown)
         except Exception as cleanup_exc:  # noqa: BLE001 - (an interrupt during cleanup propagates as it is)

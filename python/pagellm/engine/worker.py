@@ -13,6 +13,7 @@ import torch
 
 from pagellm.config import EngineConfig
 from pagellm.distributed import get_pp_size, get_tp_size
+from pagellm.distributed.pipeline import stage_step
 from pagellm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, make_kv_cache_config
 from pagellm.logger import init_logger
@@ -36,6 +37,7 @@ class Worker(WorkerLoRAMixin):
         self.threading = apply_threading(ThreadingConfig.from_env()) if self.device.type == "cpu" else None
         self.dtype = mc.torch_dtype(resolve_dtype("auto", model_files.hf_config))
         self.model = build_model(model_files, self.dtype, self.device, quantization=mc.quantization)
+        self.hidden_size = getattr(model_files.hf_config, "hidden_size", None)  # a pipeline stage's activations
         self.model.eval()
         # per-layer specs -> groups -> blocks that fit (a mixed sliding/full model: a hybrid cache, a block table per
         # group); ValueError when the groups' block sizes differ, or one max-length request does not fit
@@ -63,8 +65,12 @@ class Worker(WorkerLoRAMixin):
         return self.kv_cache_config.num_blocks
 
     def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
-        """One step of the model on this worker (see ModelRunner.execute)."""
-        return self.runner.execute(sched_out, prompt_logprob_rows, **kwargs)
+        """One step of the model on this worker (see ModelRunner.execute). A pipeline stage whose step raises
+        still completes its activation receive / send (distributed.pipeline.stage_step)."""
+        if get_pp_size() == 1:
+            return self.runner.execute(sched_out, prompt_logprob_rows, **kwargs)
+        with stage_step(int(sched_out.total_num_scheduled_tokens), int(self.hidden_size), self.dtype, self.device):
+            return self.runner.execute(sched_out, prompt_logprob_rows, **kwargs)
 
     def invalidate_step_graphs(self) -> None:
         """Forget captured step graphs (after weight or KV-cache tensors were replaced, not copied into)."""
