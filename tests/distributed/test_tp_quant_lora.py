@@ -1,5 +1,6 @@
 """Quantized weights and LoRA adapters under tensor parallelism: TP=2 (mp executor, gloo on CPU) against TP=1
-in process on tiny random Llamas (float32), greedy tokens and prompt / sampled-token logprobs.
+in process on tiny random Llamas (float32), greedy tokens and prompt / sampled-token logprobs; the same for
+pipeline parallelism (PP=2), whose stages hold whole layers (int8 too is then exact).
 
     AWQ, GGUF native   every rank holds the same quantized values the single rank does (whole groups / blocks),
                        so the only difference is float32 summation order: tokens identical, logprobs within 1e-4
@@ -39,9 +40,13 @@ QUANT_TOL = 1e-4  # float32, the same quantized values on every rank: summation 
 INT8_TOL = 0.05   # max |dlogprob| measured 2.7e-2 on this model; see the module docstring for why not 1e-5
 
 
-def _llm(path, tp: int, **kwargs) -> LLM:
+SPLITS = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size"}
+
+
+def _llm(path, tp: int, split: str = "tp", **kwargs) -> LLM:
+    """`tp` ranks split by tensor ("tp") or pipeline ("pp") parallelism."""
     return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16,
-               tensor_parallel_size=tp, **kwargs)
+               **{SPLITS[split]: tp}, **kwargs)
 
 
 def _hf_llama(tokenizer):
@@ -86,21 +91,27 @@ def _max_diffs(ref, got) -> tuple[bool, float]:
     return same, worst
 
 
-def _tp2_matches_tp1(path, tol: float, **kwargs) -> float:
+def _tp2_matches_tp1(path, tol: float, split: str = "tp", **kwargs) -> float:
     ref = generate_greedy(_llm(path, 1, **kwargs))
-    llm = _llm(path, 2, **kwargs)
+    llm = _llm(path, 2, split, **kwargs)
     try:
         assert llm.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
         same, worst = _max_diffs(ref, generate_greedy(llm))
     finally:
         llm.shutdown()
-    assert same, "greedy tokens differ between TP=2 and TP=1"
+    assert same, f"greedy tokens differ between {split.upper()}=2 and one rank"
     assert worst <= tol, f"max logprob difference {worst:.2e} > {tol}"
     return worst
 
 
-def test_awq_tp2_matches_tp1(tmp_path, tiny_tokenizer):
-    _tp2_matches_tp1(_awq_dir(tmp_path, tiny_tokenizer, 32), QUANT_TOL)
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_awq_tp2_matches_tp1(tmp_path, tiny_tokenizer, split):
+    _tp2_matches_tp1(_awq_dir(tmp_path, tiny_tokenizer, 32), QUANT_TOL, split)
+
+
+def test_int8_pp2_matches_pp1(llama_dir):
+    """Pipeline stages hold whole layers, so their int8 rows and scales are exactly the single rank's."""
+    _tp2_matches_tp1(llama_dir, QUANT_TOL, "pp", quantization="int8")
 
 
 def _prompt_logprob_diff(ref, got) -> float:
@@ -141,7 +152,8 @@ def test_int8_tp2_prompt_logprobs_within_the_per_shard_scale_error(llama_dir):
     assert 0 < worst <= INT8_TOL  # > 0: the ranks' scales really are per shard
 
 
-def test_gguf_native_tp2_matches_tp1(tmp_path, tiny_tokenizer, monkeypatch):
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_gguf_native_tp2_matches_tp1(tmp_path, tiny_tokenizer, monkeypatch, split):
     """Q8_0 / Q4_0 / Q4_1 linears, a Q8_0 embedding and a Q4_1 LM head split by rows of blocks (vocabulary) and
     whole blocks (o_proj, down_proj inputs); the .gguf is read by each rank."""
     pytest.importorskip("gguf")
@@ -150,17 +162,19 @@ def test_gguf_native_tp2_matches_tp1(tmp_path, tiny_tokenizer, monkeypatch):
     monkeypatch.setenv("PAGELLM_CACHE_DIR", str(tmp_path / "cache"))  # the ranks inherit it
     path = tmp_path / "tiny.gguf"
     write_gguf(path, _hf_llama(tiny_tokenizer), tiny_tokenizer)
-    _tp2_matches_tp1(path, QUANT_TOL, quantization="gguf")
+    _tp2_matches_tp1(path, QUANT_TOL, split, quantization="gguf")
 
 
-def test_lora_tp2_matches_tp1(llama_dir, tmp_path):
+@pytest.mark.parametrize("split", list(SPLITS))
+def test_lora_tp2_matches_tp1(llama_dir, tmp_path, split):
+    """Pipeline stages (with micro-batches in flight) take the adapter tensors of their own layers only."""
     adapter = write_peft_adapter(tmp_path / "all", llama_dir, rank=8, alpha=16, targets=ALL_TARGETS, seed=1)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, prompt_logprobs=0, logprobs=0,
                             detokenize=False)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     outs = {}
     for tp in (1, 2):
-        llm = _llm(llama_dir, tp, enable_lora=True, max_loras=2, max_lora_rank=8)
+        llm = _llm(llama_dir, tp, split, enable_lora=True, max_loras=2, max_lora_rank=8)
         try:
             llm.load_lora("all", str(adapter))
             outs[tp] = (llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("all", 1)),

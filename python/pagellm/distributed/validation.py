@@ -83,8 +83,7 @@ def cpu_slices(allowed: list[int], tp_size: int) -> list[list[int]]:
     return out
 
 
-def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: str = "cpu",
-                            quantization: str | None = None, lora_enabled: bool = False, speculative: bool = False,
+def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: str = "cpu", speculative: bool = False,
                             allowed_cpus: int | None = None) -> None:
     """ValueError when `pp_size` stages of `tp_size` ranks each cannot run this model here: more stages than
     decoder layers, more ranks in all than allowed CPUs, or a feature the stages do not pass on yet."""
@@ -102,12 +101,6 @@ def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: st
     if allowed_cpus is not None and world > allowed_cpus:
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({tp_size} x {pp_size} = {world} ranks) is "
                          f"more than the {allowed_cpus} CPUs this process may use: each rank needs at least one")
-    if quantization is not None or getattr(hf_config, "quantization_config", None):
-        raise ValueError(f"pipeline_parallel_size={pp_size}: pipeline parallelism supports unquantized weights only "
-                         f"for now")
-    if lora_enabled:
-        raise ValueError(f"pipeline_parallel_size={pp_size}: LoRA adapters are not supported with pipeline "
-                         f"parallelism yet")
     if speculative:
         raise ValueError(f"pipeline_parallel_size={pp_size}: speculative decoding is not supported with pipeline "
                          f"parallelism yet (its proposers read hidden states of the last stage in the driver)")

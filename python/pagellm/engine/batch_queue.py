@@ -58,6 +58,8 @@ class BatchQueueStep:
             in_step: list[str] = []
             sched_out = None
             try:
+                if self.lora is not None:
+                    self.lora.admit_waiting()
                 sched_out = self.scheduler.schedule()
                 in_step.extend(sched_out.request_ids)
                 if in_step:
@@ -79,7 +81,11 @@ class BatchQueueStep:
     def _submit(self, sched_out, seq_ids: list[str]) -> InFlightStep:
         states = [self.output_processor.seq(sid)[0] for sid in seq_ids]
         rows = self._begin_rows(seq_ids, sched_out.num_computed_tokens)
-        return InFlightStep(sched_out, seq_ids, states, rows, self.executor.submit_model(sched_out, rows))
+        # a slot rewrite (set_lora_slot) reaches each rank after the steps already sent to it: steps in flight
+        # keep their adapters, whose requests are still active so their slots are not reassigned
+        lora_slots = None if self.lora is None else self.lora.row_slots(seq_ids)
+        extra = {} if lora_slots is None else {"lora_slots": lora_slots}
+        return InFlightStep(sched_out, seq_ids, states, rows, self.executor.submit_model(sched_out, rows, **extra))
 
     def _fail_in_flight(self, exc: BaseException, seq_ids: list[str], step_id: int | None) -> list[RequestOutput]:
         outputs = self._fail_step(exc, seq_ids, step_id=step_id)

@@ -117,7 +117,6 @@ class MultiprocExecutor(ExecutorBase):
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         allowed = sorted(os.sched_getaffinity(0))
         check_pipeline_parallel(self.pp_size, self.tp_size, model_files.hf_config, device=mc.device,
-                                quantization=mc.quantization, lora_enabled=config.lora_config is not None,
                                 speculative=config.speculative_config is not None, allowed_cpus=len(allowed))
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pagellm.distributed.pipeline import absent_prefixes
 from pagellm.layers.linear import Linear, MergedLinear
 
 CONFIG_FILE = "adapter_config.json"
@@ -126,12 +127,16 @@ def load_peft_adapter(path: str, model: nn.Module, max_lora_rank: int, dtype: to
         raise ValueError(f"LoRA adapter path {path!r} is not a directory")
     config, rank, scale = _read_config(path, max_lora_rank)
     targets = hf_linear_targets(model)
-    _check_target_modules(path, config.get("target_modules"), targets)
+    other_stages = absent_prefixes(model)  # a pipeline stage holds (and takes the adapter of) its own layers only
+    if not other_stages:  # a stage cannot tell a pattern that matches only another stage's layers from a typo
+        _check_target_modules(path, config.get("target_modules"), targets)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in _read_tensors(path).items():
         m = _TENSOR_RE.match(key.removeprefix(_PREFIX))
         if m is None:
             raise ValueError(f"LoRA adapter {path!r}: unexpected tensor {key!r} (expected <module>.lora_A/B.weight)")
+        if other_stages and m["module"].startswith(other_stages):
+            continue
         if m["module"] not in targets:
             raise ValueError(f"LoRA adapter {path!r}: tensor {key!r} belongs to {m['module']!r}, "
                              f"which is not a linear of the model")
