@@ -88,45 +88,26 @@ def write_model(arch: str, extra: dict, path: Path) -> Path:
     return path
 
 
-def make_llm(path: Path, budget_mib: int, max_num_seqs: int, window_as_mask: bool = False,
-             sizing_chunk: int | None = None):
+def make_llm(path: Path, budget_mib: int, max_num_seqs: int, window_as_mask: bool = False, chunk: int = 0):
     """`window_as_mask`: a mixed model on the pre-hybrid path (one block table, every block kept).
-    `sizing_chunk`: the prefill chunk the KV sizing assumes (the engine sizes with max_num_batched_tokens; the
-    chunked rows' 256-token chunks come from long_prefill_token_threshold, which the Python SchedulerConfig does
-    not expose), so a hybrid cache's window group gets the blocks those chunks need."""
+    `chunk` > 0: every prompt is prefilled `chunk` tokens per step (long_prefill_token_threshold), and the KV
+    sizing counts those chunks (a hybrid cache's window group gets the blocks they need)."""
     from pagellm import LLM
-    from pagellm.engine import worker
     from pagellm.kv_cache import groups
 
-    if window_as_mask or sizing_chunk:
-        mixed, make_config = groups.is_mixed_window_model, worker.make_kv_cache_config
-        if window_as_mask:
-            groups.is_mixed_window_model = lambda specs: False
-        if sizing_chunk:
-            worker.make_kv_cache_config = lambda *a, **kw: make_config(*a, **{**kw, "max_chunk_tokens": sizing_chunk})
+    if window_as_mask:
+        mixed = groups.is_mixed_window_model
+        groups.is_mixed_window_model = lambda specs: False
         try:
-            return make_llm(path, budget_mib, max_num_seqs)
+            return make_llm(path, budget_mib, max_num_seqs, chunk=chunk)
         finally:
-            groups.is_mixed_window_model, worker.make_kv_cache_config = mixed, make_config
+            groups.is_mixed_window_model = mixed
 
     # a token budget for every prompt at once: admission is limited by KV blocks alone, not by one prefill
     # per step against sequences that finish after DECODE_TOKENS steps
     return LLM(str(path), dtype="bfloat16", max_model_len=SEQ_LEN, max_num_seqs=max_num_seqs, block_size=BLOCK_SIZE,
                kv_cache_memory_gb=budget_mib / 1024, enable_prefix_caching=False, seed=0,
-               max_num_batched_tokens=SEQ_LEN * max_num_seqs)
-
-
-def chunk_prefills(llm, chunk: int) -> None:
-    """Every prompt prefilled `chunk` tokens per step, all requests in one step (the Python SchedulerConfig does
-    not expose long_prefill_token_threshold: the engine's C++ scheduler is rebuilt with it before any request)."""
-    from pagellm import _C
-
-    engine = llm.llm_engine
-    old, cc = engine.scheduler, engine.config.cache_config
-    config = engine.kv_cache_config
-    engine.scheduler = _C.Scheduler(**engine.config.scheduler_config.cpp_kwargs(), **cc.cpp_kwargs(config.num_blocks),
-                                    sliding_window=config.sliding_window, extra_groups=config.extra_groups,
-                                    long_prefill_token_threshold=chunk)
+               max_num_batched_tokens=SEQ_LEN * max_num_seqs, long_prefill_token_threshold=chunk)
 
 
 def measure_peak_running(llm, num_requests: int) -> dict:
@@ -180,9 +161,7 @@ def run_variant(name: str, args, workdir: Path) -> dict:
 
     chunked = "chunked" in name
     llm = make_llm(path, args.budget_mib, max_num_seqs=64, window_as_mask=name.endswith("(window as mask)"),
-                   sizing_chunk=CHUNK if chunked else None)
-    if chunked:
-        chunk_prefills(llm, CHUNK)
+                   chunk=CHUNK if chunked else 0)
     cfg = llm.llm_engine.kv_cache_config
     chunk = CHUNK if chunked else SEQ_LEN
     # per group (one unless the cache is hybrid): its blocks, the most one sequence holds there, its null block

@@ -136,6 +136,7 @@ class SchedulerConfig:
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0  # vLLM's name: > 0 caps one request's prefill chunk at this many tokens
 
     def __post_init__(self) -> None:
         _require(_is_int(self.max_num_seqs) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1", self.max_num_seqs)
@@ -149,6 +150,17 @@ class SchedulerConfig:
             _require(self.max_num_batched_tokens >= self.max_model_len, "max_num_batched_tokens",
                      f">= max_model_len ({self.max_model_len}) without chunked prefill", self.max_num_batched_tokens)
         _require(self.policy in _POLICIES, "policy", f"one of {_POLICIES}", self.policy)
+        _require(_is_int(self.long_prefill_token_threshold) and self.long_prefill_token_threshold >= 0,
+                 "long_prefill_token_threshold", "an integer >= 0 (0 = off)", self.long_prefill_token_threshold)
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            _require(False, "long_prefill_token_threshold", "0 without chunked prefill (it sets the chunk size)",
+                     self.long_prefill_token_threshold)
+
+    @property
+    def max_prefill_chunk_tokens(self) -> int:
+        """The most prompt tokens one request computes in a step (what KV sizing of a sliding window counts)."""
+        threshold = self.long_prefill_token_threshold
+        return min(self.max_num_batched_tokens, threshold) if threshold else self.max_num_batched_tokens
 
     def cpp_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of pagellm._C.Scheduler for the C++ SchedulerConfig."""
@@ -158,6 +170,7 @@ class SchedulerConfig:
             "max_model_len": self.max_model_len,
             "enable_chunked_prefill": self.enable_chunked_prefill,
             "policy": self.policy,
+            "long_prefill_token_threshold": self.long_prefill_token_threshold,
         }
 
 
@@ -248,6 +261,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     block_size: int = 16
     kv_cache_memory_gb: float | None = None
@@ -327,6 +341,7 @@ class EngineArgs:
         sc = SchedulerConfig(
             max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=max_len, enable_chunked_prefill=self.enable_chunked_prefill, policy=self.scheduling_policy,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
         pc = ParallelConfig(tensor_parallel_size=self.tensor_parallel_size,
                             distributed_executor_backend=self.distributed_executor_backend,

@@ -45,7 +45,7 @@ class Worker(WorkerLoRAMixin):
         self.kv_cache_config: KVCacheConfig = make_kv_cache_config(
             self.model.kv_cache_specs(cc.block_size, self.kv_cache_dtype), self.device, sc.max_model_len, sc.max_num_seqs,
             cc.kv_cache_memory_gb, cc.kv_cache_fraction, cc.num_kv_blocks,
-            max_chunk_tokens=sc.max_num_batched_tokens,
+            max_chunk_tokens=sc.max_prefill_chunk_tokens,
             free_sliding_blocks=get_pp_size() == 1,  # a stage's layers are not the whole model's
         )
         self.kv_caches = allocate_kv_caches(self.kv_cache_config, self.device)

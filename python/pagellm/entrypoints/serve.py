@@ -83,6 +83,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=_positive_int, default=None)
     p.add_argument("--max-num-seqs", type=_positive_int, default=None)
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=None)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=None,
+                   help="most prompt tokens one request computes per step (chunked prefill; default 0: the budget)")
     p.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
@@ -123,9 +125,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-_ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "dtype", "device", "kv_cache_memory_gb",
-                "num_kv_blocks", "block_size", "enable_prefix_caching", "seed", "kv_cache_dtype", "quantization",
-                "speculative_config", "max_logprobs", "logprobs_mode")
+_ENGINE_ARGS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "dtype",
+                "device", "kv_cache_memory_gb", "num_kv_blocks", "block_size", "enable_prefix_caching", "seed",
+                "kv_cache_dtype", "quantization", "speculative_config", "max_logprobs", "logprobs_mode")
 
 
 def engine_kwargs(args) -> dict:
