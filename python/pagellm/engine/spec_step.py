@@ -85,15 +85,20 @@ class SpecDecodeStep:
             self.spec_stats.num_steps_over_batch_limit += 1
             return
         in_step.extend(ready)
+        trees = getattr(self.proposer, "proposes_trees", False)
         for sid in ready:
             st, seq = self.output_processor.seq(sid)
             # seeded sampled rows always draft: which steps verify drafts changes their random stream, and a
             # seed promises the same output run after run, whatever the timing the switch measures
             seeded = st.params.seed is not None and not st.params.is_greedy
-            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready))):
+            # adaptive k: the switch's number of drafts; seeded rows and trees keep k (the random stream, the tree's shape)
+            k = self.proposer.num_speculative_tokens
+            if switch is not None and not seeded and not trees:
+                k = switch.num_drafts(sid, len(ready))
+            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready), k)):
                 continue
             req = DraftRequest.for_sequence(sid, st.prompt_token_ids, seq.output_token_ids, st.params.max_tokens,
-                                            self.max_model_len, self.proposer.num_speculative_tokens)
+                                            self.max_model_len, k)
             if req is not None and not seq.finished:
                 requests.append(req)
         if requests:
