@@ -136,7 +136,7 @@ def test_engine_keeps_an_always_right_proposer_on(tiny_llama_dir, plain):
 
 # ---------------------------------------------------------------- adaptive k (SpecSwitch.num_drafts)
 def _drive_adaptive(switch: SpecSwitch, first_wrong: int | None, steps: int, plain_s: float = 0.010,
-                    extra_per_draft_s: float = 0.001) -> list[int]:
+                    extra_per_draft_s: float = 0.001, proposer_per_draft_s: float = 0.0) -> list[int]:
     """One row on a fake clock whose drafts are right up to `first_wrong` (None: always right). Returns the number of
     drafts asked for per step (0: no drafts)."""
     now, asked = [0.0], []
@@ -145,10 +145,10 @@ def _drive_adaptive(switch: SpecSwitch, first_wrong: int | None, steps: int, pla
         may = switch.begin_step(["s"], timed=True)
         n = switch.num_drafts("s", 1)
         on = may and switch.wants_drafts("s", 1, n)
-        switch.record_proposals(n if on else 0, 0.0, int(on))
+        switch.record_proposals(n if on else 0, proposer_per_draft_s * n if on else 0.0, int(on))
         if on:
             switch.record_verify("s", n, n if first_wrong is None else min(first_wrong, n))
-        now[0] += plain_s + (extra_per_draft_s * n if on else 0.0)
+        now[0] += plain_s + ((extra_per_draft_s + proposer_per_draft_s) * n if on else 0.0)
         asked.append(n if on else 0)
     return asked
 
@@ -200,3 +200,12 @@ def test_engine_adaptive_k_outputs_equal_plain(tiny_llama_dir, plain):
     _assert_all_blocks_free(eng)
     stats = eng.spec_stats
     assert stats.num_spec_rows > 0 and stats.num_draft_tokens < 5 * stats.num_spec_rows  # not 8 per verify
+
+
+def test_adaptive_k_counts_a_draft_models_time_per_draft():
+    """Right drafts from a proposer that spends a target step per draft (a draft model as big as its target): more
+    drafts only add time, so the switch asks for one, and mostly none."""
+    switch = SpecSwitch(8)
+    asked = _drive_adaptive(switch, None, steps=120, proposer_per_draft_s=0.010)
+    assert switch.num_drafts("s", 1) == 1
+    assert sum(1 for n in asked[60:] if n) <= 8 and switch.num_switched_off > 40  # off but for the re-probes

@@ -16,7 +16,7 @@ must be accepted more often to pay, which switches speculation off where it cann
 How many drafts (adaptive k, `num_drafts`): each verify of n drafts is n Bernoulli trials cut at the first
 rejection, so a request's per-draft acceptance rate a is estimated as EWMA(accepted) / EWMA(accepted + rejected);
 with a, the next n drafts return a (1 - a^n) / (1 - a) tokens on average, and the request asks for the n <= k that
-maximises its tokens per second, (1 + that) / (plain_s(n) / n + n * extra_s + proposer_s / num_proposed). Copying
+maximises its tokens per second, (1 + that) / (plain_s(n) / n + n * (extra_s + proposer_s per draft token)). Copying
 text (a near 1) gets all k drafts, a request whose drafts often miss gets 1 or 2: k can be set high for copy-heavy
 work without paying k per verify everywhere.
 
@@ -78,6 +78,7 @@ class SpecSwitch:
         self._plain_s: dict[int, deque] = {}  # num rows -> seconds of recent draft-free decode steps
         self._extra_s: dict[int, deque] = {}  # num rows -> seconds per draft token a spec step adds
         self._proposer_s: deque = deque(maxlen=WINDOW)  # proposer seconds per request asked
+        self._proposer_draft_s: deque = deque(maxlen=WINDOW)  # proposer seconds per draft token (a draft model's steps)
         self._step: _StepInFlight | None = None
         self.num_switched_off = 0  # request-steps without drafts because they did not pay (stats, tests)
 
@@ -107,8 +108,9 @@ class SpecSwitch:
         if not plain or not extra or trials is None or trials[1] <= 0.0:
             return self.k
         rate = min(trials[0] / trials[1], MAX_DRAFT_RATE)
-        token_s = median(plain) / num_rows + (median(self._proposer_s) if self._proposer_s else 0.0)
-        extra_s = median(extra)
+        # the proposer's time counts per draft: a draft model runs one forward per draft (ngram's is ~nothing)
+        token_s = median(plain) / num_rows
+        extra_s = median(extra) + (median(self._proposer_draft_s) if self._proposer_draft_s else 0.0)
 
         def tokens_per_s(n: int) -> float:
             return (1.0 + rate * (1.0 - rate**n) / (1.0 - rate)) / (token_s + n * extra_s)
@@ -178,6 +180,8 @@ class SpecSwitch:
             return
         if step.num_proposed:
             self._proposer_s.append(step.proposer_s / step.num_proposed)
+        if step.num_draft_tokens:
+            self._proposer_draft_s.append(step.proposer_s / step.num_draft_tokens)
         if step.num_draft_tokens == 0:
             self._plain_s.setdefault(step.num_rows, deque(maxlen=WINDOW)).append(elapsed - step.proposer_s)
         elif plain:
