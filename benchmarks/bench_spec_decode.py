@@ -14,7 +14,8 @@ Batch b: the workload's prompts are submitted b at a time (LLM.generate of b pro
 Each round runs every (workload, batch, method, k) once, engines in turn; medians over rounds of
 tokens/s (new tokens / wall time of the batch), TPOT (median over the requests of RequestMetrics.tpot),
 the ratio of tokens/s to no speculation in the same round (also per CPU second of this process: on a loaded
-machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a core), and from
+machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a core; with `--decode-cpu`, decode
+tokens per CPU second: each batch's prefill + first token is run alone first and its CPU time taken off), and from
 RequestMetrics.spec_decode the acceptance rate and mean accepted length (tokens per spec step, the target's own
 included). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
 batch size, with as many drafts (<= k) as pay best (the adaptive switch and adaptive k, spec_decode/switch.py;
@@ -107,15 +108,22 @@ def workloads(tok, n: int) -> dict[str, list[list[int]]]:
 WORKLOADS = ("copy", "chat")
 
 
-def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int, decode_cpu: bool = False) -> dict:
     from pagellm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    llm.reset_prefix_cache()
-    outs, wall, cpu = [], 0.0, 0.0
+    first_only = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    outs, wall, cpu, prefill_cpu = [], 0.0, 0.0, 0.0
     for i in range(0, len(prompts), batch):
+        reqs = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        if decode_cpu:  # the CPU time of prefill + first token alone, to take off: speculation speeds up decoding
+            llm.reset_prefix_cache()
+            c0 = time.process_time()
+            llm.generate(reqs, first_only, use_tqdm=False)
+            prefill_cpu += time.process_time() - c0
+        llm.reset_prefix_cache()
         t0, c0 = time.perf_counter(), time.process_time()
-        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
+        outs += llm.generate(reqs, params, use_tqdm=False)
         wall += time.perf_counter() - t0
         cpu += time.process_time() - c0
     spec = [o.metrics.spec_decode for o in outs if o.metrics.spec_decode is not None]
@@ -123,7 +131,9 @@ def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int) -> d
                               ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_rows"))
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    decode_s = cpu - prefill_cpu
     return {"tok_s": num_tokens / wall, "tok_cpu_s": num_tokens / cpu,
+            "decode_tok_cpu_s": (num_tokens - len(outs)) / decode_s if decode_cpu and decode_s > 0 else float("nan"),
             "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
             "acceptance": accepted / drafts if drafts else 0.0,
             "mean_accepted_len": 1 + accepted / rows if rows else 1.0,
@@ -143,8 +153,11 @@ def run(args) -> dict:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
             if spec is not None and args.adaptive == "off":
                 spec["adaptive"] = False
-            engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
-                                                     max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
+            try:
+                engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
+                                                         max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
+            except ValueError as e:  # e.g. medusa with k above its number of heads
+                print(f"[skipped] batch {batch} {method} k={k}: {e}", flush=True)
     for (batch, _, _), llm in engines.items():  # warm-up: one-time kernel and step-graph costs off the measurements
         for prompts in loads.values():  # (a graph is captured per token count: verify rows of 2 .. 1 + k tokens)
             run_batches(llm, prompts[-batch:], batch, min(args.warmup_tokens, args.output_len))
@@ -152,7 +165,7 @@ def run(args) -> dict:
     for r in range(args.rounds):
         for name, prompts in loads.items():
             for (batch, method, k), llm in engines.items():
-                res = run_batches(llm, prompts, batch, args.output_len)
+                res = run_batches(llm, prompts, batch, args.output_len, args.decode_cpu)
                 runs.setdefault((name, batch, method, k), []).append(res)
                 print(f"[round {r}] {name} batch {batch} {method} k={k}: {res['tok_s']:.1f} tok/s, TPOT "
                       f"{res['tpot_ms']:.1f} ms, acceptance {res['acceptance']:.2f}", flush=True)
@@ -165,11 +178,13 @@ def summarize(runs: dict[tuple, list[dict]]) -> list[dict]:
         base = runs[(name, batch, "none", 0)]
         ratios = [x["tok_s"] / b["tok_s"] for x, b in zip(rs, base)]  # same round: same machine state
         cpu_ratios = [x["tok_cpu_s"] / b["tok_cpu_s"] for x, b in zip(rs, base)]
+        decode_ratios = [x["decode_tok_cpu_s"] / b["decode_tok_cpu_s"] for x, b in zip(rs, base)]
         same = sum(a == b for x, bx in zip(rs, base) for a, b in zip(x["token_ids"], bx["token_ids"]))
         results.append({"workload": name, "batch": batch, "method": method, "k": k,
                         "tok_s": statistics.median(x["tok_s"] for x in rs),
                         "tpot_ms": statistics.median(x["tpot_ms"] for x in rs), "ratio": statistics.median(ratios),
                         "cpu_ratio": statistics.median(cpu_ratios),
+                        "decode_cpu_ratio": statistics.median(decode_ratios),
                         "acceptance": statistics.median(x["acceptance"] for x in rs),
                         "mean_accepted_len": statistics.median(x["mean_accepted_len"] for x in rs),
                         "same_as_none": same / sum(len(x["token_ids"]) for x in rs),
@@ -189,12 +204,13 @@ def render(data: dict) -> str:
            "whose tokens equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).",
            ""]
     rows = [[r["workload"], r["batch"], r["method"], r["k"] or "-", r["tok_s"], r["tpot_ms"], f"{r['ratio']:.2f}x",
-             f"{r['cpu_ratio']:.2f}x",
+             f"{r['cpu_ratio']:.2f}x", f"{r['decode_cpu_ratio']:.2f}x",
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
              f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],
                             key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
-    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)", "acceptance",
+    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)", "decode vs none (CPU time)",
+                           "acceptance",
                            "mean accepted len", "same as none"], rows))
     return "\n".join(out)
 
@@ -209,6 +225,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-cpu", action="store_true",
+                    help="also time each batch's prefill + first token alone (CPU) and report decode tokens per CPU second")
     ap.add_argument("--warmup-tokens", type=int, default=8,
                     help="new tokens per request of the warm-up (one batch of each workload per engine)")
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
