@@ -47,6 +47,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
+    # ngram with every sequence drafting k (the switch still decides whether): A/B of adaptive k in one run
+    "ngram_fixed_k": lambda k, args: {**METHODS["ngram"](k, args), "adaptive_k": False},
     # the target's own Q4_1 file read natively (quantization="gguf") as its draft: a self-draft made here
     "draft_model": lambda k, args: {"method": "draft_model", "num_speculative_tokens": k, "quantization": "gguf",
                                     **args.draft_options},

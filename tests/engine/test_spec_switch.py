@@ -209,3 +209,27 @@ def test_adaptive_k_counts_a_draft_models_time_per_draft():
     asked = _drive_adaptive(switch, None, steps=120, proposer_per_draft_s=0.010)
     assert switch.num_drafts("s", 1) == 1
     assert sum(1 for n in asked[60:] if n) <= 8 and switch.num_switched_off > 40  # off but for the re-probes
+
+
+def test_adaptive_k_option():
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).adaptive_k is True
+    off = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": False})
+    assert off.adaptive_k is False and off.to_dict()["adaptive_k"] is False
+    with pytest.raises(ValueError, match="adaptive_k"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": 1})
+
+
+def test_engine_without_adaptive_k_drafts_k(tiny_llama_dir, plain):
+    """adaptive_k=False: the switch still decides whether a sequence drafts, never how many (k each verify)."""
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
+    eng = llm.llm_engine
+    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True, adaptive_k=False)
+    eng.spec_switch.clock = TickClock()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    _assert_all_blocks_free(eng)
+    stats = eng.spec_stats
+    assert stats.num_spec_rows > 0
+    assert stats.num_draft_tokens >= 7 * stats.num_spec_rows  # k = 8, but near max_tokens / max_model_len
