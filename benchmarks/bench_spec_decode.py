@@ -18,7 +18,7 @@ machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a 
 tokens per CPU second: each batch's prefill + first token is run alone first and its CPU time taken off), and from
 RequestMetrics.spec_decode the acceptance rate and mean accepted length (tokens per spec step, the target's own
 included). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
-batch size, with as many drafts (<= k) as pay best (the adaptive switch and adaptive k, spec_decode/switch.py;
+batch size (the adaptive switch, spec_decode/switch.py; `ngram_adaptive_k` also picks how many drafts <= k;
 the proposer's batch limit still applies: ngram / draft_model off above 4 sequences); `--adaptive off` drafts for
 every sequence below each method's default limit (off above 4 sequences), `--disable-by-batch-size N`
 sets the limit. Kernel threads come from PAGELLM_NUM_THREADS (the engine's own setting).
@@ -47,8 +47,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
-    # ngram with every sequence drafting k (the switch still decides whether): A/B of adaptive k in one run
-    "ngram_fixed_k": lambda k, args: {**METHODS["ngram"](k, args), "adaptive_k": False},
+    # ngram with adaptive k (opt-in): each sequence asks for the drafts (<= k) that pay best; A/B with ngram in one run
+    "ngram_adaptive_k": lambda k, args: {**METHODS["ngram"](k, args), "adaptive_k": True},
     # the target's own Q4_1 file read natively (quantization="gguf") as its draft: a self-draft made here
     "draft_model": lambda k, args: {"method": "draft_model", "num_speculative_tokens": k, "quantization": "gguf",
                                     **args.draft_options},

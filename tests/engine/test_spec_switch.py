@@ -185,7 +185,7 @@ def test_engine_adaptive_k_outputs_equal_plain(tiny_llama_dir, plain):
     reference = {tuple(p): t for p, t in zip(prompts, tokens)}
     llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
     eng = llm.llm_engine
-    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True)
+    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True, adaptive_k=True)
     clock = TickClock()
     eng.spec_switch.clock = clock
     orig = eng.spec_switch.record_proposals
@@ -212,20 +212,21 @@ def test_adaptive_k_counts_a_draft_models_time_per_draft():
 
 
 def test_adaptive_k_option():
-    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3}).adaptive_k is True
-    off = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": False})
-    assert off.adaptive_k is False and off.to_dict()["adaptive_k"] is False
+    default = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert default.adaptive_k is False and "adaptive_k" not in default.to_dict()
+    on = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": True})
+    assert on.adaptive_k is True and on.to_dict()["adaptive_k"] is True
     with pytest.raises(ValueError, match="adaptive_k"):
         SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": 1})
 
 
 def test_engine_without_adaptive_k_drafts_k(tiny_llama_dir, plain):
-    """adaptive_k=False: the switch still decides whether a sequence drafts, never how many (k each verify)."""
+    """adaptive_k=False (the default): the switch still decides whether a sequence drafts, never how many."""
     vocab, prompts, tokens = plain
     reference = {tuple(p): t for p, t in zip(prompts, tokens)}
     llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
     eng = llm.llm_engine
-    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True, adaptive_k=False)
+    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True)
     eng.spec_switch.clock = TickClock()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == tokens

@@ -47,10 +47,10 @@ class SpecDecodeStep:
             proposer = create_proposer(spec, context)
         self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size,
                           adaptive=True if spec is None else spec.adaptive,
-                          adaptive_k=True if spec is None else spec.adaptive_k)
+                          adaptive_k=False if spec is None else spec.adaptive_k)
 
     def set_proposer(self, proposer: BaseProposer | None, disable_by_batch_size: int | None = None,
-                     adaptive: bool = False, adaptive_k: bool = True) -> None:
+                     adaptive: bool = False, adaptive_k: bool = False) -> None:
         """Speculative decoding with `proposer` from the next step on (None: off). Outputs stay those of
         plain decoding (greedy: token-identical; sampled: same distribution), with fewer steps when
         drafts are accepted. No drafts in a step with more decode-ready sequences than
@@ -58,8 +58,8 @@ class SpecDecodeStep:
         draft_model fall to 0.61x at batch 8 in the session-10 bench). `adaptive` (a speculative_config's default; off
         here, where the caller hands its own proposer): a sequence drafts only while its recent acceptance
         pays for the verify cost measured at the step's batch size (spec_decode/switch.py; re-probed now
-        and then), which turns drafting off at the batch sizes where it cannot pay; with `adaptive_k` it also picks
-        how many drafts (<= k) each sequence asks for. Resets `spec_stats`.
+        and then), which turns drafting off at the batch sizes where it cannot pay; with `adaptive_k` (opt-in) it also
+        picks how many drafts (<= k) each sequence asks for. Resets `spec_stats`.
         Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a waiting prompt plus
         num_speculative_tokens lookahead slots no longer fits the KV cache."""
         if proposer is not None and not isinstance(proposer, BaseProposer):

@@ -35,15 +35,17 @@ class SpeculativeConfig:
     """Validated `speculative_config`. `disable_by_batch_size`: no drafts in a step with more decode-ready
     sequences than this (None: the method's own default policy). `adaptive` (default True): each sequence
     drafts only while its recent acceptance pays for the measured verify cost (spec_decode/switch.py).
-    `adaptive_k` (default True, with `adaptive` only): each sequence asks for the number of drafts <= k that pays
-    best (SpecSwitch.num_drafts); False: always k. `options`: the method's own keys."""
+    `adaptive_k` (default False, opt-in, with `adaptive` only): each sequence asks for the number of drafts <= k
+    that pays best (SpecSwitch.num_drafts); False: always k. `options`: the method's own keys."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     adaptive: bool = True
-    adaptive_k: bool = True
+    # off by default: in one loaded A/B run it lost at k = 3 (ngram copy, decode per CPU second 1.24x vs 1.43x for
+    # k drafts always) and won at k = 8 (1.20x vs 1.11x); benchmarks/results/spec_decode_spec-speed-adaptive-k.md
+    adaptive_k: bool = False
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
@@ -65,7 +67,7 @@ class SpeculativeConfig:
         adaptive = config.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
-        adaptive_k = config.get("adaptive_k", True)
+        adaptive_k = config.get("adaptive_k", False)
         if not isinstance(adaptive_k, bool):
             raise ValueError(f"speculative_config: adaptive_k must be true or false, got {adaptive_k!r}")
         allowed = tuple(getattr(_PROPOSERS[method], "OPTIONS", ())) + ACCEPTANCE_KEYS
@@ -90,8 +92,8 @@ class SpeculativeConfig:
             out["disable_by_batch_size"] = self.disable_by_batch_size
         if not self.adaptive:
             out["adaptive"] = False
-        if not self.adaptive_k:
-            out["adaptive_k"] = False
+        if self.adaptive_k:
+            out["adaptive_k"] = True
         return out
 
 

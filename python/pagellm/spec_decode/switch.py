@@ -13,7 +13,7 @@ per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k
 1" (less a 0.1-token margin); at larger batches one token is cheaper, so the same drafts
 must be accepted more often to pay, which switches speculation off where it cannot pay at that size.
 
-How many drafts (adaptive k, `num_drafts`): each verify of n drafts is n Bernoulli trials cut at the first
+How many drafts (adaptive k, `num_drafts`; speculative_config `adaptive_k`, opt-in): each verify of n drafts is n Bernoulli trials cut at the first
 rejection, so a request's per-draft acceptance rate a is estimated as EWMA(accepted) / EWMA(accepted + rejected);
 with a, the next n drafts return a (1 - a^n) / (1 - a) tokens on average, and the request asks for the n <= k that
 maximises its tokens per second, (1 + that) / (plain_s(n) / n + n * (extra_s + proposer_s per draft token)). Copying
