@@ -201,7 +201,8 @@ def render(data: dict) -> str:
            f"git {e['git_head']}. Load average before: {tuple(round(x, 2) for x in data['load']['load_at_start'])}, "
            f"after: {tuple(round(x, 2) for x in data['load_at_end'])}.", "",
            f"Default model, bf16, greedy, {a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
-           f"workload, {a['rounds']} interleaved rounds, medians; PAGELLM_NUM_THREADS={a.get('num_threads_env')}; adaptive switch {a.get('adaptive', 'on')}, "
+           f"workload, {a['rounds']} interleaved rounds, medians; PAGELLM_NUM_THREADS={a.get('num_threads_env')}; "
+           f"adaptive switch {a.get('adaptive', 'on')}, "
            f"disable_by_batch_size {a['disable_by_batch_size'] or 'default'}. 'same as none': share of requests "
            "whose tokens equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).",
            ""]
@@ -211,9 +212,8 @@ def render(data: dict) -> str:
              f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],
                             key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
-    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)", "decode vs none (CPU time)",
-                           "acceptance",
-                           "mean accepted len", "same as none"], rows))
+    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)",
+                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "same as none"], rows))
     return "\n".join(out)
 
 
@@ -223,12 +223,14 @@ def main() -> None:
                     help=f"comma-separated, from {sorted(METHODS)}")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS), help="comma-separated: copy, chat")
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
+                    help="comma-separated: copy, chat")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-cpu", action="store_true",
-                    help="also time each batch's prefill + first token alone (CPU) and report decode tokens per CPU second")
+                    help="also time each batch's prefill + first token alone (CPU) and report decode tokens per "
+                         "CPU second")
     ap.add_argument("--warmup-tokens", type=int, default=8,
                     help="new tokens per request of the warm-up (one batch of each workload per engine)")
     ap.add_argument("--prompt-lookup-min", type=int, default=1)

@@ -94,7 +94,7 @@ class SpecDecodeStep:
             # seeded sampled rows always draft: which steps verify drafts changes their random stream, and a
             # seed promises the same output run after run, whatever the timing the switch measures
             seeded = st.params.seed is not None and not st.params.is_greedy
-            # adaptive k: the switch's number of drafts; seeded rows and trees keep k (the random stream, the tree's shape)
+            # adaptive k: the switch's number of drafts; seeded rows keep k (their random stream), trees their shape
             k = self.proposer.num_speculative_tokens
             if switch is not None and self.spec_adaptive_k and not seeded and not trees:
                 k = switch.num_drafts(sid, len(ready))

@@ -13,8 +13,9 @@ per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k
 1" (less a 0.1-token margin); at larger batches one token is cheaper, so the same drafts
 must be accepted more often to pay, which switches speculation off where it cannot pay at that size.
 
-How many drafts (adaptive k, `num_drafts`; speculative_config `adaptive_k`, opt-in): each verify of n drafts is n Bernoulli trials cut at the first
-rejection, so a request's per-draft acceptance rate a is estimated as EWMA(accepted) / EWMA(accepted + rejected);
+How many drafts (adaptive k, `num_drafts`; speculative_config `adaptive_k`, opt-in): each verify of n drafts is
+n Bernoulli trials cut at the first rejection, so a request's per-draft acceptance rate a is estimated as
+EWMA(accepted) / EWMA(accepted + rejected);
 with a, the next n drafts return a (1 - a^n) / (1 - a) tokens on average, and the request asks for the n <= k that
 maximises its tokens per second, (1 + that) / (plain_s(n) / n + n * (extra_s + proposer_s per draft token)). Copying
 text (a near 1) gets all k drafts, a request whose drafts often miss gets 1 or 2: k can be set high for copy-heavy
@@ -118,7 +119,8 @@ class SpecSwitch:
         return max(range(1, self.k + 1), key=tokens_per_s)  # the smallest n among equals
 
     def wants_drafts(self, seq_id: str, num_rows: int, num_drafts: int | None = None) -> bool:
-        """Whether this sequence should draft (num_drafts of them, default k) in a step of num_rows decode-ready rows."""
+        """Whether this sequence should draft (num_drafts of them, default k) in a step of num_rows decode-ready
+        rows."""
         cost = self._draft_cost_s(num_rows, self.k if num_drafts is None else num_drafts)
         plain = self._plain_s.get(num_rows)
         if cost is None or not plain:
@@ -160,7 +162,8 @@ class SpecSwitch:
         return self._accepted.get(seq_id, self._pool_accepted)
 
     def _draft_cost_s(self, num_rows: int, num_drafts: int) -> float | None:
-        """Seconds num_drafts drafts add to a step of num_rows rows (verify + the proposer's share), None until measured."""
+        """Seconds num_drafts drafts add to a step of num_rows rows (verify + the proposer's share), None until
+        measured."""
         extra = self._extra_s.get(num_rows)
         if not extra:
             return None
