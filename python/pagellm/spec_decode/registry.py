@@ -43,8 +43,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     adaptive: bool = True
-    # off by default: in one loaded A/B run it lost at k = 3 (ngram copy, decode per CPU second 1.24x vs 1.43x for
-    # k drafts always) and won at k = 8 (1.20x vs 1.11x); benchmarks/results/spec_decode_spec-speed-adaptive-k.md
+    # off by default: in two loaded A/B runs (ngram copy, decode per CPU second) it lost 3 of 4 comparisons, e.g.
+    # k = 3: 1.33x vs 1.43x for k drafts always (benchmarks/results/spec_decode_spec-speed-adaptive-k-2.md)
     adaptive_k: bool = False
 
     @classmethod
