@@ -4,6 +4,7 @@ method and number of draft tokens k, against no speculation, in one interleaved 
 
     python benchmarks/bench_spec_decode.py                                # none + ngram k=2,4; batch 1 and 8
     python benchmarks/bench_spec_decode.py --methods none,ngram --ks 3 --batches 1 --rounds 1 --output-len 16
+    python benchmarks/bench_spec_decode.py --methods none,medusa --ks 3 --workloads chat --medusa-heads DIR
 
 Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
   copy   copy-heavy prompts: rewrite / summarise a KJV passage (Debian's bible-kjv, `bible -f`), and
@@ -12,10 +13,13 @@ Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
 Batch b: the workload's prompts are submitted b at a time (LLM.generate of b prompts, max_num_seqs b).
 Each round runs every (workload, batch, method, k) once, engines in turn; medians over rounds of
 tokens/s (new tokens / wall time of the batch), TPOT (median over the requests of RequestMetrics.tpot),
-the ratio of tokens/s to no speculation in the same round, and from RequestMetrics.spec_decode the
-acceptance rate and mean accepted length (tokens per spec step, the target's own included).
-By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
-batch size (the adaptive switch, spec_decode/switch.py; no fixed batch limit); `--adaptive off` drafts for
+the ratio of tokens/s to no speculation in the same round (also per CPU second of this process: on a loaded
+machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a core; with `--decode-cpu`, decode
+tokens per CPU second: each batch's prefill + first token is run alone first and its CPU time taken off), and from
+RequestMetrics.spec_decode the acceptance rate and mean accepted length (tokens per spec step, the target's own
+included). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
+batch size (the adaptive switch, spec_decode/switch.py; `ngram_adaptive_k` also picks how many drafts <= k;
+the proposer's batch limit still applies: ngram / draft_model off above 4 sequences); `--adaptive off` drafts for
 every sequence below each method's default limit (off above 4 sequences), `--disable-by-batch-size N`
 sets the limit. Kernel threads come from PAGELLM_NUM_THREADS (the engine's own setting).
 Writes benchmarks/results/spec_decode_<tag>.{md,json}.
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
+import os
 import re
 import statistics
 import subprocess
@@ -41,10 +47,13 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
+    # ngram with adaptive k (opt-in): each sequence asks for the drafts (<= k) that pay best; A/B with ngram in one run
+    "ngram_adaptive_k": lambda k, args: {**METHODS["ngram"](k, args), "adaptive_k": True},
     # the target's own Q4_1 file read natively (quantization="gguf") as its draft: a self-draft made here
-    "draft_model": lambda k, args: {"method": "draft_model", "num_speculative_tokens": k, "quantization": "gguf"},
+    "draft_model": lambda k, args: {"method": "draft_model", "num_speculative_tokens": k, "quantization": "gguf",
+                                    **args.draft_options},
     "medusa": lambda k, args: {"method": "medusa", "num_speculative_tokens": k,
-                               "model": getattr(args, "medusa_heads", "/tmp/medusa-smollm2")},  # pagellm train-medusa
+                               "model": args.medusa_heads},  # pagellm train-medusa
 }
 
 KJV_PASSAGES = ("Gen1:1-1:13", "Gen2:1-2:9", "Ex20:1-20:17", "Ruth1:1-1:14", "Ps23:1-23:6", "Ps1:1-1:6",
@@ -98,21 +107,35 @@ def workloads(tok, n: int) -> dict[str, list[list[int]]]:
     return {"copy": encode(copy), "chat": encode([CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(n)])}
 
 
-def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int) -> dict:
+WORKLOADS = ("copy", "chat")
+
+
+def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int, decode_cpu: bool = False) -> dict:
     from pagellm import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    llm.reset_prefix_cache()
-    outs, wall = [], 0.0
+    first_only = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
+    outs, wall, cpu, prefill_cpu = [], 0.0, 0.0, 0.0
     for i in range(0, len(prompts), batch):
-        t0 = time.perf_counter()
-        outs += llm.generate([{"prompt_token_ids": p} for p in prompts[i : i + batch]], params, use_tqdm=False)
+        reqs = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        if decode_cpu:  # the CPU time of prefill + first token alone, to take off: speculation speeds up decoding
+            llm.reset_prefix_cache()
+            c0 = time.process_time()
+            llm.generate(reqs, first_only, use_tqdm=False)
+            prefill_cpu += time.process_time() - c0
+        llm.reset_prefix_cache()
+        t0, c0 = time.perf_counter(), time.process_time()
+        outs += llm.generate(reqs, params, use_tqdm=False)
         wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
     spec = [o.metrics.spec_decode for o in outs if o.metrics.spec_decode is not None]
     drafts, accepted, rows = (sum(getattr(m, f) for m in spec) for f in
                               ("num_draft_tokens", "num_accepted_draft_tokens", "num_spec_rows"))
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
-    return {"tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall,
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    decode_s = cpu - prefill_cpu
+    return {"tok_s": num_tokens / wall, "tok_cpu_s": num_tokens / cpu,
+            "decode_tok_cpu_s": (num_tokens - len(outs)) / decode_s if decode_cpu and decode_s > 0 else float("nan"),
             "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
             "acceptance": accepted / drafts if drafts else 0.0,
             "mean_accepted_len": 1 + accepted / rows if rows else 1.0,
@@ -121,7 +144,7 @@ def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int) -> d
 
 def run(args) -> dict:
     tok, _ = C.load_tokenizer_for_prompts()
-    loads = workloads(tok, args.num_prompts)
+    loads = {name: prompts for name, prompts in workloads(tok, args.num_prompts).items() if name in args.workloads}
     max_prompt = max(len(p) for ps in loads.values() for p in ps)
     configs = [("none", 0)] + [(m, k) for m in args.methods if m != "none" for k in args.ks]
     engines = {}
@@ -132,15 +155,19 @@ def run(args) -> dict:
                 spec["disable_by_batch_size"] = args.disable_by_batch_size
             if spec is not None and args.adaptive == "off":
                 spec["adaptive"] = False
-            engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
-                                                     max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
-    for llm in engines.values():  # warm-up: one-time kernel and step-graph costs off the measurements
-        run_batches(llm, loads["chat"][:1], 1, min(8, args.output_len))
+            try:
+                engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
+                                                         max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
+            except ValueError as e:  # e.g. medusa with k above its number of heads
+                print(f"[skipped] batch {batch} {method} k={k}: {e}", flush=True)
+    for (batch, _, _), llm in engines.items():  # warm-up: one-time kernel and step-graph costs off the measurements
+        for prompts in loads.values():  # (a graph is captured per token count: verify rows of 2 .. 1 + k tokens)
+            run_batches(llm, prompts[-batch:], batch, min(args.warmup_tokens, args.output_len))
     runs: dict[tuple, list[dict]] = {}
     for r in range(args.rounds):
         for name, prompts in loads.items():
             for (batch, method, k), llm in engines.items():
-                res = run_batches(llm, prompts, batch, args.output_len)
+                res = run_batches(llm, prompts, batch, args.output_len, args.decode_cpu)
                 runs.setdefault((name, batch, method, k), []).append(res)
                 print(f"[round {r}] {name} batch {batch} {method} k={k}: {res['tok_s']:.1f} tok/s, TPOT "
                       f"{res['tpot_ms']:.1f} ms, acceptance {res['acceptance']:.2f}", flush=True)
@@ -152,10 +179,14 @@ def summarize(runs: dict[tuple, list[dict]]) -> list[dict]:
     for (name, batch, method, k), rs in runs.items():
         base = runs[(name, batch, "none", 0)]
         ratios = [x["tok_s"] / b["tok_s"] for x, b in zip(rs, base)]  # same round: same machine state
+        cpu_ratios = [x["tok_cpu_s"] / b["tok_cpu_s"] for x, b in zip(rs, base)]
+        decode_ratios = [x["decode_tok_cpu_s"] / b["decode_tok_cpu_s"] for x, b in zip(rs, base)]
         same = sum(a == b for x, bx in zip(rs, base) for a, b in zip(x["token_ids"], bx["token_ids"]))
         results.append({"workload": name, "batch": batch, "method": method, "k": k,
                         "tok_s": statistics.median(x["tok_s"] for x in rs),
                         "tpot_ms": statistics.median(x["tpot_ms"] for x in rs), "ratio": statistics.median(ratios),
+                        "cpu_ratio": statistics.median(cpu_ratios),
+                        "decode_cpu_ratio": statistics.median(decode_ratios),
                         "acceptance": statistics.median(x["acceptance"] for x in rs),
                         "mean_accepted_len": statistics.median(x["mean_accepted_len"] for x in rs),
                         "same_as_none": same / sum(len(x["token_ids"]) for x in rs),
@@ -170,17 +201,19 @@ def render(data: dict) -> str:
            f"git {e['git_head']}. Load average before: {tuple(round(x, 2) for x in data['load']['load_at_start'])}, "
            f"after: {tuple(round(x, 2) for x in data['load_at_end'])}.", "",
            f"Default model, bf16, greedy, {a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
-           f"workload, {a['rounds']} interleaved rounds, medians; adaptive switch {a.get('adaptive', 'on')}, "
+           f"workload, {a['rounds']} interleaved rounds, medians; PAGELLM_NUM_THREADS={a.get('num_threads_env')}; "
+           f"adaptive switch {a.get('adaptive', 'on')}, "
            f"disable_by_batch_size {a['disable_by_batch_size'] or 'default'}. 'same as none': share of requests "
            "whose tokens equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).",
            ""]
     rows = [[r["workload"], r["batch"], r["method"], r["k"] or "-", r["tok_s"], r["tpot_ms"], f"{r['ratio']:.2f}x",
+             f"{r['cpu_ratio']:.2f}x", f"{r['decode_cpu_ratio']:.2f}x",
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
              f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],
                             key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
-    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "acceptance",
-                           "mean accepted len", "same as none"], rows))
+    out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)",
+                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "same as none"], rows))
     return "\n".join(out)
 
 
@@ -190,12 +223,22 @@ def main() -> None:
                     help=f"comma-separated, from {sorted(METHODS)}")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
+                    help="comma-separated: copy, chat")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--decode-cpu", action="store_true",
+                    help="also time each batch's prefill + first token alone (CPU) and report decode tokens per "
+                         "CPU second")
+    ap.add_argument("--warmup-tokens", type=int, default=8,
+                    help="new tokens per request of the warm-up (one batch of each workload per engine)")
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--medusa-heads", default="/tmp/medusa-smollm2", help="heads from `pagellm train-medusa --output`")
+    ap.add_argument("--draft-options", type=json.loads, default={},
+                    help='draft_model: extra speculative_config keys as JSON, e.g. \'{"num_layers": 20}\'')
     ap.add_argument("--adaptive", choices=["on", "off"], default="on",
                     help="off: every sequence drafts (below the batch limit) whatever its acceptance")
     ap.add_argument("--threads", default="auto",
@@ -204,9 +247,12 @@ def main() -> None:
     ap.add_argument("--wait-timeout", type=float, default=300)
     ap.add_argument("--tag", default="full")
     args = ap.parse_args()
+    args.num_threads_env = os.environ.get("PAGELLM_NUM_THREADS", "unset (all CPUs)")
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {unknown}; known: {sorted(METHODS)}")
+    if not args.workloads or set(args.workloads) - set(WORKLOADS):
+        ap.error(f"--workloads: a comma-separated subset of {WORKLOADS}, got {args.workloads}")
     load = C.wait_for_load(args.wait_load, args.wait_timeout) if args.wait_load > 0 else {
         "waited_s": 0, "load_ok": None, "load_at_start": C.loadavg()}
     C.setup_threads(1 if args.threads == "auto" and not load["load_ok"] else

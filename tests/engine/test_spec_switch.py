@@ -132,3 +132,105 @@ def test_engine_keeps_an_always_right_proposer_on(tiny_llama_dir, plain):
     assert out == tokens
     assert eng.spec_switch.num_switched_off == 0
     assert eng.spec_stats.num_accepted_draft_tokens == eng.spec_stats.num_draft_tokens > 100
+
+
+# ---------------------------------------------------------------- adaptive k (SpecSwitch.num_drafts)
+def _drive_adaptive(switch: SpecSwitch, first_wrong: int | None, steps: int, plain_s: float = 0.010,
+                    extra_per_draft_s: float = 0.001, proposer_per_draft_s: float = 0.0) -> list[int]:
+    """One row on a fake clock whose drafts are right up to `first_wrong` (None: always right). Returns the number of
+    drafts asked for per step (0: no drafts)."""
+    now, asked = [0.0], []
+    switch.clock = lambda: now[0]
+    for _ in range(steps):
+        may = switch.begin_step(["s"], timed=True)
+        n = switch.num_drafts("s", 1)
+        on = may and switch.wants_drafts("s", 1, n)
+        switch.record_proposals(n if on else 0, proposer_per_draft_s * n if on else 0.0, int(on))
+        if on:
+            switch.record_verify("s", n, n if first_wrong is None else min(first_wrong, n))
+        now[0] += plain_s + ((extra_per_draft_s + proposer_per_draft_s) * n if on else 0.0)
+        asked.append(n if on else 0)
+    return asked
+
+
+def test_adaptive_k_starts_at_k_and_keeps_it_for_right_drafts():
+    switch = SpecSwitch(8)
+    assert switch.num_drafts("new", 1) == 8  # nothing measured yet
+    asked = _drive_adaptive(switch, None, steps=60)
+    assert asked[0] == 8 and all(n == 8 for n in asked[10:])
+
+
+@pytest.mark.parametrize("first_wrong, expected", [(0, 1), (1, 2), (3, 5), (7, 8)])
+def test_adaptive_k_fits_the_drafts_to_where_they_go_wrong(first_wrong, expected):
+    """Drafts right up to position j: the estimated per-draft rate is a = j / (j + 1); with 10 ms a token and 1 ms a
+    draft the geometric model's best count is 1 for a = 0, 2 for 1/2, 5 for 3/4 (4 and 6 give fewer tokens per
+    second), k = 8 for 7/8."""
+    asked = _drive_adaptive(SpecSwitch(8), first_wrong, steps=80)
+    tail = [n for n in asked[40:] if n]
+    assert tail and all(n == expected for n in tail), asked
+
+
+def test_adaptive_k_tokens_per_second_model():
+    """num_drafts maximises (1 + a (1 - a^n) / (1 - a)) / (plain + n extra): a = 1/2, plain 10 ms, extra 1 ms -> 2."""
+    switch = SpecSwitch(6)
+    _drive_adaptive(switch, 1, steps=40, plain_s=0.010, extra_per_draft_s=0.001)
+    rate = 0.5
+    best = max(range(1, 7), key=lambda n: (1 + rate * (1 - rate**n) / (1 - rate)) / (0.010 + n * 0.001))
+    assert switch.num_drafts("s", 1) == best == 2
+
+
+def test_engine_adaptive_k_outputs_equal_plain(tiny_llama_dir, plain):
+    """A proposer right for two drafts of eight, then wrong: the switch asks for fewer drafts, outputs stay plain's."""
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
+    eng = llm.llm_engine
+    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True, adaptive_k=True)
+    clock = TickClock()
+    eng.spec_switch.clock = clock
+    orig = eng.spec_switch.record_proposals
+
+    def record_proposals(num_draft_tokens, proposer_s, num_proposed):  # drafts cost time on the fake clock
+        clock.now += 2e-3 * num_draft_tokens
+        orig(num_draft_tokens, proposer_s, num_proposed)
+
+    eng.spec_switch.record_proposals = record_proposals
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    _assert_all_blocks_free(eng)
+    stats = eng.spec_stats
+    assert stats.num_spec_rows > 0 and stats.num_draft_tokens < 5 * stats.num_spec_rows  # not 8 per verify
+
+
+def test_adaptive_k_counts_a_draft_models_time_per_draft():
+    """Right drafts from a proposer that spends a target step per draft (a draft model as big as its target): more
+    drafts only add time, so the switch asks for one, and mostly none."""
+    switch = SpecSwitch(8)
+    asked = _drive_adaptive(switch, None, steps=120, proposer_per_draft_s=0.010)
+    assert switch.num_drafts("s", 1) == 1
+    assert sum(1 for n in asked[60:] if n) <= 8 and switch.num_switched_off > 40  # off but for the re-probes
+
+
+def test_adaptive_k_option():
+    default = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert default.adaptive_k is False and "adaptive_k" not in default.to_dict()
+    on = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": True})
+    assert on.adaptive_k is True and on.to_dict()["adaptive_k"] is True
+    with pytest.raises(ValueError, match="adaptive_k"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "adaptive_k": 1})
+
+
+def test_engine_without_adaptive_k_drafts_k(tiny_llama_dir, plain):
+    """adaptive_k=False (the default): the switch still decides whether a sequence drafts, never how many."""
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
+    eng = llm.llm_engine
+    eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True)
+    eng.spec_switch.clock = TickClock()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    _assert_all_blocks_free(eng)
+    stats = eng.spec_stats
+    assert stats.num_spec_rows > 0
+    assert stats.num_draft_tokens >= 7 * stats.num_spec_rows  # k = 8, but near max_tokens / max_model_len

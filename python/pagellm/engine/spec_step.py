@@ -46,10 +46,11 @@ class SpecDecodeStep:
                                       tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor)
             proposer = create_proposer(spec, context)
         self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size,
-                          adaptive=True if spec is None else spec.adaptive)
+                          adaptive=True if spec is None else spec.adaptive,
+                          adaptive_k=False if spec is None else spec.adaptive_k)
 
     def set_proposer(self, proposer: BaseProposer | None, disable_by_batch_size: int | None = None,
-                     adaptive: bool = False) -> None:
+                     adaptive: bool = False, adaptive_k: bool = False) -> None:
         """Speculative decoding with `proposer` from the next step on (None: off). Outputs stay those of
         plain decoding (greedy: token-identical; sampled: same distribution), with fewer steps when
         drafts are accepted. No drafts in a step with more decode-ready sequences than
@@ -57,7 +58,8 @@ class SpecDecodeStep:
         draft_model fall to 0.61x at batch 8 in the session-10 bench). `adaptive` (a speculative_config's default; off
         here, where the caller hands its own proposer): a sequence drafts only while its recent acceptance
         pays for the verify cost measured at the step's batch size (spec_decode/switch.py; re-probed now
-        and then), which turns drafting off at the batch sizes where it cannot pay. Resets `spec_stats`.
+        and then), which turns drafting off at the batch sizes where it cannot pay; with `adaptive_k` (opt-in) it also
+        picks how many drafts (<= k) each sequence asks for. Resets `spec_stats`.
         Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a waiting prompt plus
         num_speculative_tokens lookahead slots no longer fits the KV cache."""
         if proposer is not None and not isinstance(proposer, BaseProposer):
@@ -72,6 +74,7 @@ class SpecDecodeStep:
         self.proposer = proposer
         self.spec_disable_by_batch_size = disable_by_batch_size
         self.spec_switch = SpecSwitch(proposer.num_speculative_tokens) if proposer is not None and adaptive else None
+        self.spec_adaptive_k = bool(adaptive_k)
         self.spec_stats = SpecDecodeStats()
 
     def _propose_drafts(self, in_step: list[str]) -> None:
@@ -85,15 +88,20 @@ class SpecDecodeStep:
             self.spec_stats.num_steps_over_batch_limit += 1
             return
         in_step.extend(ready)
+        trees = getattr(self.proposer, "proposes_trees", False)
         for sid in ready:
             st, seq = self.output_processor.seq(sid)
             # seeded sampled rows always draft: which steps verify drafts changes their random stream, and a
             # seed promises the same output run after run, whatever the timing the switch measures
             seeded = st.params.seed is not None and not st.params.is_greedy
-            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready))):
+            # adaptive k: the switch's number of drafts; seeded rows keep k (their random stream), trees their shape
+            k = self.proposer.num_speculative_tokens
+            if switch is not None and self.spec_adaptive_k and not seeded and not trees:
+                k = switch.num_drafts(sid, len(ready))
+            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready), k)):
                 continue
             req = DraftRequest.for_sequence(sid, st.prompt_token_ids, seq.output_token_ids, st.params.max_tokens,
-                                            self.max_model_len, self.proposer.num_speculative_tokens)
+                                            self.max_model_len, k)
             if req is not None and not seq.finished:
                 requests.append(req)
         if requests:
@@ -220,7 +228,7 @@ class SpecDecodeStep:
         seqs = [self.output_processor.seq(seq_ids[r]) for r in split.spec_rows]
         rows = [SamplingRow(st.params, st.prompt_token_ids, seq.output_token_ids,
                             self._generator(seq.seq_id, st.params, seq.index)) for st, seq in seqs]
-        spec_logits = logits[split.spec_logit_rows]
+        spec_logits = _take_rows(logits, split.spec_logit_rows)
         paths = self._tree_paths(sched_out, split, spec_logits, rows)
         if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
             split, spec_logits = paths.chain_split, spec_logits[paths.chain_logit_rows]
@@ -250,3 +258,12 @@ class SpecDecodeStep:
             st.metrics.spec_decode.record(num_drafts, len(tokens) - 1)
             start += len(drafts) + 1
         return update
+
+
+def _take_rows(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """logits[rows] [len(rows), V]: a view when the rows are consecutive (batch 1, or every sampling row a spec row),
+    else a gather. The gather of [1 + k, V] is an OpenMP copy that a loaded 2-core machine stalls for milliseconds."""
+    n = len(rows)
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+        return logits[int(rows[0]) : int(rows[0]) + n]
+    return logits[torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))]

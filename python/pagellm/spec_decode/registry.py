@@ -22,7 +22,7 @@ from pagellm.sampling.typical import TypicalAcceptance, acceptance_rule
 from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer
 
 # keys every method accepts; the rest of the dict are the method's own options (its OPTIONS)
-COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "adaptive")
+COMMON_KEYS = ("method", "num_speculative_tokens", "disable_by_batch_size", "adaptive", "adaptive_k")
 
 # keys every method also accepts among its options: how sampled rows' drafts are accepted (sampling/typical.py)
 ACCEPTANCE_KEYS = ("acceptance", "posterior_threshold", "posterior_alpha")
@@ -35,13 +35,17 @@ class SpeculativeConfig:
     """Validated `speculative_config`. `disable_by_batch_size`: no drafts in a step with more decode-ready
     sequences than this (None: the method's own default policy). `adaptive` (default True): each sequence
     drafts only while its recent acceptance pays for the measured verify cost (spec_decode/switch.py).
-    `options`: the method's own keys."""
+    `adaptive_k` (default False, opt-in, with `adaptive` only): each sequence asks for the number of drafts <= k
+    that pays best (SpecSwitch.num_drafts); False: always k. `options`: the method's own keys."""
 
     method: str
     num_speculative_tokens: int
     disable_by_batch_size: int | None = None
     options: Mapping[str, Any] = field(default_factory=dict)
     adaptive: bool = True
+    # off by default: in two loaded A/B runs (ngram copy, decode per CPU second) it lost 3 of 4 comparisons, e.g.
+    # k = 3: 1.33x vs 1.43x for k drafts always (benchmarks/results/spec_decode_spec-speed-adaptive-k-2.md)
+    adaptive_k: bool = False
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any] | "SpeculativeConfig") -> "SpeculativeConfig":
@@ -63,6 +67,9 @@ class SpeculativeConfig:
         adaptive = config.get("adaptive", True)
         if not isinstance(adaptive, bool):
             raise ValueError(f"speculative_config: adaptive must be true or false, got {adaptive!r}")
+        adaptive_k = config.get("adaptive_k", False)
+        if not isinstance(adaptive_k, bool):
+            raise ValueError(f"speculative_config: adaptive_k must be true or false, got {adaptive_k!r}")
         allowed = tuple(getattr(_PROPOSERS[method], "OPTIONS", ())) + ACCEPTANCE_KEYS
         options = {key: v for key, v in config.items() if key not in COMMON_KEYS}
         unknown = sorted(set(options) - set(allowed))
@@ -71,7 +78,7 @@ class SpeculativeConfig:
                              f"{sorted(COMMON_KEYS + allowed)}")
         _PROPOSERS[method].check_options(options)
         typical_acceptance_of(options)  # ValueError for a bad acceptance / threshold
-        return cls(method, k, limit, options, adaptive)
+        return cls(method, k, limit, options, adaptive, adaptive_k)
 
     @property
     def typical_acceptance(self) -> TypicalAcceptance | None:
@@ -85,6 +92,8 @@ class SpeculativeConfig:
             out["disable_by_batch_size"] = self.disable_by_batch_size
         if not self.adaptive:
             out["adaptive"] = False
+        if self.adaptive_k:
+            out["adaptive_k"] = True
         return out
 
 

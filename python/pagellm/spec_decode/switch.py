@@ -13,6 +13,14 @@ per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k
 1" (less a 0.1-token margin); at larger batches one token is cheaper, so the same drafts
 must be accepted more often to pay, which switches speculation off where it cannot pay at that size.
 
+How many drafts (adaptive k, `num_drafts`; speculative_config `adaptive_k`, opt-in): each verify of n drafts is
+n Bernoulli trials cut at the first rejection, so a request's per-draft acceptance rate a is estimated as
+EWMA(accepted) / EWMA(accepted + rejected);
+with a, the next n drafts return a (1 - a^n) / (1 - a) tokens on average, and the request asks for the n <= k that
+maximises its tokens per second, (1 + that) / (plain_s(n) / n + n * (extra_s + proposer_s per draft token)). Copying
+text (a near 1) gets all k drafts, a request whose drafts often miss gets 1 or 2: k can be set high for copy-heavy
+work without paying k per verify everywhere.
+
 Until a cost is measured every request drafts (the second timed step at a batch size runs without drafts
 to measure plain_s(n)). Steps with waiting or prefilling requests, and steps much slower than the median (the engine
 sat idle between steps), are not timed. Outputs never depend on this: it only decides who gets drafts.
@@ -33,6 +41,7 @@ MAX_BACKOFF_DOUBLINGS = 3
 # drafts must win at least this many tokens per verify beyond their cost: where a verify costs next to nothing
 # (a tiny model, timer noise) an acceptance decaying towards 0 would otherwise never switch off
 MIN_NET_TOKENS = 0.1
+MAX_DRAFT_RATE = 0.98  # the per-draft acceptance estimate is capped below 1: one miss must still shorten the drafts
 
 
 @dataclass
@@ -62,12 +71,15 @@ class SpecSwitch:
         self.initial_acceptance = num_speculative_tokens / 2 if initial_acceptance is None else initial_acceptance
         self._pool_accepted = self.initial_acceptance
         self._accepted: dict[str, float] = {}  # seq_id -> EWMA of accepted drafts per verify
+        # seq_id -> EWMAs of (accepted drafts, drafts judged: accepted + the rejected one) per verify: adaptive k
+        self._trials: dict[str, tuple[float, float]] = {}
         self._steps_off: dict[str, int] = {}  # seq_id -> steps since it last drafted while switched off
         self._num_reprobes: dict[str, int] = {}  # seq_id -> re-probes since it was last on (backs the probes off)
         self._num_timed: dict[int, int] = {}  # num rows -> timed steps seen
         self._plain_s: dict[int, deque] = {}  # num rows -> seconds of recent draft-free decode steps
         self._extra_s: dict[int, deque] = {}  # num rows -> seconds per draft token a spec step adds
         self._proposer_s: deque = deque(maxlen=WINDOW)  # proposer seconds per request asked
+        self._proposer_draft_s: deque = deque(maxlen=WINDOW)  # proposer seconds per draft token (a draft model's steps)
         self._step: _StepInFlight | None = None
         self.num_switched_off = 0  # request-steps without drafts because they did not pay (stats, tests)
 
@@ -79,7 +91,7 @@ class SpecSwitch:
         self._close_step(now_s)
         n = len(ready_seq_ids)
         live = set(ready_seq_ids)
-        for table in (self._accepted, self._steps_off, self._num_reprobes):
+        for table in (self._accepted, self._trials, self._steps_off, self._num_reprobes):
             for sid in [s for s in table if s not in live]:
                 del table[sid]
         self._step = None
@@ -90,9 +102,26 @@ class SpecSwitch:
         # no plain time at this size yet: the second timed step (the first may hold one-time costs) goes plain
         return not (n not in self._plain_s and seen % self.probe_every == 2)
 
-    def wants_drafts(self, seq_id: str, num_rows: int) -> bool:
-        """Whether this sequence should draft in a step of num_rows decode-ready rows."""
-        cost = self._draft_cost_s(num_rows)
+    def num_drafts(self, seq_id: str, num_rows: int) -> int:
+        """How many drafts (1 .. k) this sequence should ask for in a step of num_rows rows (module doc); k until its
+        first verify or while the costs at this batch size are unmeasured."""
+        plain, extra, trials = self._plain_s.get(num_rows), self._extra_s.get(num_rows), self._trials.get(seq_id)
+        if not plain or not extra or trials is None or trials[1] <= 0.0:
+            return self.k
+        rate = min(trials[0] / trials[1], MAX_DRAFT_RATE)
+        # the proposer's time counts per draft: a draft model runs one forward per draft (ngram's is ~nothing)
+        token_s = median(plain) / num_rows
+        extra_s = median(extra) + (median(self._proposer_draft_s) if self._proposer_draft_s else 0.0)
+
+        def tokens_per_s(n: int) -> float:
+            return (1.0 + rate * (1.0 - rate**n) / (1.0 - rate)) / (token_s + n * extra_s)
+
+        return max(range(1, self.k + 1), key=tokens_per_s)  # the smallest n among equals
+
+    def wants_drafts(self, seq_id: str, num_rows: int, num_drafts: int | None = None) -> bool:
+        """Whether this sequence should draft (num_drafts of them, default k) in a step of num_rows decode-ready
+        rows."""
+        cost = self._draft_cost_s(num_rows, self.k if num_drafts is None else num_drafts)
         plain = self._plain_s.get(num_rows)
         if cost is None or not plain:
             return True
@@ -123,19 +152,23 @@ class SpecSwitch:
             return
         prev = self.acceptance(seq_id)
         self._accepted[seq_id] = prev + self.decay * (num_accepted - prev)
+        judged = num_accepted + (num_accepted < num_drafts)  # the trials up to and including the first rejection
+        ok, n = self._trials.get(seq_id, (float(num_accepted), float(judged)))
+        self._trials[seq_id] = (ok + self.decay * (num_accepted - ok), n + self.decay * (judged - n))
         self._pool_accepted += self.decay * (num_accepted - self._pool_accepted)
 
     def acceptance(self, seq_id: str) -> float:
         """The sequence's current EWMA of accepted drafts per verify."""
         return self._accepted.get(seq_id, self._pool_accepted)
 
-    def _draft_cost_s(self, num_rows: int) -> float | None:
-        """Seconds k drafts add to a step of num_rows rows (verify + the proposer's share), None until measured."""
+    def _draft_cost_s(self, num_rows: int, num_drafts: int) -> float | None:
+        """Seconds num_drafts drafts add to a step of num_rows rows (verify + the proposer's share), None until
+        measured."""
         extra = self._extra_s.get(num_rows)
         if not extra:
             return None
         proposer = median(self._proposer_s) if self._proposer_s else 0.0
-        return self.k * median(extra) + proposer
+        return num_drafts * median(extra) + proposer
 
     def _close_step(self, now_s: float) -> None:
         step, self._step = self._step, None
@@ -150,6 +183,8 @@ class SpecSwitch:
             return
         if step.num_proposed:
             self._proposer_s.append(step.proposer_s / step.num_proposed)
+        if step.num_draft_tokens:
+            self._proposer_draft_s.append(step.proposer_s / step.num_draft_tokens)
         if step.num_draft_tokens == 0:
             self._plain_s.setdefault(step.num_rows, deque(maxlen=WINDOW)).append(elapsed - step.proposer_s)
         elif plain:

@@ -1,0 +1,57 @@
+"""The verify step's host-side fast paths (engine/spec_step.py `_take_rows`, sampling/rejection.py `_Targets`):
+the same rows and the same accepted tokens as the general paths, on random logits of odd sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagellm import SamplingParams
+from pagellm.engine.spec_step import _take_rows
+from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, expand_rows_for_verify
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 4, 5], [2], [0, 2, 3], [5, 1, 2], [4, 3], []])
+def test_take_rows_equals_indexing(rows):
+    logits = torch.randn(7, 37).to(torch.bfloat16)
+    idx = np.asarray(rows, dtype=np.int64)
+    got = _take_rows(logits, idx)
+    assert got.shape == (len(rows), 37)
+    assert torch.equal(got, logits[torch.as_tensor(idx, dtype=torch.long)])
+
+
+def _verify(logits, drafts, params):
+    rows = [SamplingRow(p, [1, 2], [3], None) for p in params]
+    md = build_sampling_metadata(expand_rows_for_verify(rows, drafts), logits.shape[1])
+    return Sampler().verify(logits, drafts, md)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_fast_path_matches_float32_verification(dtype):
+    """All-greedy rows without processors or logprobs take the argmax of the model-dtype logits: the accepted
+    tokens equal those of the float32 logits (a row's drafts: its argmax, with one wrong token at a random place)."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, ks = 1031, [3, 0, 5, 1, 7]
+    logits = (torch.randn(sum(k + 1 for k in ks), vocab, generator=gen) * 3).to(dtype)
+    logits[0, :] = 0.0  # a full tie: the first index wins on both paths
+    target = logits.float().argmax(dim=-1).tolist()
+    drafts, start = [], 0
+    for i, k in enumerate(ks):
+        row = target[start : start + k]
+        if k and i % 2:
+            j = int(torch.randint(k, (1,), generator=gen))
+            row[j] = (row[j] + 1) % vocab
+        drafts.append(row)
+        start += k + 1
+    greedy = SamplingParams(temperature=0.0)
+    fast = _verify(logits, drafts, [greedy] * len(ks))
+    # logprobs force the float32 path (the same argmax, logprobs besides)
+    slow = _verify(logits, drafts, [SamplingParams(temperature=0.0, logprobs=1)] * len(ks))
+    assert fast.accepted_token_ids == slow.accepted_token_ids
+    assert fast.logprobs is None and slow.logprobs is not None
+    start = 0
+    for k, row, accepted in zip(ks, drafts, fast.accepted_token_ids):  # the longest matching prefix + target's token
+        n = next((j for j in range(k) if row[j] != target[start + j]), k)
+        assert accepted == row[:n] + [target[start + n]]
+        start += k + 1
