@@ -1,4 +1,5 @@
-// CPU glue for fused_moe (kernels in moe_cpu_kernels.h): checks, the id range, then per chunk of tokens
+// CPU glue for fused_moe (kernels: moe_cpu_kernels.h, moe_gemm_cpu_kernels.h): checks, the id range, then
+// per chunk of tokens
 //   route the (token, slot) pairs by expert -> gather their rows -> gate_up = X_e W13_e^T (fp32)
 //   -> act(gate) * up -> y = . W2_e^T (fp32) -> weighted combine per token in slot order, one rounding.
 // Experts with at most kTileMaxPairs pairs (decode, small batches) run on the weight-streaming tile kernel;
