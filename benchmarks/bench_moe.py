@@ -70,7 +70,7 @@ def bench_case(T, shape, dtype, rounds: int, iters: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 128])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 512])
     ap.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["bf16", "fp32"])
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=10, help="calls per timed round")

@@ -34,6 +34,14 @@ TORCH_LIBRARY(pagellm, m) {
       "Tensor k_scale, Tensor v_scale, Tensor block_tables, Tensor query_start_loc, Tensor seq_lens, float scale, "
       "int window_size=-1, float softcap=0.0) -> ()");
 
+  // MLA decode (DeepSeek-V2/V3, absorbed weights): one query token per sequence over the latent cache
+  // [num_blocks, block_size, latent_dim] as one KV head whose keys are the latent rows and whose values are their
+  // first kv_lora_rank = out.size(2) dims; out [T, H, kv_lora_rank], query [T, H, latent_dim] (reference:
+  // pagellm.ops.mla_reference.paged_mla_decode). CUDA: latent_dim 576, kv_lora_rank 512.
+  m.def(
+      "paged_mla_decode(Tensor(a!) out, Tensor query, Tensor latent_cache, Tensor block_tables, Tensor seq_lens, "
+      "float scale) -> ()");
+
   // ---- tree_attention (Medusa verification) ----
   // Sequence i's q_len = qsl[i+1] - qsl[i] tree tokens are the LAST q_len positions of its seq_lens[i] keys (already
   // cached); each sees the whole committed context plus the tree tokens j with tree_mask[token][j] != 0

@@ -1,8 +1,8 @@
 """fused_moe: the routed experts of a mixture-of-experts MLP (gate_up = X_e W13_e^T, act(gate) * up, . W2_e^T,
 weighted combine) against the pure-torch per-expert loop of `ops.moe_reference`, on odd sizes (H, I not multiples
 of 16 / 32, E = 3..9, k = 1..3, distinct random ids, experts without tokens), every dtype, both activations,
-both CPU paths (the weight-streaming tiles for experts with <= 32 pairs, torch's fp32 GEMM for busier ones),
-strided inputs, batch independence, opcheck and bad input.
+both CPU paths (the weight-streaming tiles for experts with <= 32 pairs, the grouped GEMM for busier ones: odd
+sizes, top-k 1 / 2 / 6, E = 3..64, empty experts), strided inputs, batch independence, opcheck and bad input.
 
 Tolerances: both sides compute in fp32 from the same input values (intermediates stay fp32) and round once, so
 they differ by summation order only: fp32 within 2e-5 (abs and rel), bf16 / fp16 within TOL[dtype] (2e-2 / 2e-3,
@@ -67,6 +67,44 @@ def test_unused_experts_and_duplicate_weights(device, dtype):
     out = OP.fused_moe(hidden, w13, w2, weights, ids, "silu")
     assert not out.isnan().any()
     check(out, moe_reference.fused_moe(hidden, w13[:5], w2[:5], weights, ids, "silu"))
+
+
+# The grouped GEMM (experts with > 32 pairs): odd H / I (K tails of both products, bf16 pairs with a lone last k),
+# weight-row counts that are not multiples of the register tile or the 48-row chunk, several 32-pair blocks per
+# expert with a partial last one, top-k 1 / 2 / 6, E = 3..64 with some experts below the threshold (tile path).
+GEMM_SHAPES = [(150, 33, 50, 3, 2), (100, 45, 37, 3, 1), (90, 70, 23, 8, 6), (400, 31, 19, 64, 6),
+               (70, 128, 96, 4, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=[f"T{s[0]}-H{s[1]}-I{s[2]}-E{s[3]}-k{s[4]}" for s in GEMM_SHAPES])
+def test_grouped_gemm_matches_reference(dtype, shape):
+    args = make_moe(*shape, dtype, seed=shape[0])
+    counts = torch.bincount(args[4].flatten().long(), minlength=shape[3])
+    assert (counts > 32).any()  # the case reaches the grouped GEMM
+    check(ops.fused_moe(*args, "silu"), moe_reference.fused_moe(*args, "silu"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grouped_gemm_empty_experts_and_unread_weights(dtype):
+    """Busy experts 0..4 (60 pairs each), experts 5..8 empty and NaN: the GEMM never reads past an expert's rows
+    (odd H: the bf16 pair loads stop at the row's last value)."""
+    hidden, w13, w2, weights, ids = make_moe(150, 53, 41, 9, 2, dtype, seed=11, num_used_experts=5)
+    w13[5:], w2[5:] = float("nan"), float("nan")
+    out = OP.fused_moe(hidden, w13, w2, weights, ids, "gelu_tanh")
+    assert not out.isnan().any()
+    check(out, moe_reference.fused_moe(hidden, w13[:5], w2[:5], weights, ids, "gelu_tanh"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_grouped_gemm_token_result_does_not_depend_on_the_batch(dtype):
+    """While every expert a token uses stays on the grouped GEMM (> 32 pairs), its output is bitwise the same
+    in a batch of 96 tokens or of 130 (other pair blocks, other partial last blocks)."""
+    hidden, w13, w2, weights, ids = make_moe(130, 40, 36, 3, 2, dtype, seed=13)
+    full = OP.fused_moe(hidden, w13, w2, weights, ids, "silu")
+    assert (torch.bincount(ids[:96].flatten().long(), minlength=3) > 32).all()
+    part = OP.fused_moe(hidden[:96], w13, w2, weights[:96], ids[:96], "silu")
+    assert torch.equal(part, full[:96])
 
 
 @pytest.mark.parametrize("device", DEVICES)

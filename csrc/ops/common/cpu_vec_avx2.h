@@ -234,6 +234,11 @@ inline BF16x32 bf16x32_load(const c10::BFloat16* p, int64_t left) {
   std::memcpy(static_cast<void*>(buf), p, sizeof(c10::BFloat16) * left);
   return bf16x32_load(static_cast<const c10::BFloat16*>(buf));
 }
+// Every pair = (bits & 0xffff, bits >> 16): one bf16 pair broadcast to all 16 lanes (even value in the low half).
+inline BF16x32 bf16x32_set1_pair(uint32_t bits) {
+  const __m256i v = _mm256_set1_epi32(static_cast<int>(bits));
+  return {v, v};
+}
 namespace avx2_detail {
 // vdpbf16ps on 8 lanes: acc + odd(a) * odd(b), then + even(a) * even(b); bf16 products are exact in fp32,
 // so each step is one FMA.

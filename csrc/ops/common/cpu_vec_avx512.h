@@ -151,6 +151,8 @@ inline BF16x32 bf16x32_load(const c10::BFloat16* p, int64_t left) {
   if (left >= 32) return bf16x32_load(p);
   return {(__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>((1ull << left) - 1), p)};
 }
+// Every pair = (bits & 0xffff, bits >> 16): one bf16 pair broadcast to all 16 lanes (even value in the low half).
+inline BF16x32 bf16x32_set1_pair(uint32_t bits) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(bits))}; }
 // Lane i: acc + a[2i+1] * b[2i+1] + a[2i] * b[2i] (vdpbf16ps: the odd product first, one rounding per add).
 inline VecF vdot_bf16(VecF acc, BF16x32 a, BF16x32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
 #endif

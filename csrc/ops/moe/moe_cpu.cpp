@@ -1,14 +1,17 @@
-// CPU glue for fused_moe (kernels in moe_cpu_kernels.h): checks, the id range, then per chunk of tokens
+// CPU glue for fused_moe (kernels: moe_cpu_kernels.h, moe_gemm_cpu_kernels.h): checks, the id range, then
+// per chunk of tokens
 //   route the (token, slot) pairs by expert -> gather their rows -> gate_up = X_e W13_e^T (fp32)
 //   -> act(gate) * up -> y = . W2_e^T (fp32) -> weighted combine per token in slot order, one rounding.
-// Experts with at most kTileMaxPairs pairs (decode, small batches) run on the weight-streaming tile kernel,
-// where a token's result does not depend on the rest of the batch; busier experts run torch's fp32 GEMM on
-// the gathered rows (like F.linear above linear_small_m's range, its blocking may depend on the row count).
+// Experts with at most kTileMaxPairs pairs (decode, small batches) run on the weight-streaming tile kernel;
+// busier experts on the packed grouped GEMM (moe_gemm_cpu_kernels.h), which reads the weights in their dtype.
+// Either way a pair's result does not depend on the other pairs of its expert; it does depend on which of
+// the two paths its expert took (their summation orders differ).
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
 #include "ops/moe/moe_checks.h"
 #include "ops/moe/moe_cpu_kernels.h"
+#include "ops/moe/moe_gemm_cpu_kernels.h"
 
 namespace pagellm::cpu {
 namespace {
@@ -30,16 +33,6 @@ void split_experts(const std::vector<int64_t>& offsets, std::vector<int32_t>& ti
   }
 }
 
-// out[rows of e] = x[rows of e] . w[e]^T in fp32 through torch's GEMM, for each e in `experts`.
-void gemm_experts(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, const std::vector<int64_t>& offsets,
-                  const std::vector<int32_t>& experts) {
-  for (const int32_t e : experts) {
-    const int64_t p0 = offsets[e], n = offsets[e + 1] - p0;
-    at::Tensor o = out.narrow(0, p0, n);
-    at::mm_out(o, x.narrow(0, p0, n).to(at::kFloat), w[e].to(at::kFloat).t());
-  }
-}
-
 // Tokens [t0, t0 + n) of the call: out rows written, nothing else.
 void fused_moe_chunk(at::Tensor& out, const at::Tensor& hidden, const MoeWeights& wt, const float* weights,
                      const int32_t* ids, const moe::MoeShape& s, MoeActivation activation, int64_t t0, int64_t n) {
@@ -56,12 +49,14 @@ void fused_moe_chunk(at::Tensor& out, const at::Tensor& hidden, const MoeWeights
     const ExpertGemmArgs up{2 * I, H, H, 2 * I, 2 * I * H};
     grouped_expert_gemm(gu.data_ptr<float>(), xs.data_ptr<scalar_t>(), wt.w13.data_ptr<scalar_t>(), up,
                              r.offsets.data(), tile_experts);
-    gemm_experts(gu, xs, wt.w13, r.offsets, gemm_experts_list);
+    packed_expert_gemm(gu.data_ptr<float>(), xs.data_ptr<scalar_t>(), wt.w13.data_ptr<scalar_t>(), up,
+                       r.offsets.data(), gemm_experts_list);
     gated_expert_activation(act.data_ptr<float>(), gu.data_ptr<float>(), P, I, activation);
     const ExpertGemmArgs down{H, I, I, H, H * I};
     grouped_expert_gemm(y.data_ptr<float>(), act.data_ptr<float>(), wt.w2.data_ptr<scalar_t>(), down,
                              r.offsets.data(), tile_experts);
-    gemm_experts(y, act, wt.w2, r.offsets, gemm_experts_list);
+    packed_expert_gemm(y.data_ptr<float>(), act.data_ptr<float>(), wt.w2.data_ptr<scalar_t>(), down,
+                       r.offsets.data(), gemm_experts_list);
     combine_expert_outputs(out.data_ptr<scalar_t>() + t0 * out.stride(0), out.stride(0), y.data_ptr<float>(),
                                 weights + t0 * s.k, r.pair_position, n, s.k, H);
   });

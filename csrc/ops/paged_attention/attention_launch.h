@@ -26,7 +26,7 @@ struct DecodeArgs {
   const int32_t* block_tables;  // [num_seqs, max_blocks], row stride bt_stride
   const int32_t* seq_lens;      // [num_seqs]
   // Split-context (flash-decoding) scratch, fp32, needed when num_splits > 1:
-  // tmp_out [num_seqs, num_heads, num_splits, head_dim], tmp_max / tmp_sum [num_seqs, num_heads, num_splits].
+  // tmp_out [num_seqs, num_heads, num_splits, v_head_dim or head_dim], tmp_max / tmp_sum [num_seqs, num_heads, num_splits].
   float* tmp_out;
   float* tmp_max;
   float* tmp_sum;
@@ -39,6 +39,9 @@ struct DecodeArgs {
   float softcap;   // > 0: s = softcap * tanh(s / softcap)
   const float* k_scale = nullptr;  // quantized caches only
   const float* v_scale = nullptr;
+  // Output / value width when smaller than head_dim (MLA: the first v_head_dim dims of the value rows; out and
+  // tmp_out rows are v_head_dim wide); 0 = head_dim.
+  int v_head_dim = 0;
 };
 
 // How many context splits the decode launch uses (1 = no split, no scratch). max_context is an upper bound of
@@ -49,6 +52,13 @@ cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, c
 // The same over a quantized cache of `cache_dtype` (decode_quant_kernels.cu); needs k_scale / v_scale.
 cudaError_t launch_paged_attention_decode_quantized(const DecodeArgs& args, DType dtype, KvCacheDType cache_dtype,
                                                     cudaStream_t stream);
+
+// MLA decode over DeepSeek-V2/V3's latent cache: one KV head whose key and value rows are the same latent
+// rows, kMlaLatentDim wide for QK (kv_lora_rank 512 + rope 64), the first kMlaKvLoraRank of them the value.
+// Needs num_kv_heads == 1, head_dim == kMlaLatentDim, v_head_dim == kMlaKvLoraRank (mla_decode_kernels.cu).
+constexpr int kMlaLatentDim = 576;
+constexpr int kMlaKvLoraRank = 512;
+cudaError_t launch_paged_mla_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
 
 // Prefill / chunked prefill / prefix hits: sequence s has query tokens [qsl[s], qsl[s+1]) which are its LAST
 // q_len positions of seq_lens[s] keys; causal (and windowed) masking by absolute position.

@@ -14,6 +14,8 @@
 // At the end the R token lanes are summed into shared memory (deterministic order). num_splits == 1: the CTA
 // writes out = acc / l. Otherwise it writes the unnormalized acc, its max and its sum to the fp32 scratch, and
 // paged_decode_reduce_kernel merges the splits (grid = (num_seqs, num_heads), 128 threads).
+// DV < D (MLA over the latent cache: D = 576 for QK, DV = 512): keys are D wide, the output and the value (the
+// first DV dims of the value rows, which keep the key rows' stride) DV wide; the PV tiling follows DV.
 // Quantized caches (C = int8 / fp8): the same tiling, a lane's kVec stored elements are one kVec-byte load
 // converted to fp32 in registers; a key row's scale multiplies its logit, a value row's its probability.
 #pragma once
@@ -41,6 +43,11 @@ __host__ __device__ constexpr int pow2_divisor(int n, int cap) { return (cap > 1
 __device__ __forceinline__ int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
 __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+// Width of the output rows (and of tmp_out's): v_head_dim when set, else head_dim.
+__host__ __device__ __forceinline__ int decode_out_dim(const DecodeArgs& p) {
+  return p.v_head_dim > 0 ? p.v_head_dim : p.head_dim;
+}
+
 __device__ __forceinline__ float apply_softcap(float s, float softcap) {
   return softcap > 0.f ? softcap * tanhf(s / softcap) : s;
 }
@@ -57,7 +64,7 @@ __device__ __forceinline__ void load_row_vec(const C* p, float (&out)[kVec]) {
   }
 }
 
-template <typename T, int D, typename C = T>
+template <typename T, int D, typename C = T, int DV = D>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeArgs p) {
   constexpr bool kQuantized = kIsQuantizedCache<C>;
   constexpr int kVec = VecTraits<T>::kElems;  // elements per 16-byte vector of T (and per load of the cache)
@@ -66,13 +73,15 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   constexpr int TG = pow2_divisor(NV, 8);     // lanes per key row in the QK phase (divides 32)
   constexpr int VPL = NV / TG;                // vectors per lane in the QK phase
   constexpr int kRowsPerIter = kDecodeThreads / TG;
-  constexpr int R = kDecodeThreads / NV;      // token lanes in the PV phase
+  static_assert(DV <= D && DV % kVec == 0, "the value width must be a vector multiple <= head_dim");
+  constexpr int NVV = DV / kVec;              // vectors per value / output row
+  constexpr int R = kDecodeThreads / NVV;     // token lanes in the PV phase
   constexpr int GC = kDecodeMaxHeads;
   static_assert(R >= 1 && TG >= 1 && 32 % TG == 0, "bad decode tiling");
 
   __shared__ float q_s[GC][D];
   __shared__ float logit_s[GC][kDecodeChunk];
-  __shared__ float out_s[GC][D];
+  __shared__ float out_s[GC][DV];
   __shared__ float m_s[GC], l_s[GC], alpha_s[GC];
 
   const T* __restrict__ query = static_cast<const T*>(p.query);
@@ -99,8 +108,8 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   for (int i = tid; i < GC * D; i += kDecodeThreads) {
     const int g = i / D, d = i - g * D;
     q_s[g][d] = g < gc ? to_float(query[seq * p.q_stride_tok + (h0 + g) * p.q_stride_head + d]) : 0.f;
-    out_s[g][d] = 0.f;
   }
+  for (int i = tid; i < GC * DV; i += kDecodeThreads) out_s[i / DV][i % DV] = 0.f;
   if (tid < GC) {
     m_s[tid] = -INFINITY;
     l_s[tid] = 0.f;
@@ -121,7 +130,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   };
 
   const int qk_row = tid / TG, qk_lane = tid % TG;
-  const int pv_row = tid / NV, pv_col = tid % NV;
+  const int pv_row = tid / NVV, pv_col = tid % NVV;
   const bool pv_active = pv_row < R;
   float acc[GC][kVec];
 #pragma unroll
@@ -232,16 +241,16 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
 
   if (p.num_splits == 1) {
     T* __restrict__ out = static_cast<T*>(p.out);
-    for (int i = tid; i < gc * D; i += kDecodeThreads) {
-      const int g = i / D, d = i - g * D;
+    for (int i = tid; i < gc * DV; i += kDecodeThreads) {
+      const int g = i / DV, d = i - g * DV;
       const float l = l_s[g];
       out[seq * p.o_stride_tok + (h0 + g) * p.o_stride_head + d] = from_float<T>(l > 0.f ? out_s[g][d] / l : 0.f);
     }
   } else {
-    for (int i = tid; i < gc * D; i += kDecodeThreads) {
-      const int g = i / D, d = i - g * D;
+    for (int i = tid; i < gc * DV; i += kDecodeThreads) {
+      const int g = i / DV, d = i - g * DV;
       const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + h0 + g) * p.num_splits + split;
-      p.tmp_out[row * D + d] = out_s[g][d];
+      p.tmp_out[row * DV + d] = out_s[g][d];
     }
     if (tid < gc) {
       const int64_t row = (static_cast<int64_t>(seq) * p.num_heads + h0 + tid) * p.num_splits + split;
@@ -257,7 +266,7 @@ template <typename T>
 __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeArgs p) {
   __shared__ float w_s[kDecodeMaxSplits];
   __shared__ float inv_s;
-  const int seq = blockIdx.x, h = blockIdx.y, S = p.num_splits, D = p.head_dim;
+  const int seq = blockIdx.x, h = blockIdx.y, S = p.num_splits, D = decode_out_dim(p);
   const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + h) * S;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -288,14 +297,14 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeAr
   }
 }
 
-// Launch of one (T, D, C) instantiation: the split kernel, then the reduction when the context is split.
-template <typename T, int D, typename C = T>
+// Launch of one (T, D, C, DV) instantiation: the split kernel, then the reduction when the context is split.
+template <typename T, int D, typename C = T, int DV = D>
 cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
   const int G = a.num_heads / a.num_kv_heads;
   const int groups = (G + kDecodeMaxHeads - 1) / kDecodeMaxHeads;
   const dim3 grid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_kv_heads * groups),
                   static_cast<unsigned>(a.num_splits));
-  paged_decode_kernel<T, D, C><<<grid, kDecodeThreads, 0, s>>>(a);
+  paged_decode_kernel<T, D, C, DV><<<grid, kDecodeThreads, 0, s>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || a.num_splits == 1) return err;
   const dim3 rgrid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_heads));

@@ -6,6 +6,7 @@
 #include "ops/common/checks.h"
 #include "ops/paged_attention/attention_checks.h"
 #include "ops/paged_attention/decode_cpu_kernels.h"
+#include "ops/paged_attention/mla_checks.h"
 #include "ops/paged_attention/prefill_amx_kernels.h"
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
@@ -125,6 +126,20 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   run_decode(out, query, key_cache, value_cache, block_tables, seq_lens, scale, window_size, softcap, {});
 }
 
+// MLA decode: the decode kernel over the latent cache as one KV head (keys = values = latent rows) into a
+// latent_dim-wide scratch, whose first kv_lora_rank dims are the result.
+void paged_mla_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& latent_cache,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_cpu(out, "out");
+  check_cpu(query, "query");
+  check_cpu(latent_cache, "latent_cache");
+  const MlaDecodeShape s = check_paged_mla_decode(out, query, latent_cache, block_tables, seq_lens);
+  const at::Tensor pages = latent_cache.view({s.num_blocks, 1, s.block_size, s.latent_dim});
+  at::Tensor full = at::empty(query.sizes(), query.options());
+  run_decode(full, query, pages, pages, block_tables, seq_lens, scale, -1, 0.0, {});
+  out.copy_(full.narrow(2, 0, s.kv_lora_rank));
+}
+
 void paged_attention_decode_quantized(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                                       const at::Tensor& value_cache, const at::Tensor& k_scale,
                                       const at::Tensor& v_scale, const at::Tensor& block_tables,
@@ -184,6 +199,7 @@ void paged_attention_prefill_quantized(at::Tensor& out, const at::Tensor& query,
 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("paged_attention_decode", &pagellm::cpu::paged_attention_decode);
+  m.impl("paged_mla_decode", &pagellm::cpu::paged_mla_decode);
   m.impl("paged_attention_prefill", &pagellm::cpu::paged_attention_prefill);
   m.impl("paged_attention_decode_quantized", &pagellm::cpu::paged_attention_decode_quantized);
   m.impl("paged_attention_prefill_quantized", &pagellm::cpu::paged_attention_prefill_quantized);

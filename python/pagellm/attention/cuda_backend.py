@@ -3,7 +3,9 @@
 Decodes (the first num_decode_reqs requests, one token each) go through paged_attention_decode
 (GQA-grouped, flash-decoding split for long contexts / small batches), the remaining prefill chunks
 through paged_attention_prefill (tensor-core flash attention over the paged cache); both write into
-one preallocated output. See docs/cuda.md.
+one preallocated output. MLA layers (DeepSeek) read only this backend's metadata: their decodes run
+`paged_mla_decode` (the decode kernel at QK width 576, value width 512; attention/mla.py, ops/mla.py).
+See docs/cuda.md.
 """
 
 from __future__ import annotations

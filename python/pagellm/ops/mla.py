@@ -1,13 +1,13 @@
 """MLA decode and latent-cache writes over the paged latent cache (reference: `ops/mla_reference.py`).
 
 MLA decode with absorbed weights is multi-query attention with one KV head whose keys are the latent rows
-and whose values are their first kv_lora_rank dims. The compiled `paged_attention_decode` kernels do exactly
-that when handed the latent cache as both key and value cache (`[num_blocks, 1, block_size, L]` views of one
-tensor): the first kv_lora_rank dims of their output are the MLA result. So the CPU and CUDA MLA decode
-kernels are those kernels; only their head-dim limits apply:
+and whose values are their first kv_lora_rank dims. `torch.ops.pagellm.paged_mla_decode` is that op: the
+paged decode kernels with the latent cache as the one KV head. Which kernel runs:
 
-    CPU:   L a multiple of 16 in [16, 1024]   (DeepSeek-V2/V3: L = 512 + 64 = 576)
-    CUDA:  L in {64, 80, 96, 112, 128, 256}   (576 is not: docs/cuda.md)
+    CPU:   paged_mla_decode, L a multiple of 16 in [16, 1024]   (DeepSeek-V2/V3: L = 512 + 64 = 576)
+    CUDA:  paged_mla_decode for (L, kv_lora_rank) = (576, 512): QK over 576 dims, PV and output over 512;
+           other L in {64, 80, 96, 112, 128, 256}: paged_attention_decode over `[num_blocks, 1, block_size, L]`
+           views of the cache as both key and value cache, its output's first kv_lora_rank dims kept
 
 Outside those (or without the compiled ops) a masked pure-torch decode runs instead: the padded block table
 gathered in chunks with an online softmax, positions >= seq_len masked. Both paths read tensor data only through
@@ -21,7 +21,8 @@ import torch
 from pagellm.ops import mla_reference, ops_available
 
 CPU_MAX_LATENT_DIM = 1024  # the CPU decode kernel's head-dim limit (prefill's is 512)
-CUDA_LATENT_DIMS = (64, 80, 96, 112, 128, 256)
+CUDA_LATENT_DIMS = (64, 80, 96, 112, 128, 256)  # paged_attention_decode's head dims (full-width output)
+CUDA_MLA_DIMS = (576, 512)  # (latent_dim, kv_lora_rank) of the CUDA paged_mla_decode kernel (DeepSeek-V2/V3)
 MASKED_CHUNK_TOKENS = 2048  # positions per chunk of the pure-torch decode
 
 
@@ -31,13 +32,26 @@ def _has_kernel(op_name: str, device: torch.device) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(f"pagellm::{op_name}", device.type.upper())
 
 
-def decode_kernel_supported(device: torch.device, latent_dim: int) -> bool:
-    """Whether `paged_mla_decode` runs the compiled kernel for this device and latent width."""
-    if not _has_kernel("paged_attention_decode", torch.device(device)):
-        return False
-    if torch.device(device).type == "cuda":
-        return latent_dim in CUDA_LATENT_DIMS
-    return latent_dim % 16 == 0 and 16 <= latent_dim <= CPU_MAX_LATENT_DIM
+def decode_kernel(device: torch.device, latent_dim: int, kv_lora_rank: int | None = None) -> str | None:
+    """The compiled op `paged_mla_decode` runs for this device and these widths ("paged_mla_decode" or
+    "paged_attention_decode"), or None for the masked pure-torch decode. kv_lora_rank None: any rank the
+    kernels take (for CUDA at 576: 512)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        rank_ok = kv_lora_rank is None or kv_lora_rank == CUDA_MLA_DIMS[1]
+        if latent_dim == CUDA_MLA_DIMS[0] and rank_ok and _has_kernel("paged_mla_decode", device):
+            return "paged_mla_decode"
+        if latent_dim in CUDA_LATENT_DIMS and _has_kernel("paged_attention_decode", device):
+            return "paged_attention_decode"
+        return None
+    if latent_dim % 16 == 0 and 16 <= latent_dim <= CPU_MAX_LATENT_DIM and _has_kernel("paged_mla_decode", device):
+        return "paged_mla_decode"
+    return None
+
+
+def decode_kernel_supported(device: torch.device, latent_dim: int, kv_lora_rank: int | None = None) -> bool:
+    """Whether `paged_mla_decode` runs a compiled kernel for this device and these widths."""
+    return decode_kernel(device, latent_dim, kv_lora_rank) is not None
 
 
 def write_latent(latent_cache: torch.Tensor, rows: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -57,14 +71,20 @@ def paged_mla_decode(query: torch.Tensor, latent_cache: torch.Tensor, block_tabl
     """MLA decode, one query token per sequence at position seq_len - 1.
 
     query: [T, H, L] (per head [W_UK^T q_nope | q_pe]); latent_cache: [num_blocks, block_size, L];
-    block_tables: int32 [T, max_blocks]; seq_lens: int32 [T]. Returns [T, H, kv_lora_rank] (a view):
+    block_tables: int32 [T, max_blocks]; seq_lens: int32 [T]. Returns [T, H, kv_lora_rank] (possibly a view):
     softmax(scale * query . latent) @ latent[:, :kv_lora_rank], the same as `mla_reference.paged_mla_decode`.
     """
     num_blocks, block_size, latent_dim = latent_cache.shape
     if query.shape[-1] != latent_dim or not 0 < kv_lora_rank <= latent_dim:
         raise ValueError(f"query last dim {query.shape[-1]} must equal latent_dim {latent_dim} and kv_lora_rank "
                          f"{kv_lora_rank} lie in [1, {latent_dim}]")
-    if decode_kernel_supported(query.device, latent_dim):
+    kernel = decode_kernel(query.device, latent_dim, kv_lora_rank)
+    if kernel == "paged_mla_decode":
+        out = torch.empty((*query.shape[:2], kv_lora_rank), dtype=query.dtype, device=query.device)
+        torch.ops.pagellm.paged_mla_decode.default(out, query.contiguous(), latent_cache, block_tables, seq_lens,
+                                                   float(scale))
+        return out
+    if kernel == "paged_attention_decode":
         pages = latent_cache.view(num_blocks, 1, block_size, latent_dim)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         torch.ops.pagellm.paged_attention_decode.default(out, query.contiguous(), pages, pages, block_tables,
