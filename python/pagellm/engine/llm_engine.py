@@ -44,7 +44,7 @@ from pagellm.logger import init_logger
 from pagellm.lora.engine_lora import EngineLoRA, LoRAEngineMethods
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
-from pagellm.spec_decode import BaseProposer, SpecDecodeStats
+from pagellm.spec_decode import BaseProposer
 from pagellm.sampling_params import SamplingParams
 
 logger = init_logger(__name__)
@@ -390,33 +390,6 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         return outputs
 
     # ------------------------------------------------------------------ warm-up
-    def warmup(self, prompt_lens: Iterable[int] = (7, 100, 300), max_tokens: int = 3) -> float:
-        """Run throwaway requests so the first real ones do not pay one-time costs: oneDNN compiles a
-        kernel the first time it meets a GEMM shape, pages of weights and caches are touched the first
-        time, the thread pool starts. Each prompt runs alone and then all together (mixed prefill and
-        decode steps, decode batches of several sizes). Afterwards no request is left, the prefix cache is
-        empty and the token counters
-        (and spec_stats) are as before. Returns the seconds it took. A server calls this
-        before it accepts requests."""
-        if self.has_unfinished_requests():
-            raise RuntimeError("warmup() needs an idle engine")
-        t0 = time.perf_counter()
-        counters = self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats
-        self.spec_stats = SpecDecodeStats()  # warm-up drafts are not counted either
-        rng = random.Random(0)
-        lens = [max(1, min(int(n), self.max_model_len - max_tokens - 1)) for n in prompt_lens]
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
-        batches = [[n] for n in lens] + [lens]
-        for b, batch in enumerate(batches):
-            for i, n in enumerate(batch):
-                ids = [rng.randrange(self.vocab_size) for _ in range(n)]
-                self.add_request(f"pagellm-warmup-{b}-{i}", {"prompt_token_ids": ids}, params)
-            while self.has_unfinished_requests():
-                self.step()
-        self.reset_prefix_cache()
-        self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats = counters
-        return time.perf_counter() - t0
-
     # ------------------------------------------------------------------ workers
     def shutdown(self) -> None:
         """Release the workers (an out-of-process executor stops and reaps its processes). Idempotent."""

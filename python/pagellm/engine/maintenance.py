@@ -1,4 +1,4 @@
-"""Between-steps operations on a whole engine: in-place weight updates and sleep / wake.
+"""Between-steps operations on a whole engine: warm-up, in-place weight updates and sleep / wake.
 
 `LLMEngine`, `LLM` and `AsyncLLM` expose these as thin methods; the work on the model and the KV cache is
 Worker methods reached through `collective_rpc` (engine/weight_update.py, engine/sleep.py). What belongs to
@@ -9,9 +9,13 @@ target's modules; its cache and captured steps are stale after an update).
 
 from __future__ import annotations
 
-from typing import Any
+import random
+import time
+from typing import Any, Iterable
 
 from pagellm.engine.sleep import SLEEP_LEVELS
+from pagellm.sampling_params import SamplingParams
+from pagellm.spec_decode import SpecDecodeStats
 
 
 class EngineSleepingError(RuntimeError):
@@ -74,11 +78,37 @@ def wake_engine(engine) -> None:
 
 
 class MaintenanceMethods:
-    """LLMEngine's weights-and-memory methods (a mixin; the engine provides collective_rpc, proposer,
-    reset_prefix_cache, has_unfinished_requests and `sleep_level`). Call between steps: from a trainer or an
-    admin route."""
+    """LLMEngine's warm-up and weights-and-memory methods (a mixin; the engine provides collective_rpc, proposer,
+    add_request, step, reset_prefix_cache, has_unfinished_requests and `sleep_level`). Call between steps: from
+    a trainer or an admin route."""
 
     sleep_level: int | None = None
+
+    def warmup(self, prompt_lens: Iterable[int] = (7, 100, 300), max_tokens: int = 3) -> float:
+        """Run throwaway requests so the first real ones do not pay one-time costs: oneDNN compiles a
+        kernel the first time it meets a GEMM shape, pages of weights and caches are touched the first
+        time, the thread pool starts. Each prompt runs alone and then all together (mixed prefill and
+        decode steps, decode batches of several sizes). Afterwards no request is left, the prefix cache is
+        empty and the token counters (and spec_stats) are as before. Returns the seconds it took. A server
+        calls this before it accepts requests."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("warmup() needs an idle engine")
+        t0 = time.perf_counter()
+        counters = self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats
+        self.spec_stats = SpecDecodeStats()  # warm-up drafts are not counted either
+        rng = random.Random(0)
+        lens = [max(1, min(int(n), self.max_model_len - max_tokens - 1)) for n in prompt_lens]
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, detokenize=False)
+        batches = [[n] for n in lens] + [lens]
+        for b, batch in enumerate(batches):
+            for i, n in enumerate(batch):
+                ids = [rng.randrange(self.vocab_size) for _ in range(n)]
+                self.add_request(f"pagellm-warmup-{b}-{i}", {"prompt_token_ids": ids}, params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.reset_prefix_cache()
+        self.num_prompt_tokens_total, self.num_generation_tokens_total, self.spec_stats = counters
+        return time.perf_counter() - t0
 
     def update_weights(self, named_tensors, *, check_finite: bool = False, reset_prefix_cache: bool = True) -> dict:
         """Replace weights in place from (hf_name, tensor) pairs, all checked before any changes."""
