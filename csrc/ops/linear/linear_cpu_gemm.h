@@ -43,7 +43,12 @@ inline void vsum_each16(const VecF* v, float* out) {
 
 // Rows of M from which linear_small_m takes this path (below it, the weight-streaming schedule is as fast).
 constexpr int64_t kLinearGemmMinM = 8;
-constexpr int64_t kGemmMBlock = 64, kGemmNBlock = 32;  // a work item: 64 x rows (L2) x 32 weight rows
+constexpr int64_t kGemmMBlock = 64, kGemmNBlock = 32;  // a work item: 64 x rows x at most 32 weight rows
+
+// Weight rows per work item: as many as keep ~32 KiB of weight (L1) while 4 x rows sweep them, 4..32.
+inline int64_t gemm_n_block(int64_t K) {
+  return std::clamp<int64_t>((32 << 10) / (2 * std::max<int64_t>(K, 1)) / 4 * 4, 4, kGemmNBlock);
+}
 
 inline void gemm_tile_4x4_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                                const float* bias4, const LinearArgs& a, int64_t m0, int64_t n0) {
@@ -125,14 +130,15 @@ inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c1
 
 inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                              const c10::BFloat16* bias, const LinearArgs& a) {
-  const int64_t mb = (a.M + kGemmMBlock - 1) / kGemmMBlock, nb = (a.N + kGemmNBlock - 1) / kGemmNBlock;
-  // Items in weight-block-major order: consecutive items of one thread reuse the same 32 weight rows (L1/L2)
+  const int64_t nblk = gemm_n_block(a.K);
+  const int64_t mb = (a.M + kGemmMBlock - 1) / kGemmMBlock, nb = (a.N + nblk - 1) / nblk;
+  // Items in weight-block-major order: consecutive items of one thread reuse the same weight rows (L1/L2)
   // across x blocks, and x (M x K) stays in L2/L3 between passes.
   pagellm::cpu::parallel_for(0, mb * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bn = item / mb, bm = item % mb;
       gemm_block_bf16(out, x, w, bias, a, bm * kGemmMBlock, std::min(a.M, (bm + 1) * kGemmMBlock),
-                      bn * kGemmNBlock, std::min(a.N, (bn + 1) * kGemmNBlock));
+                      bn * nblk, std::min(a.N, (bn + 1) * nblk));
     }
   });
 }
