@@ -51,7 +51,7 @@ inline int64_t gemm_n_block(int64_t K) {
 }
 
 inline void gemm_tile_4x4_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
-                               const float* bias4, const LinearArgs& a, int64_t m0, int64_t n0) {
+                               const float* bias4, const LinearArgs& a, int64_t m0, int64_t n0, bool prefetch) {
   VecF acc[16];
   _Pragma("GCC unroll 16")
   for (int i = 0; i < 16; ++i) acc[i] = vzero();
@@ -62,11 +62,16 @@ inline void gemm_tile_4x4_bf16(c10::BFloat16* out, const c10::BFloat16* x, const
     xr[i] = x + (m0 + i) * a.ldx;
     wr[i] = w + (n0 + i) * a.ldw;
   }
+  // The first x tile of a block meets its weight rows first (from DRAM for a big LM head): fetch rows ahead.
+  const int64_t pf = prefetch ? kLinearPrefetchRows * a.ldw : 0;
   int64_t k = 0;
   for (; k + 32 <= a.K; k += 32) {
     BF16x32 wv[4];
     _Pragma("GCC unroll 4")
-    for (int j = 0; j < 4; ++j) wv[j] = bf16x32_load(wr[j] + k);
+    for (int j = 0; j < 4; ++j) {
+      if (pf) __builtin_prefetch(wr[j] + k + pf, 0, 3);
+      wv[j] = bf16x32_load(wr[j] + k);
+    }
     _Pragma("GCC unroll 4")
     for (int i = 0; i < 4; ++i) {
       const BF16x32 xv = bf16x32_load(xr[i] + k);
@@ -121,7 +126,8 @@ inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c1
   int64_t m = m0;
   // x tile (4 rows) outer, weight tiles inner: the 4 x rows stay in L1 while the block's weight rows pass.
   for (; m + 4 <= m1; m += 4)
-    for (int64_t n = n0; n < n4; n += 4) gemm_tile_4x4_bf16(out, x, w, bias ? b + (n - n0) : nullptr, a, m, n);
+    for (int64_t n = n0; n < n4; n += 4)
+      gemm_tile_4x4_bf16(out, x, w, bias ? b + (n - n0) : nullptr, a, m, n, m == m0);
   for (; m < m1; ++m)
     for (int64_t n = n0; n < n4; n += 4) linear_tile<1, 4>(out, x, w, bias, a, m, n);
   for (int64_t n = n4; n < n1; ++n)
