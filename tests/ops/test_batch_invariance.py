@@ -51,6 +51,34 @@ def test_linear_small_m_rows_do_not_depend_on_m(dtype, k):
     _assert_rows_invariant(fn, _rand(160, k, dtype=dtype))
 
 
+@pytest.mark.parametrize("k,n", [(576, 70), (1000, 37), (33, 130)])  # K tails (1000 % 32, 33), N % 4 edges
+def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
+    """bf16 from 8 rows on takes the 4 x 4-tile GEMM schedule (linear_cpu_gemm.h): every row must still have
+    the one-row kernel's bits, at every M (4-row tiles, edge rows, 64-row blocks), with a bias and strided x."""
+    w, b = _rand(n, k, seed=1, scale=0.1), _rand(n, seed=2)
+    x = _rand(200, k + 16, seed=3)[:, 8 : 8 + k]  # row stride > K
+
+    def fn(rows):
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        OP.linear_small_m(out, rows, w, b)
+        return out
+
+    alone = _rows_alone(fn, x)
+    for m in (8, 9, 15, 64, 67, 130, 200):
+        for j in (0, 5):
+            if j + m <= x.shape[0]:
+                assert torch.equal(fn(x[j : j + m]), alone[j : j + m]), f"rows {j}..{j + m}"
+    no_bias = torch.empty(70, n, dtype=torch.bfloat16)
+    OP.linear_small_m(no_bias, x[:70], w, None)
+    assert torch.equal(no_bias, torch.cat([_one_call_no_bias(x[i : i + 1], w) for i in range(70)]))
+
+
+def _one_call_no_bias(rows, w):
+    out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.bfloat16)
+    OP.linear_small_m(out, rows, w, None)
+    return out
+
+
 def test_bf16_linear_dispatch_is_batch_invariant():
     if linear_dispatch._AMX_OK:
         pytest.skip("with AMX, rows 3-256 take AMX tiles whose rounding differs from linear_small_m's (still to do)")

@@ -45,6 +45,12 @@ def test_linear_small_m_bf16(M, K, N):
     _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 0)
 
 
+@pytest.mark.parametrize("M", [8, 13, 64, 67, 131])  # the GEMM schedule (>= 8 bf16 rows): tiles, edges, blocks
+@pytest.mark.parametrize("K,N", [(576, 33), (1000, 1537), (31, 70)])
+def test_linear_small_m_bf16_many_rows(M, K, N):
+    _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 1, x_strided=M % 2 == 1)
+
+
 @pytest.mark.parametrize("M,K,N", [(1, 576, 4099), (5, 1000, 4099), (2, 31, 9), (1, 7, 3)])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])

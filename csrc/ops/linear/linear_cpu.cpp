@@ -1,5 +1,6 @@
 // CPU glue for the linear ops, out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]):
-//   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M;
+//   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M; bf16 from
+//                    kLinearGemmMinM rows on takes a GEMM schedule with the same per-row bits (linear_cpu_gemm.h);
 //   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16.
 #include <torch/library.h>
 
@@ -7,6 +8,7 @@
 #include "ops/linear/linear_amx_kernels.h"
 #include "ops/linear/amx_support.h"
 #include "ops/linear/linear_cpu_kernels.h"
+#include "ops/linear/linear_cpu_gemm.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -82,6 +84,15 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   if (linear_trivial(out, in)) return;
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   LinearArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0)};
+#ifdef PAGELLM_LINEAR_DPBF16
+  if (x.scalar_type() == at::kBFloat16 && M >= kLinearGemmMinM) {  // same bits per row, a GEMM schedule
+    linear_gemm_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
+                     reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
+                     reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
+                     in.b.defined() ? reinterpret_cast<const c10::BFloat16*>(in.b.data_ptr()) : nullptr, a);
+    return;
+  }
+#endif
   PAGELLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "linear_small_m", [&] {
     linear_small_m_kernel<scalar_t>(out.data_ptr<scalar_t>(), in.x.data_ptr<scalar_t>(), in.w.data_ptr<scalar_t>(),
                                     in.b.defined() ? in.b.data_ptr<scalar_t>() : nullptr, a);

@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Where offline throughput's time goes (issue 22): the default model in bf16, N x (prompt -> output), as in
+bench_peers.py --throughput, split into prefill steps (steps that schedule prompt tokens) and decode-only steps.
+
+    python benchmarks/bench_batch_profile.py                    # 64 x (128 -> 64), step graph on, then eager ops
+    python benchmarks/bench_batch_profile.py --no-ops           # step timing only
+    python benchmarks/bench_batch_profile.py --max-num-batched-tokens 4096
+
+Part 1 (the run as users see it): engine.step() wall time per step kind, with the scheduled token/row counts,
+and the forward / LM head / sampler share of each (instance-level timers around the runner's functions).
+Part 2 (where inside the forward): the same workload with the step graph off under torch.profiler, native self
+time per op kind, separately for prefill steps and decode-only steps. Writes results/batch_profile_<tag>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import common as C
+import torch
+
+
+def timed(store: dict, key: str, fn):
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            store[key] += time.perf_counter() - t
+    return wrapper
+
+
+def add_requests(eng, reqs: list[C.Request], tag: str) -> None:
+    from pagellm import SamplingParams
+
+    for i, r in enumerate(reqs):
+        sp = SamplingParams(max_tokens=r.output_len, ignore_eos=True, temperature=0.0, detokenize=False)
+        eng.add_request(f"{tag}-{i}", {"prompt_token_ids": r.prompt_token_ids}, sp)
+
+
+def step_kinds(eng) -> tuple[str, int, int]:
+    """Wraps scheduler.schedule to remember what the next step runs: (kind, tokens, rows)."""
+    seen = {}
+    sched = eng.scheduler
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        n_tok = int(sum(out.num_scheduled_tokens)) if len(out.request_ids) else 0
+        rows = len(out.request_ids)
+        seen["last"] = ("prefill" if n_tok > rows else "decode", n_tok, rows)
+        return out
+    eng.scheduler = type("Spy", (), {"__getattr__": lambda self, k: getattr(sched, k), "schedule": staticmethod(spy)})()
+    return seen
+
+
+def run_timed(llm, reqs: list[C.Request]) -> dict:
+    eng = llm.llm_engine
+    runner = eng.runner
+    secs: dict[str, float] = defaultdict(float)
+    saved_sched = eng.scheduler
+    seen = step_kinds(eng)
+    runner._decode_with_graph = timed(secs, "forward", runner._decode_with_graph)
+    runner._forward = timed(secs, "forward", runner._forward)
+    runner.model.compute_logits = timed(secs, "LM head", runner.model.compute_logits)
+    eng._sample = timed(secs, "sampler", eng._sample)
+    steps = []
+    add_requests(eng, reqs, f"t{time.time_ns()}")
+    t0 = time.perf_counter()
+    try:
+        while eng.has_unfinished_requests():
+            before = dict(secs)
+            t = time.perf_counter()
+            eng.step()
+            dt = time.perf_counter() - t
+            kind, n_tok, rows = seen["last"]
+            steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt,
+                          **{k: secs[k] - before.get(k, 0.0) for k in ("forward", "LM head", "sampler")}})
+    finally:
+        eng.scheduler = saved_sched
+        for k in ("_decode_with_graph", "_forward"):
+            runner.__dict__.pop(k, None)
+        runner.model.__dict__.pop("compute_logits", None)
+        eng.__dict__.pop("_sample", None)
+    total = time.perf_counter() - t0
+    out = {"elapsed_s": total, "output_tok_s": sum(r.output_len for r in reqs) / total, "kinds": {},
+           "step_kinds": [s["kind"] for s in steps]}
+    for kind in ("prefill", "decode"):
+        ks = [s for s in steps if s["kind"] == kind]
+        if not ks:
+            continue
+        out["kinds"][kind] = {
+            "steps": len(ks), "total_s": sum(s["s"] for s in ks), "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
+            "tokens_per_step": statistics.median(s["tokens"] for s in ks), "rows_per_step": statistics.median(s["rows"] for s in ks),
+            **{f"{k}_s": sum(s[k] for s in ks) for k in ("forward", "LM head", "sampler")}}
+    return out
+
+
+def run_profiled(llm, reqs: list[C.Request], kinds: list[str], top: int) -> dict:
+    """The same workload eagerly under torch.profiler (one profile per step), self CPU time per op, summed per
+    step kind. The schedule is deterministic, so step i has the kind it had in the timed run (`kinds`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    eng = llm.llm_engine
+    runner = eng.runner
+    graphs, runner.step_graphs = runner.step_graphs, None
+    acc: dict[str, dict] = {k: {"steps": 0, "wall_s": 0.0, "ops": defaultdict(lambda: [0, 0.0])} for k in ("prefill", "decode")}
+    try:
+        eng.reset_prefix_cache()  # the timed run cached these prompts: prefill them again
+        add_requests(eng, reqs, f"p{time.time_ns()}")
+        i = 0
+        while eng.has_unfinished_requests():
+            a = acc[kinds[min(i, len(kinds) - 1)]]
+            with profile(activities=[ProfilerActivity.CPU]) as p:
+                t = time.perf_counter()
+                eng.step()
+                a["wall_s"] += time.perf_counter() - t
+            for e in p.key_averages():
+                if e.key.startswith(("aten::", "pagellm::")):
+                    a["ops"][e.key][0] += e.count
+                    a["ops"][e.key][1] += e.self_cpu_time_total / 1e6
+            a["steps"] += 1
+            i += 1
+    finally:
+        runner.step_graphs = graphs
+    tables = {}
+    for kind, a in acc.items():
+        if not a["steps"]:
+            continue
+        n = a["steps"]
+        ops = sorted(a["ops"].items(), key=lambda kv: kv[1][1], reverse=True)
+        rows = [{"op": k, "calls_per_step": c / n, "self_ms_per_step": s / n * 1e3, "share": s / a["wall_s"]}
+                for k, (c, s) in ops[:top]]
+        tables[kind] = {"steps": n, "wall_s": a["wall_s"], "native_s": sum(s for _, (_, s) in ops), "ops": rows}
+    return tables
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--no-ops", action="store_true", help="skip the eager torch.profiler pass")
+    ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--tag", default="local")
+    args = ap.parse_args()
+    from bench_throughput import warmup_pagellm
+
+    tok, _ = C.load_tokenizer_for_prompts()
+    pool = C.doc_token_pool(tok, max_chars=200_000)
+    reqs = [C.Request(pool[i * 200:i * 200 + args.prompt_len], args.output_len) for i in range(args.num_requests)]
+    kw = {} if args.max_num_batched_tokens is None else {"max_num_batched_tokens": args.max_num_batched_tokens}
+    llm = C.make_llm("smollm2-135m", max_model_len=args.prompt_len + args.output_len + 16,
+                     max_num_seqs=args.num_requests, kv_gb=1.0, **kw)
+    warmup_pagellm(llm, pool)
+    la0 = C.loadavg()
+    timing = run_timed(llm, reqs)
+    data = {"args": vars(args), "loadavg_before": la0, "loadavg_after": C.loadavg(), "timing": timing,
+            "threads": torch.get_num_threads()}
+    lines = [f"# Batch profile: {args.num_requests} x ({args.prompt_len} -> {args.output_len}), bf16, "
+             f"max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}",
+             "", f"Load {la0} -> {data['loadavg_after']}; {timing['elapsed_s']:.2f} s, {timing['output_tok_s']:.1f} out tok/s",
+             "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "median step ms", "forward s",
+                             "LM head s", "sampler s", "rest s"],
+                            [[k, v["steps"], v["tokens_per_step"], v["rows_per_step"], round(v["total_s"], 3),
+                              round(v["median_step_ms"], 2), round(v["forward_s"], 3), round(v["LM head_s"], 3),
+                              round(v["sampler_s"], 3), round(v["total_s"] - v["forward_s"] - v["LM head_s"] - v["sampler_s"], 3)]
+                             for k, v in timing["kinds"].items()])]
+    print("\n".join(lines), flush=True)
+    if not args.no_ops:
+        data["ops"] = run_profiled(llm, reqs, timing["step_kinds"], args.top)
+        for kind, t in data["ops"].items():
+            part = ["", f"Eager {kind} steps under torch.profiler: {t['steps']} steps, {t['wall_s']:.2f} s wall, "
+                        f"{t['native_s']:.2f} s native self time", "",
+                    C.md_table(["op", "calls/step", "self ms/step", "share of wall"],
+                               [[r["op"], round(r["calls_per_step"], 1), round(r["self_ms_per_step"], 2),
+                                 f"{r['share'] * 100:.1f} %"] for r in t["ops"]])]
+            print("\n".join(part), flush=True)
+            lines += part
+    C.save_results(f"batch_profile_{args.tag}", "\n".join(lines) + "\n", data)
+
+
+if __name__ == "__main__":
+    main()
