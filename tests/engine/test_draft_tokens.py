@@ -14,6 +14,7 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, expand_rows_for_verify  # noqa: E402
 from pagellm.spec_decode import BaseProposer  # noqa: E402
+from scheduler_probes import CountingScheduler  # noqa: E402
 
 PROMPT_LENS = [3, 9, 17, 26, 40, 5]
 MAX_TOKENS = 24
@@ -98,22 +99,6 @@ class OracleProposer(BaseProposer):
         return drafts
 
 
-class RecordingScheduler:
-    """The engine's scheduler, counting preemptions."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.num_preempted = 0
-
-    def schedule(self):
-        out = self._inner.schedule()
-        self.num_preempted += len(out.preempted_request_ids)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def _reference(path, prompts, params, **kw) -> tuple[list, dict[tuple, list[int]], int]:
     llm = _make_llm(path, **kw)
     steps0 = llm.llm_engine.scheduler.num_steps
@@ -188,7 +173,7 @@ def test_mixed_drafts_prefix_cache_and_preemption_match_plain_greedy(tiny_llama_
     ref_outs, reference, _ = _reference(tiny_llama_dir, prompts, _greedy(), **kw)
     llm = _make_llm(tiny_llama_dir, **kw)
     eng = llm.llm_engine
-    eng.scheduler = recorder = RecordingScheduler(eng.scheduler)
+    eng.scheduler = recorder = CountingScheduler(eng.scheduler)
     eng.set_proposer(OracleProposer(5, reference, vocab, p_wrong=0.5, seed=3))
     outs = _generate(llm, prompts, _greedy())
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref_outs]

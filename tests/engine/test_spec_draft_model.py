@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
 from conftest import write_tiny_llama  # noqa: E402
+from scheduler_probes import CountingScheduler  # noqa: E402
 from test_draft_tokens import (  # noqa: E402  (the plain-decoding references and helpers of the spec seam)
-    RecordingScheduler,
     _assert_all_blocks_free,
     _generate,
     _greedy,
@@ -109,7 +109,7 @@ def test_self_draft_with_prefix_cache_and_preemption(tiny_llama_dir, vocab):
     ref_outs, _, _ = _reference(tiny_llama_dir, prompts, _greedy(), **kw)
     llm = _make_llm(tiny_llama_dir, **kw)
     eng = llm.llm_engine
-    eng.scheduler = recorder = RecordingScheduler(eng.scheduler)
+    eng.scheduler = recorder = CountingScheduler(eng.scheduler)
     proposer = _proposer(eng, 4, num_layers=1)
     eng.set_proposer(proposer, disable_by_batch_size=64)  # batch 8 here: drafts in every step
     assert proposer.runner.num_blocks == 40  # as many blocks as the target's cache

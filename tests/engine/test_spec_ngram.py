@@ -17,9 +17,9 @@ from pagellm.config import EngineArgs  # noqa: E402
 from pagellm.engine.stats import EngineStats  # noqa: E402
 from pagellm.spec_decode import DraftRequest, SpecDecodeStats, SpeculativeConfig  # noqa: E402
 from pagellm.spec_decode.ngram import NgramProposer, find_ngram_continuation  # noqa: E402
+from scheduler_probes import CountingScheduler  # noqa: E402
 from test_draft_tokens import (  # noqa: E402
     MIN_MARGIN,
-    RecordingScheduler,
     _assert_all_blocks_free,
     _generate,
     _greedy,
@@ -216,7 +216,7 @@ def test_ngram_with_prefix_cache_and_preemption(tiny_llama_dir, vocab):
     ref = _generate(_make_llm(tiny_llama_dir, **kw), prompts, params)
     llm = _make_llm(tiny_llama_dir, speculative_config=_ngram(5, disable_by_batch_size=64), **kw)
     eng = llm.llm_engine
-    eng.scheduler = recorder = RecordingScheduler(eng.scheduler)
+    eng.scheduler = recorder = CountingScheduler(eng.scheduler)
     outs = _generate(llm, prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert eng.spec_stats.num_accepted_draft_tokens > 0

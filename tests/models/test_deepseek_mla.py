@@ -22,6 +22,7 @@ from pagellm.layers.rotary import compute_inv_freq
 from pagellm.model_loader import build_model, open_model
 from pagellm.ops import mla as mla_ops
 from pagellm.ops import mla_reference, ops_available
+from scheduler_probes import CountingScheduler
 
 LENGTHS = [1, 17, 40]  # cross the 16-token block boundary
 NEW_TOKENS = 32
@@ -257,22 +258,6 @@ def v2_dir(tmp_root):
     return f"{tmp_root}/v2_dense_qlora_yarn"
 
 
-class RecordingScheduler:
-    """The engine's scheduler, counting preemptions."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.num_preempted = 0
-
-    def schedule(self):
-        out = self._inner.schedule()
-        self.num_preempted += len(out.preempted_request_ids)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def _greedy_params(n=NEW_TOKENS):
     from pagellm import SamplingParams
 
@@ -290,7 +275,7 @@ def test_engine_prefix_cache_and_preemption_match_hf(v2_dir, tmp_root):
     expected = hf_greedy_batch(hf, prompts, 24)
     llm = LLM(v2_dir, block_size=4, num_kv_blocks=32, max_model_len=64, enable_prefix_caching=True, seed=0)
     eng = llm.llm_engine
-    eng.scheduler = recorder = RecordingScheduler(eng.scheduler)
+    eng.scheduler = recorder = CountingScheduler(eng.scheduler)
     first = llm.generate({"prompt_token_ids": prompts[0]}, _greedy_params(24), use_tqdm=False)[0]
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy_params(24), use_tqdm=False)
     assert first.outputs[0].token_ids == expected[0]

@@ -22,6 +22,7 @@ from pagellm.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from pagellm.model_loader import build_model, open_model
 from pagellm.models.gemma2 import Gemma2ForCausalLM
 from pagellm.models.gemma3 import Gemma3ForCausalLM
+from scheduler_probes import CountingScheduler
 
 S, F = "sliding_attention", "full_attention"
 LENGTHS = [1, 9, 30, 70]  # 30 and 70: many windows long, crossing block boundaries
@@ -212,22 +213,6 @@ def _llm(path, **kw):
     return LLM(str(path), seed=0, **kw)
 
 
-class _CountingScheduler:
-    """The engine's scheduler, counting preemptions."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.num_preempted = 0
-
-    def schedule(self):
-        out = self._inner.schedule()
-        self.num_preempted += len(out.preempted_request_ids)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 @pytest.mark.parametrize("chunk", [None, 8], ids=["whole-prefill", "chunked-prefill"])
 def test_engine_prefix_cache_and_preemption_match_hf(gemma_dir, shared_prefix_reference, chunk):
     """A sliding-window model with prefix caching and a KV cache too small for the batch (preemption by
@@ -239,7 +224,7 @@ def test_engine_prefix_cache_and_preemption_match_hf(gemma_dir, shared_prefix_re
     eng = llm.llm_engine
     warm = llm.generate({"prompt_token_ids": prompts[0]}, _greedy(), use_tqdm=False)[0]
     assert warm.outputs[0].token_ids == expected[0]
-    eng.scheduler = counter = _CountingScheduler(eng.scheduler)
+    eng.scheduler = counter = CountingScheduler(eng.scheduler)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert counter.num_preempted > 0

@@ -18,6 +18,7 @@ from pagellm.attention.base import AttentionMetadata
 from pagellm.kv_cache import KVCaches, PagedKVCache, allocate_kv_caches, group_kv_cache_specs, make_kv_cache_config
 from pagellm.kv_cache.groups import determine_group_num_blocks, is_mixed_window_model, max_blocks_per_request
 from pagellm.kv_cache.spec import FullAttentionSpec, SharedKVSpec, SlidingWindowSpec
+from scheduler_probes import CountingScheduler
 
 S, F = "sliding_attention", "full_attention"
 NEW_TOKENS = 32
@@ -189,22 +190,6 @@ def test_sliding_group_holds_only_the_windows_blocks(gemma):
     assert graphs is None or graphs.num_replays > 0
 
 
-class _CountingScheduler:
-    """The engine's scheduler, counting preemptions."""
-
-    def __init__(self, inner) -> None:
-        self._inner = inner
-        self.num_preempted = 0
-
-    def schedule(self):
-        out = self._inner.schedule()
-        self.num_preempted += len(out.preempted_request_ids)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def test_prefix_caching_and_preemption_match_hf(gemma):
     """Requests sharing a 30-token prefix in a cache too small for all of them at once: preemptions and prefix
     hits (a hit in both groups) happen, the greedy tokens equal HF's, and every block of both groups is freed."""
@@ -217,7 +202,7 @@ def test_prefix_caching_and_preemption_match_hf(gemma):
     engine = llm.llm_engine
     warm = llm.generate({"prompt_token_ids": prompts[0]}, _greedy(), use_tqdm=False)[0]
     assert list(warm.outputs[0].token_ids) == want[0]
-    engine.scheduler = counter = _CountingScheduler(engine.scheduler)
+    engine.scheduler = counter = CountingScheduler(engine.scheduler)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outs] == want, name
     assert counter.num_preempted > 0, "the cache was meant to force a preemption"

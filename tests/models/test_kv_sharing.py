@@ -20,6 +20,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.kv_cache import FullAttentionSpec, SharedKVSpec
 from pagellm.models.kv_sharing import resolve_kv_sharing
 from pagellm.ops import ops_available
+from scheduler_probes import CountingScheduler
 
 SHARING = {2: 0, 3: 1}  # 4 layers: 2 own their cache, 2 read it
 NUM_LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 64, 4, 2
@@ -159,29 +160,13 @@ def test_shared_layers_allocate_no_pages(shared_llama, tiny_tokenizer):
     assert caches[2] is caches[0] and caches[3] is caches[1]
 
 
-class _CountingScheduler:
-    """The engine's scheduler, counting preemptions."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.num_preempted = 0
-
-    def schedule(self):
-        out = self._inner.schedule()
-        self.num_preempted += len(out.preempted_request_ids)
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
 def test_prefix_caching_and_preemption_match_the_reference(shared_llama, tiny_tokenizer):
     """Few blocks: requests are preempted and recomputed; shared prefixes hit the prefix cache."""
     base = _prompts(len(tiny_tokenizer), [24])[0]
     prompts = [base + p for p in _prompts(len(tiny_tokenizer), [3, 9, 17, 26])] + [base]
     llm = LLM(str(shared_llama), num_kv_blocks=24, block_size=4, max_model_len=88, enable_prefix_caching=True)
     eng = llm.llm_engine
-    eng.scheduler = counting = _CountingScheduler(eng.scheduler)
+    eng.scheduler = counting = CountingScheduler(eng.scheduler)
     sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False, logprobs=1,
                         prompt_logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
