@@ -32,6 +32,8 @@ def _cases():
     yield "paged_attention_decode", (torch.empty(2, 4, 64), q[:2].clone(), kc, vc, bt, lens, 0.125, -1, 0.0)
     yield "paged_attention_prefill", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, 0.125, 4, 5.0)
     tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)  # 3-node tree + 1 node
+    latent = torch.randn(kc.shape[0], kc.shape[2], 48)  # MLA: one latent row of 48 per token, values its first 32
+    yield "paged_mla_decode", (torch.empty(2, 3, 32), torch.randn(2, 3, 48), latent, bt, lens, 0.125)
     yield "paged_tree_attention", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, tree_mask, 0.125, 5.0)
     kq, vq = (torch.randint(-127, 128, kc.shape, dtype=torch.int8) for _ in range(2))
     ks, vs = (torch.rand(kc.shape[:3]) / 50 for _ in range(2))
