@@ -207,7 +207,8 @@ def render(data: dict) -> str:
            "whose tokens equal no speculation's (bf16 near-ties may flip between the decode and the verify kernels).",
            ""]
     rows = [[r["workload"], r["batch"], r["method"], r["k"] or "-", r["tok_s"], r["tpot_ms"], f"{r['ratio']:.2f}x",
-             f"{r['cpu_ratio']:.2f}x", f"{r['decode_cpu_ratio']:.2f}x",
+             f"{r['cpu_ratio']:.2f}x",
+             f"{r['decode_cpu_ratio']:.2f}x" if r["decode_cpu_ratio"] == r["decode_cpu_ratio"] else "-",  # nan: no --decode-cpu
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
              f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],

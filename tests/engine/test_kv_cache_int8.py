@@ -17,7 +17,7 @@ import random
 import pytest
 import torch
 
-from conftest import write_tiny_llama
+from tiny_models import write_tiny_llama
 from pagellm import LLM, SamplingParams
 from pagellm.config import CacheConfig, EngineArgs, kv_cache_dtypes
 from pagellm.ops import ops_available

@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
-from conftest import write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_llama  # noqa: E402
 from scheduler_probes import CountingScheduler  # noqa: E402
 from test_draft_tokens import (  # noqa: E402  (the plain-decoding references and helpers of the spec seam)
     _assert_all_blocks_free,

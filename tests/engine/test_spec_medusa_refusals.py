@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
-from conftest import write_tiny_llama  # noqa: E402
+from tiny_models import write_tiny_llama  # noqa: E402
 from test_draft_tokens import _generate, _greedy, _make_llm, _tie_free_prompts  # noqa: E402
 
 from pagellm.attention.tree_verify import tree_layer_refusal  # noqa: E402
