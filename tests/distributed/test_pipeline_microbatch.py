@@ -190,6 +190,29 @@ def test_abort_while_in_flight_skips_its_row_and_frees_its_blocks(llama_pp2, lla
     _assert_idle_and_empty(engine)
 
 
+def _first_step_fails(engine, requests: dict, message: str, reference: dict) -> list[str]:
+    """Adds `requests`, runs until all finish; the first step submitted (the oldest in the queue) fails: its requests
+    end with `message` in their error, every other request equals `reference`, nothing is left in flight. Returns
+    the failed step's request ids."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    engine.step()
+    doomed = list(engine._batch_queue[0].seq_ids)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert sorted(final) == sorted(requests)
+    for rid, out in final.items():
+        if rid in doomed:
+            assert message in out.error
+        else:
+            _assert_same(reference[rid], out)
+    _assert_idle_and_empty(engine)
+    return doomed
+
+
 def test_a_failed_step_in_flight_fails_only_its_requests(llama_pp2, llama_reference, monkeypatch):
     engine = llama_pp2.llm_engine
     sample, calls = engine._sample, []
@@ -202,23 +225,8 @@ def test_a_failed_step_in_flight_fails_only_its_requests(llama_pp2, llama_refere
 
     monkeypatch.setattr(engine, "_sample", failing_once)
     requests = _all_requests()
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    engine.step()
-    doomed = list(engine._batch_queue[0].seq_ids)  # the oldest step: the first to be sampled
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert sorted(final) == sorted(requests)
-    for rid, out in final.items():
-        if rid in doomed:
-            assert "sampler exploded" in out.error
-        else:
-            _assert_same(llama_reference[rid], out)
+    doomed = _first_step_fails(engine, requests, "sampler exploded", llama_reference)
     assert len(doomed) < len(requests)  # the other micro-batch's requests went on
-    _assert_idle_and_empty(engine)
     monkeypatch.undo()
     again = _run(engine, {"r3": requests["r3"]})  # the engine stays usable
     _assert_same(llama_reference["r3"], again["r3"])
@@ -231,23 +239,7 @@ def test_a_step_failing_on_a_stage_fails_only_its_requests(stage, llama_pp2, lla
     stage stays at the same step; the step's requests fail, the executor is not broken, the rest go on."""
     engine = llama_pp2.llm_engine
     engine.collective_rpc(_fail_next_step_on_stage, (stage,))
-    requests = _all_requests()
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    engine.step()
-    doomed = list(engine._batch_queue[0].seq_ids)  # the first step submitted is the one that fails
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert sorted(final) == sorted(requests)
-    for rid, out in final.items():
-        if rid in doomed:
-            assert f"stage {stage} exploded" in out.error
-        else:
-            _assert_same(llama_reference[rid], out)
-    _assert_idle_and_empty(engine)
+    _first_step_fails(engine, _all_requests(), f"stage {stage} exploded", llama_reference)
 
 
 def test_n2_children_fork_into_the_step_in_flight(llama_pp2, llama4_dir):
