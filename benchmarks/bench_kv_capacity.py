@@ -157,7 +157,7 @@ def admitted_under_watermark(num_blocks: int, blocks_per_seq: int) -> int:
 def run_variant(name: str, args, workdir: Path) -> dict:
     arch, extra = VARIANTS[name]
     path = write_model(arch, extra, workdir / "".join(c if c.isalnum() else "_" for c in name))
-    from pagellm.kv_cache.groups import max_blocks_per_request
+    from pagellm.kv_cache.sizing import max_blocks_per_request
 
     chunked = "chunked" in name
     llm = make_llm(path, args.budget_mib, max_num_seqs=64, window_as_mask=name.endswith("(window as mask)"),

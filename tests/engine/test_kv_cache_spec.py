@@ -20,7 +20,7 @@ from pagellm.kv_cache import (
     group_kv_cache_specs,
     make_kv_cache_config,
 )
-from pagellm.kv_cache import groups as groups_module
+from pagellm.kv_cache import sizing as sizing_module
 from pagellm.kv_cache.spec import FullAttentionSpec, MLAAttentionSpec, SharedKVSpec, SlidingWindowSpec
 
 GiB = 1 << 30
@@ -217,10 +217,10 @@ def test_sizing_error_suggests_settings():
 def test_sizing_from_free_memory_and_the_cpu_cap(monkeypatch):
     groups = group_kv_cache_specs(_mixed_specs())
     per_block = _hand_bytes_per_block()
-    monkeypatch.setattr(groups_module, "available_memory_bytes", lambda device: GiB // 8)
+    monkeypatch.setattr(sizing_module, "available_memory_bytes", lambda device: GiB // 8)
     assert determine_num_blocks(groups, "cpu", 64, 10**6, kv_cache_fraction=0.5) == int(GiB // 8 * 0.5) // per_block
-    monkeypatch.setattr(groups_module, "available_memory_bytes", lambda device: 100 * GiB)
-    capped = groups_module.CPU_DEFAULT_MAX_GB * GiB // per_block
+    monkeypatch.setattr(sizing_module, "available_memory_bytes", lambda device: 100 * GiB)
+    capped = sizing_module.CPU_DEFAULT_MAX_GB * GiB // per_block
     assert determine_num_blocks(groups, "cpu", 64, 10**6, kv_cache_fraction=0.9) == capped
     # an explicit budget is not capped
     assert determine_num_blocks(groups, "cpu", 64, 10**6, kv_cache_memory_gb=5.0) == int(5.0 * GiB) // per_block

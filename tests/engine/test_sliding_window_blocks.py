@@ -163,7 +163,7 @@ def test_block_manager_window_needs_every_layer_sliding_by_one_window():
 
 def test_sizing_caps_blocks_at_what_windowed_requests_hold():
     from pagellm.kv_cache import determine_num_blocks, group_kv_cache_specs
-    from pagellm.kv_cache.groups import max_blocks_per_request
+    from pagellm.kv_cache.sizing import max_blocks_per_request
     from pagellm.kv_cache.spec import SlidingWindowSpec
 
     groups = group_kv_cache_specs({0: SlidingWindowSpec(16, 2, 64, torch.bfloat16, 256)})

@@ -16,7 +16,8 @@ import transformers as tf
 from paged_model_utils import hf_greedy_batch, hf_prompt_logprobs, make_tiny_hf, random_prompts
 from pagellm.attention.base import AttentionMetadata
 from pagellm.kv_cache import KVCaches, PagedKVCache, allocate_kv_caches, group_kv_cache_specs, make_kv_cache_config
-from pagellm.kv_cache.groups import determine_group_num_blocks, is_mixed_window_model, max_blocks_per_request
+from pagellm.kv_cache.groups import is_mixed_window_model
+from pagellm.kv_cache.sizing import determine_group_num_blocks, max_blocks_per_request
 from pagellm.kv_cache.spec import FullAttentionSpec, SharedKVSpec, SlidingWindowSpec
 from scheduler_probes import CountingScheduler
 

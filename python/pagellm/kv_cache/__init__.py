@@ -1,4 +1,4 @@
-"""The paged KV cache: per-layer specs (spec.py), groups and sizing (groups.py), typed caches (cache.py).
+"""The paged KV cache: per-layer specs (spec.py), groups (groups.py), sizing (sizing.py), typed caches (cache.py).
 
     specs = model.kv_cache_specs(block_size, dtype)                # layer id -> spec
     config = make_kv_cache_config(specs, device, max_model_len, max_num_seqs, kv_cache_memory_gb=1)
@@ -12,15 +12,17 @@ from pagellm.kv_cache.cache import KVCaches, LatentKVCache, LayerKVCache, PagedK
 from pagellm.kv_cache.groups import (
     KVCacheConfig,
     KVCacheGroup,
-    available_memory_bytes,
     bytes_per_block,
     check_one_block_table,
     count_layer_kinds,
-    determine_group_num_blocks,
-    determine_num_blocks,
     group_kv_cache_specs,
     is_mixed_window_model,
     kv_bytes_per_token,
+)
+from pagellm.kv_cache.sizing import (
+    available_memory_bytes,
+    determine_group_num_blocks,
+    determine_num_blocks,
     make_kv_cache_config,
 )
 from pagellm.kv_cache.spec import (
