@@ -2,6 +2,7 @@
 
     pagellm train-medusa --output /tmp/smollm2-medusa          # default model, self-distillation, ~5 min on 2 cores
     pagellm train-medusa --output DIR --model ./my-llama --data kjv --num-heads 4 --steps 600
+    pagellm train-medusa --output DIR --data chat --num-train-seqs 256 --steps 1000   # heads for chat serving
 
 The heads load with LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
 "model": DIR}). Layout of DIR: spec_decode/medusa_heads.py.
@@ -44,7 +45,8 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--data", default=d.data, choices=DATA_SOURCES,
-                   help="kjv | pydoc: text on this machine; self: the model's own greedy continuations")
+                   help="kjv | pydoc: text on this machine; self: the model's own greedy continuations of KJV "
+                        "prompts; chat: the model's own answers to chat-templated questions")
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run)
     return p

@@ -5,8 +5,11 @@
 
 1. Data (token windows of seq_len): `kjv` / `pydoc` are the machine's own texts (quantization/
    calibration_data.py: Debian bible-kjv, python3.11-doc); `self` is self-distillation (Medusa-2): the
-   base model's own greedy continuations of KJV prompts, so the heads learn what the model will say.
-   Held out for evaluation: Ecclesiastes / the held-out doc page (their continuations for `self`).
+   base model's own greedy continuations of KJV prompts, so the heads learn what the model will say;
+   `chat` is self-distillation on chat turns (medusa_chat_data.py): user questions through the model's
+   chat template and the model's own greedy answer (to its first EOS, at most seq_len tokens); only the
+   answer's positions train. Held out for evaluation: Ecclesiastes / the held-out doc page (their
+   continuations for `self`), questions on unseen topics for `chat`.
 2. The frozen base (HF transformers, float32) computes every window's final normed hidden states once
    (`model.model(...).last_hidden_state`: what pagellm's ModelRunner returns for the same weights).
 3. Only the heads train: position t's hidden state h_t; head k (0-based) predicts token t + k + 2 (the
@@ -41,7 +44,7 @@ from torch.nn import functional as F
 
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
 
-DATA_SOURCES = ("kjv", "pydoc", "self")
+DATA_SOURCES = ("kjv", "pydoc", "self", "chat")
 MEDUSA_DECAY = 0.8  # Medusa's medusa_decay_coefficient: later heads weigh less
 SELF_PROMPT_LEN = 16  # tokens of text before the base model's own continuation (--data self)
 
@@ -138,21 +141,57 @@ def greedy_continuations(base, prompts: torch.Tensor, total_len: int, batch: int
 
 
 @torch.no_grad()
+def chat_answers(base, tokenizer, prompts: list[list[int]], answer_len: int, batch: int = 16) -> list[list[int]]:
+    """Each prompt + the base model's greedy answer: up to its first EOS (kept), at most answer_len tokens.
+    Prompts of different lengths are left-padded within a batch (the attention mask hides the pads)."""
+    eos = base.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos_ids) if eos_ids else 0)
+    out = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i : i + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        gen = base.generate(ids, attention_mask=mask, max_new_tokens=answer_len, do_sample=False, pad_token_id=pad)
+        for p, row in zip(chunk, gen[:, width:].tolist()):
+            cut = next((j + 1 for j, tok in enumerate(row) if tok in eos_ids), len(row))
+            out.append(p + row[:cut])
+    return out
+
+
+@torch.no_grad()
 def final_hidden_states(base, token_ids: torch.Tensor, batch: int = 8) -> torch.Tensor:
     """[N, T] -> [N, T, H] float32: the base's final normed hidden states (its LM head's input)."""
     return torch.cat([base.model(chunk).last_hidden_state.float() for chunk in token_ids.split(batch)])
 
 
 # ---------------------------------------------------------------------- training
-def head_targets(token_ids: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def head_targets(token_ids: torch.Tensor, num_heads: int,
+                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Usable positions and their labels: [N, T] -> (positions [M] flat index into N*T, labels [M, K]);
-    head k of position t is labelled token t + k + 2 (positions whose labels pass the end are dropped)."""
+    head k of position t is labelled token t + k + 2 (positions whose labels pass the end are dropped).
+    `positions`: the usable flat positions, given (ragged sequences laid end to end, `ragged_positions`)."""
+    if positions is not None:
+        flat_ids = token_ids.reshape(-1)
+        return positions, torch.stack([flat_ids[positions + k + 2] for k in range(num_heads)], dim=-1)
     n, t = token_ids.shape
     last = t - num_heads - 1  # position t needs tokens up to t + num_heads + 1
     pos = torch.arange(last)
     labels = torch.stack([token_ids[:, pos + k + 2] for k in range(num_heads)], dim=-1)  # [N, last, K]
     flat = (torch.arange(n)[:, None] * t + pos[None, :]).reshape(-1)
     return flat, labels.reshape(-1, num_heads)
+
+
+def ragged_positions(lengths: list[int], starts: list[int], num_heads: int) -> torch.Tensor:
+    """Sequences laid end to end: the flat positions t of each (length L, first trained position s) with
+    s <= t and t + num_heads + 1 < L, so no label crosses into the next sequence."""
+    out, offset = [], 0
+    for length, start in zip(lengths, starts):
+        first, end = max(0, start), length - num_heads - 1
+        out.append(torch.arange(first, max(first, end)) + offset)
+        offset += length
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.long)
 
 
 def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float = MEDUSA_DECAY) -> torch.Tensor:
@@ -162,9 +201,10 @@ def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float = MEDUS
 
 
 @torch.no_grad()
-def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor) -> dict[str, float]:
+def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
+             positions: torch.Tensor | None = None) -> dict[str, float]:
     """Top-1 accuracy per head (and the base LM head's next-token accuracy) on every usable position."""
-    flat, labels = head_targets(token_ids, heads.num_heads)
+    flat, labels = head_targets(token_ids, heads.num_heads, positions)
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
     correct = torch.zeros(heads.num_heads)
     base_correct = 0
@@ -177,10 +217,11 @@ def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_
 
 
 def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
-                config: MedusaTrainConfig, progress: Callable[[str], None] | None = None) -> list[float]:
+                config: MedusaTrainConfig, progress: Callable[[str], None] | None = None,
+                positions: torch.Tensor | None = None) -> list[float]:
     """AdamW on the heads only, `config.steps` batches of random usable positions. hidden [N, T, H] fp32
-    (precomputed), token_ids [N, T]. Returns the loss of every step."""
-    flat, labels = head_targets(token_ids, heads.num_heads)
+    (precomputed), token_ids [N, T] (`positions`: see head_targets). Returns the loss of every step."""
+    flat, labels = head_targets(token_ids, heads.num_heads, positions)
     h_all = hidden.reshape(-1, hidden.shape[-1])
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -221,6 +262,22 @@ def frozen_lm_head(base) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight)
 
 
+def chat_training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool,
+                       say: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`--data chat`: ([1, S] token ids, [1, S, H] hidden states, flat trained positions) of chat turns laid
+    end to end; a turn's positions start at its prompt's last token (the first whose next token is answer)."""
+    from pagellm.spec_decode.medusa_chat_data import chat_prompt_ids, chat_questions  # noqa: PLC0415
+
+    count = config.num_eval_seqs if held_out else config.num_train_seqs
+    prompts = chat_prompt_ids(tokenizer, chat_questions(count, held_out, config.seed))
+    say(f"chat self-distillation: answering {len(prompts)} {'held-out ' if held_out else ''}questions "
+        f"(up to {config.seq_len} tokens each)")
+    seqs = chat_answers(base, tokenizer, prompts, config.seq_len)
+    hidden = torch.cat([final_hidden_states(base, torch.tensor([q]))[0] for q in seqs])
+    positions = ragged_positions([len(q) for q in seqs], [len(p) - 1 for p in prompts], config.num_heads)
+    return torch.tensor([sum(seqs, [])]), hidden[None], positions
+
+
 def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
                  progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, float]]:
     """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies."""
@@ -233,11 +290,14 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     hf = files.hf_config
     data = {}
     for held_out in (False, True):
+        if config.data == "chat":
+            data[held_out] = chat_training_data(base, files.tokenizer, config, held_out, say)
+            continue
         ids = torch.tensor(build_windows(files.tokenizer, config, held_out), dtype=torch.long)
         if config.data == "self":
             say(f"self-distillation: continuing {len(ids)} prompts to {config.seq_len} tokens")
             ids = greedy_continuations(base, ids, config.seq_len)
-        data[held_out] = (ids, final_hidden_states(base, ids))
+        data[held_out] = (ids, final_hidden_states(base, ids), None)
     say(f"hidden states of {data[False][0].numel()} train / {data[True][0].numel()} held-out tokens "
         f"in {time.perf_counter() - t0:.0f}s")
     heads = MedusaHeads(int(hf.hidden_size), int(hf.vocab_size), config.num_heads, config.num_layers,
@@ -245,9 +305,10 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     lm_head = frozen_lm_head(base)
     if not config.share_lm_head:
         heads.init_lm_heads_from(base.get_output_embeddings().weight.detach().float())
-    before = evaluate(heads, lm_head, data[True][1], data[True][0])
-    losses = train_heads(heads, lm_head, data[False][1], data[False][0], config, progress=say)
-    acc = evaluate(heads, lm_head, data[True][1], data[True][0])
+    (train_ids, train_hidden, train_pos), (eval_ids, eval_hidden, eval_pos) = data[False], data[True]
+    before = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
+    losses = train_heads(heads, lm_head, train_hidden, train_ids, config, progress=say, positions=train_pos)
+    acc = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
     heads.training_info = {**asdict(config), "final_loss": losses[-1], "held_out_top1": acc,
                            "held_out_top1_untrained": before, "seconds": round(time.perf_counter() - t0, 1)}
     say("held-out top-1: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
