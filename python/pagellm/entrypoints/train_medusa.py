@@ -20,7 +20,8 @@ def run(a: argparse.Namespace) -> int:
 
     config = MedusaTrainConfig(num_heads=a.num_heads, num_layers=a.num_layers, share_lm_head=not a.own_lm_heads,
                                steps=a.steps, seq_len=a.seq_len, num_train_seqs=a.num_train_seqs, lr=a.lr,
-                               batch_size=a.batch_size, data=a.data, seed=a.seed)
+                               batch_size=a.batch_size, data=a.data, seed=a.seed,
+                               draft_vocab_size=a.draft_vocab_size)
     start = time.perf_counter()
     out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True))
     print(f"[medusa] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -48,5 +49,8 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
                    help="kjv | pydoc: text on this machine; self: the model's own greedy continuations of KJV "
                         "prompts; chat: the model's own answers to chat-templated questions")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
+                   help="> 0: draft only the N most frequent tokens of the training labels (a [N, H] LM head "
+                        "product per step instead of the whole vocabulary's)")
     p.set_defaults(func=run)
     return p

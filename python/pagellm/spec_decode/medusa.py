@@ -63,6 +63,8 @@ class MedusaProposer(BaseProposer):
             raise ValueError("these Medusa heads share the target's LM head: pass lm_head")
         self.heads = heads.eval()
         self.lm_head = lm_head
+        # with a draft vocabulary, lm_head scores only its rows (draft_vocab_lm_head): indices map back to tokens
+        self.draft_vocab = heads.draft_vocab if heads.share_lm_head else None
         self._dtype = next(heads.parameters()).dtype
         self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # seq_id -> (sequence length, h [H])
 
@@ -84,7 +86,10 @@ class MedusaProposer(BaseProposer):
         if heads.base_model_hash not in (None, base_model_hash(hf_config)):
             logger.warning("Medusa heads %s were trained on another base model (%s); drafts may be poor",
                            config.options["model"], heads.base_model)
-        lm_head = target_lm_head(context) if heads.share_lm_head else None
+        if heads.draft_vocab is not None:
+            lm_head = draft_vocab_lm_head(load_lm_head_weight(context.model_files), heads.draft_vocab)
+        else:
+            lm_head = target_lm_head(context) if heads.share_lm_head else None
         tree = tree_from_options(config.options)
         if tree is None:
             return cls(config.num_speculative_tokens, heads, lm_head)
@@ -118,8 +123,12 @@ class MedusaProposer(BaseProposer):
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
         hidden = torch.stack([h for _, h in fresh])
-        tokens = self.heads(hidden, self.lm_head, num_heads=k).argmax(dim=-1).tolist()  # [B, k]
+        tokens = self._token_ids(self.heads(hidden, self.lm_head, num_heads=k).argmax(dim=-1)).tolist()  # [B, k]
         return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens)}
+
+    def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Indices into the heads' logits -> token ids (the same unless a draft vocabulary is scored)."""
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
     def release(self, seq_ids: Iterable[str]) -> None:
         for sid in seq_ids:
@@ -172,7 +181,7 @@ class MedusaTreeProposer(MedusaProposer):
         depth = self.tree.depth
         hidden = torch.stack([h for _, h in fresh])
         logits = self.heads(hidden, self.lm_head, num_heads=depth)  # [B, depth, V]
-        topk = logits.topk(max(self.tree.ranks) + 1, dim=-1).indices  # [B, depth, max_rank + 1]
+        topk = self._token_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [B, depth, max_rank + 1]
         nodes = self.tree.node_tokens(topk).tolist()
         chains = topk[:, :, 0].tolist()
         out = {}
@@ -214,6 +223,13 @@ def target_lm_head(context: ProposerContext) -> Callable[[torch.Tensor], torch.T
         return lambda x: model.compute_logits(x.to(dtype)).float()
     weight = load_lm_head_weight(context.model_files)
     return lambda x: x @ weight.t()
+
+
+def draft_vocab_lm_head(weight: torch.Tensor, draft_vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """[M, H] -> [M, S]: the LM head's rows of the draft vocabulary only, kept in bf16 (drafts need the order
+    of the top few logits, not their last bits; half the bytes of fp32)."""
+    rows = weight[draft_vocab].to(torch.bfloat16).contiguous()
+    return lambda x: (x.to(torch.bfloat16) @ rows.t()).float()
 
 
 def load_lm_head_weight(model_files) -> torch.Tensor:

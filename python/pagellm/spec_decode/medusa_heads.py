@@ -13,12 +13,19 @@ the ResBlocks (K * num_layers * (H*H + H) parameters) are trained and stored; dr
 layout: each head owns a [V, H] LM head (initialised from the target's, `init_lm_heads_from`), K times the
 LM head's memory and time.
 
+Draft vocabulary (optional, shared LM head only; FR-Spec, Zhao et al. 2025): `draft_vocab`, the ids of the S
+tokens the model emits most often (counted by the trainer on the model's own answers). The proposer then
+scores only those rows of the LM head, an [S, H] product instead of [V, H] (SmolLM2: 49152 -> 8192 rows,
+a sixth of the bytes); a token outside it is never drafted, which costs acceptance, never correctness.
+
 On disk (a directory):
     medusa_lm_head.safetensors   medusa_head.{i}.{j}.linear.weight [H, H], medusa_head.{i}.{j}.linear.bias [H]
                                  for head i < K, block j < num_layers; with own LM heads also
                                  medusa_head.{i}.{num_layers}.weight [V, H]   (Medusa's reference names)
     medusa_config.json           {"medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size",
-                                  "share_lm_head", "base_model_name_or_path", "base_model_hash", "training"}
+                                  "share_lm_head", "base_model_name_or_path", "base_model_hash", "training",
+                                  "draft_vocab_size"}
+                                 with a draft vocabulary also `draft_vocab` int64 [S] in the safetensors file
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from torch.nn import functional as F
 
 WEIGHTS_NAME = "medusa_lm_head.safetensors"
 CONFIG_NAME = "medusa_config.json"
+DRAFT_VOCAB_NAME = "draft_vocab"
 
 
 class ResBlock(nn.Module):
@@ -65,6 +73,7 @@ class MedusaHeads(nn.Module):
         self.share_lm_head = bool(share_lm_head)
         self.base_model, self.base_model_hash = base_model, base_model_hash
         self.training_info: dict[str, Any] = {}
+        self.draft_vocab: torch.Tensor | None = None  # set_draft_vocab
         heads = []
         for _ in range(num_heads):
             blocks: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
@@ -124,12 +133,27 @@ class MedusaHeads(nn.Module):
         for head in self.medusa_head:
             head[self.num_layers].weight.copy_(lm_head_weight)
 
+    def set_draft_vocab(self, token_ids: torch.Tensor | None) -> None:
+        """Restrict drafting to these token ids (unique, in [0, vocab_size); None: the whole vocabulary)."""
+        if token_ids is None:
+            self.draft_vocab = None
+            return
+        if not self.share_lm_head:
+            raise ValueError("a draft vocabulary needs heads that share the target's LM head")
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten()
+        if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise ValueError(f"draft vocabulary: ids must be in [0, {self.vocab_size}) and not empty")
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("draft vocabulary: ids must be unique")
+        self.draft_vocab = ids.sort().values
+
     # ------------------------------------------------------------------ files
     def config_dict(self) -> dict[str, Any]:
         return {"medusa_num_heads": self.num_heads, "medusa_num_layers": self.num_layers,
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "share_lm_head": self.share_lm_head,
                 "base_model_name_or_path": self.base_model, "base_model_hash": self.base_model_hash,
-                "training": self.training_info}
+                "training": self.training_info,
+                "draft_vocab_size": 0 if self.draft_vocab is None else int(self.draft_vocab.numel())}
 
     def save(self, directory: str | Path) -> Path:
         """Write medusa_lm_head.safetensors (fp32 unless the heads are in another dtype) and medusa_config.json."""
@@ -137,7 +161,10 @@ class MedusaHeads(nn.Module):
 
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, str(out / WEIGHTS_NAME))
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if self.draft_vocab is not None:
+            tensors[DRAFT_VOCAB_NAME] = self.draft_vocab.contiguous()
+        save_file(tensors, str(out / WEIGHTS_NAME))
         (out / CONFIG_NAME).write_text(json.dumps(self.config_dict(), indent=2) + "\n")
         return out
 
@@ -153,11 +180,13 @@ class MedusaHeads(nn.Module):
                              "or `pagellm train-medusa`)")
         config = json.loads((path / CONFIG_NAME).read_text()) if (path / CONFIG_NAME).is_file() else {}
         tensors = load_file(str(path / WEIGHTS_NAME))
+        draft_vocab = tensors.pop(DRAFT_VOCAB_NAME, None)
         heads = cls(**_constructor_args(config, tensors))
         heads.training_info = dict(config.get("training") or {})
         missing, unexpected = heads.load_state_dict(tensors, strict=False)
         if missing or unexpected:
             raise ValueError(f"Medusa heads in {str(path)!r}: missing tensors {missing}, unexpected {unexpected}")
+        heads.set_draft_vocab(draft_vocab)
         return heads.to(dtype) if dtype is not None else heads
 
 

@@ -65,6 +65,7 @@ class MedusaTrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 20
     data: str = "self"  # self-distillation: drafts are judged against the model's outputs, not the text's
+    draft_vocab_size: int = 0  # > 0: drafting scores only the most frequent tokens of the training labels
     seed: int = 0
 
     def check(self) -> None:
@@ -78,6 +79,8 @@ class MedusaTrainConfig:
             raise ValueError(f"seq_len={self.seq_len} is too short for {self.num_heads} heads")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.draft_vocab_size < 0 or (self.draft_vocab_size and not self.share_lm_head):
+            raise ValueError(f"draft_vocab_size must be >= 0 and needs a shared LM head, got {self.draft_vocab_size}")
 
 
 # ---------------------------------------------------------------------- data
@@ -243,6 +246,17 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
     return losses
 
 
+def frequent_tokens(labels: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` token ids that occur most often among the labels (ties: the lower id)."""
+    counts = torch.bincount(labels.reshape(-1), minlength=size)
+    return torch.sort(counts, descending=True, stable=True).indices[:size]
+
+
+def vocab_coverage(labels: torch.Tensor, vocab: torch.Tensor) -> float:
+    """Share of the labels inside `vocab` (the best a head restricted to it can do)."""
+    return float(torch.isin(labels.reshape(-1), vocab).float().mean()) if labels.numel() else 0.0
+
+
 def load_base(model: str | None):
     """(ModelFiles, HF float32 CausalLM with frozen weights) of an HF dir / .gguf / None (default model)."""
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
@@ -309,6 +323,11 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     before = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
     losses = train_heads(heads, lm_head, train_hidden, train_ids, config, progress=say, positions=train_pos)
     acc = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
+    if config.draft_vocab_size:
+        heads.set_draft_vocab(frequent_tokens(head_targets(train_ids, config.num_heads, train_pos)[1],
+                                              min(config.draft_vocab_size, int(hf.vocab_size))))
+        acc["draft_vocab_coverage"] = vocab_coverage(head_targets(eval_ids, config.num_heads, eval_pos)[1],
+                                                     heads.draft_vocab)
     heads.training_info = {**asdict(config), "final_loss": losses[-1], "held_out_top1": acc,
                            "held_out_top1_untrained": before, "seconds": round(time.perf_counter() - t0, 1)}
     say("held-out top-1: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
