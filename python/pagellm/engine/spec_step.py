@@ -126,7 +126,10 @@ class SpecDecodeStep:
 
     def _decode_only_step(self, ready: list[str]) -> bool:
         """Whether the coming step holds decode-ready rows only (none mid-prefill, no waiting request it can
-        admit): its time is a clean sample of a decode or verify step for the switch."""
+        admit): its time is a clean sample of a decode or verify step for the switch. Never under pipeline
+        micro-batches: the time between two schedules is not one step's there (the switch then leaves drafting on)."""
+        if self._batch_queue is not None:
+            return False
         running = self.scheduler.num_running
         return running == len(ready) and (self.scheduler.num_waiting == 0
                                           or running >= self.config.scheduler_config.max_num_seqs)
