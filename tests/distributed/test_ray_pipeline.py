@@ -113,3 +113,17 @@ def test_qwen3_tied_pp2_over_ray_matches_one_rank(two_node_cluster, qwen3_tied_d
         assert_same_outputs(ref, generate_greedy(llm))
     finally:
         llm.shutdown()
+
+
+def test_bad_pipeline_setups_refused_before_ray_is_asked(llama4_dir, monkeypatch):
+    import pagellm.engine.ray_executor as ray_executor
+
+    def must_not_connect(*args, **kwargs):
+        raise AssertionError("connect_ray called before the set-up was checked")
+
+    monkeypatch.setattr(ray_executor, "connect_ray", must_not_connect)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size \(5\) is more than the model's 4 decoder layers"):
+        make_llm(llama4_dir, pp=5, distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"Medusa is not supported with pipeline_parallel_size=2"):
+        make_llm(llama4_dir, pp=2, distributed_executor_backend="ray",
+                 speculative_config={"method": "medusa", "num_speculative_tokens": 2, "model": "/no/heads"})
