@@ -57,7 +57,8 @@ class Scheduler {
   // schedule() consumes every request's drafts, scheduled or not (a preempted request drops them); a
   // budget too small for all of them keeps a prefix. Throws UnknownRequestError for an unknown id,
   // std::invalid_argument for more than num_lookahead_tokens drafts, a negative token id or a request
-  // that is not decode-ready, std::logic_error while a step is pending; state is untouched then.
+  // that is not decode-ready, std::logic_error while a step is pending (with max_steps_in_flight > 1:
+  // while the request's own step is pending); state is untouched then.
   int32_t set_draft_tokens(const std::string& request_id, std::vector<int64_t> draft_token_ids);
   // Changes the most drafts per request and step (the lookahead slots reserved per sampling row).
   // Drops every request's drafts. Throws std::invalid_argument outside [0, 256] or if a waiting
@@ -75,7 +76,7 @@ class Scheduler {
   int32_t max_steps_in_flight() const { return max_steps_in_flight_; }
   // Steps with rows awaiting update().
   int32_t num_steps_in_flight() const;
-  // Ids of the running requests that are decode-ready (may take drafts), in running order.
+  // Ids of the running requests that are decode-ready (may take drafts) and not in flight, in running order.
   std::vector<std::string> decode_ready_request_ids() const;
   // Builds the next batch (see SchedulerOutput) from requests not in flight. Throws std::logic_error if
   // max_steps_in_flight steps with scheduled rows await update().

@@ -369,6 +369,38 @@ void random_in_flight_run(uint32_t seed, int32_t max_in_flight, bool prefix_cach
   if (prefix_caching) EXPECT_GT(s.block_manager().prefix_cache_hits(), 0);
 }
 
+TEST(SchedulerInFlight, DraftsGoToRequestsNotInFlightWhileAnotherStepIsPending) {
+  auto owner = make(64, 32, 4, 1);
+  Scheduler& s = *owner;
+  s.set_num_lookahead_tokens(2);
+  s.add_request("a", seq_tokens(0, 5), 0.0);
+  s.add_request("b", seq_tokens(100, 5), 1.0);
+  update_with_stub(s, *s.schedule());  // both prefilled: decode-ready
+  s.set_max_steps_in_flight(2);
+  auto o1 = s.schedule();  // each micro-batch takes its share: one request
+  ASSERT_EQ(o1->num_reqs(), 1);
+  const std::string busy = o1->request_ids[0], idle = busy == "a" ? "b" : "a";
+  EXPECT_EQ(s.decode_ready_request_ids(), std::vector<std::string>{idle});  // the one in flight is not offered
+  EXPECT_THROW(s.set_draft_tokens(busy, {7}), std::logic_error);  // its tokens are not known yet
+  EXPECT_TRUE(s.get_request(busy).draft_token_ids().empty());
+  EXPECT_EQ(s.set_draft_tokens(idle, {7, 8}), 2);
+  auto o2 = s.schedule();  // the idle request as a spec row of 1 + 2 tokens
+  ASSERT_EQ(ids_of(*o2), std::set<std::string>{idle});
+  EXPECT_EQ(o2->num_draft_tokens, std::vector<int32_t>{2});
+  EXPECT_EQ(o2->draft_token_ids, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(o2->input_ids.size(), 3u);
+  update_with_stub(s, *o1);
+  const int64_t before = s.get_request(idle).num_tokens();
+  const int32_t n = 2;  // draft 7 accepted, then the target's own token 9
+  const int64_t toks[2] = {7, 9};
+  s.update(o2->step_id, &n, 1, toks, 2, {});
+  const Request& r = s.get_request(idle);
+  EXPECT_EQ(r.num_tokens(), before + 2);
+  EXPECT_EQ(r.num_computed_tokens(), r.num_tokens() - 1);  // the rejected draft's slot is not counted
+  EXPECT_EQ(s.num_steps_in_flight(), 0);
+  EXPECT_EQ(s.decode_ready_request_ids().size(), 2u);
+}
+
 TEST(SchedulerInFlight, RandomRunsKeepTheInvariants) {
   random_in_flight_run(11, 2, true);
   random_in_flight_run(12, 3, true);

@@ -31,7 +31,13 @@ int32_t Scheduler::set_draft_tokens(const std::string& request_id, std::vector<i
   if (std::any_of(draft_token_ids.begin(), draft_token_ids.end(), [](int64_t t) { return t < 0; })) {
     throw std::invalid_argument("set_draft_tokens: draft token ids must be >= 0");
   }
-  require_no_pending_step("set_draft_tokens");
+  // One step at a time: drafts wait for the pending step's update(). Micro-batches: only a request of a
+  // pending step must wait (its tokens are not known yet); the others are the next step's candidates.
+  if (max_steps_in_flight_ == 1) {
+    require_no_pending_step("set_draft_tokens");
+  } else if (r->in_flight()) {
+    throw std::logic_error("set_draft_tokens: '" + request_id + "' is in flight: call update() for its step first");
+  }
   if (!decode_ready(*r)) {
     throw std::invalid_argument("set_draft_tokens: '" + request_id + "' is not decode-ready (status " +
                                 to_string(r->status()) + ", computed " + std::to_string(r->num_computed_tokens()) +
@@ -82,7 +88,7 @@ std::vector<std::string> Scheduler::decode_ready_request_ids() const {
   std::vector<std::string> ids;
   ids.reserve(running_.size());
   for (const Request* r : running_) {
-    if (decode_ready(*r)) ids.push_back(r->request_id());
+    if (decode_ready(*r) && !r->in_flight()) ids.push_back(r->request_id());
   }
   return ids;
 }

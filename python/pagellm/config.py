@@ -187,10 +187,12 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # ValueError naming the allowed methods / keys / ranges
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
-            if self.parallel_config.tensor_parallel_size > 1:  # methods that need the target in the driver
-                from pagellm.distributed.validation import check_speculative_tensor_parallel  # noqa: PLC0415
+            pc = self.parallel_config
+            pp_size = getattr(pc, "pipeline_parallel_size", 1)
+            if pc.tensor_parallel_size > 1 or pp_size > 1:  # methods that need the target in the driver
+                from pagellm.distributed.validation import check_speculative_parallel  # noqa: PLC0415
 
-                check_speculative_tensor_parallel(self.parallel_config.tensor_parallel_size, self.speculative_config)
+                check_speculative_parallel(pc.tensor_parallel_size, self.speculative_config, pp_size)
 
     @property
     def max_model_len(self) -> int:
@@ -210,7 +212,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uni": one worker in this process; "mp": worker processes
     pipeline_parallel_size: int = 1  # contiguous stages of decoder layers (pagellm.distributed.pipeline)
-    # pipeline_parallel_size > 1 over "mp": keep one micro-batch per stage in flight (False: the stages take turns)
+    # pipeline_parallel_size > 1 ("mp" or "ray"): one micro-batch per stage in flight (False: the stages take turns)
     pipeline_microbatching: bool = True
     # "ray" only: the cluster ("host:port", "ray://host:port", "auto"; None: RAY_ADDRESS, else a local Ray)
     # and how the ranks' placement-group bundles spread over its nodes

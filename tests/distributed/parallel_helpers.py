@@ -44,9 +44,35 @@ def write_tiny_checkpoint(path, tokenizer, cfg_cls, model_cls, **overrides):
     return path
 
 
-def make_llm(path, tp: int = 1, pp: int = 1) -> LLM:
+def make_llm(path, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
     return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16,
-               tensor_parallel_size=tp, pipeline_parallel_size=pp)
+               tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)
+
+
+RAY_BOUNDED_WAITS = {"PAGELLM_RAY_STEP_TIMEOUT_S": "120", "PAGELLM_RAY_PLACEMENT_TIMEOUT_S": "60",
+                     "PAGELLM_RAY_CONNECT_TIMEOUT_S": "3", "PAGELLM_NUM_THREADS": "1"}
+
+
+def ray_two_node_cluster():
+    """A local Ray cluster of a head and a worker node of 1 CPU each (ray.cluster_utils.Cluster), joined by
+    this process (the executor reuses ray.init), with every Ray wait bounded; a generator for a
+    module-scoped fixture: `two_node_cluster = pytest.fixture(scope="module")(ray_two_node_cluster)`."""
+    import ray  # noqa: PLC0415
+    from ray.cluster_utils import Cluster  # noqa: PLC0415
+
+    old = {k: os.environ.get(k) for k in RAY_BOUNDED_WAITS}
+    os.environ.update(RAY_BOUNDED_WAITS)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+    try:
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
 def generate_greedy(llm: LLM):

@@ -23,6 +23,7 @@ from pagellm.config import EngineArgs, ParallelConfig
 from pagellm.distributed import PipelineParallelState, set_pp_state
 from pagellm.distributed.pipeline import StageAbsent, stage_layer_range
 from pagellm.distributed.validation import check_pipeline_parallel
+from pagellm.spec_decode import SpeculativeConfig
 
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
 
@@ -146,8 +147,11 @@ def test_bad_pipeline_config_is_refused_before_any_worker_starts(llama4_dir, mon
         check_pipeline_parallel(3, 1, cfg, allowed_cpus=8)
     with pytest.raises(ValueError, match=r"2 x 2 = 4 ranks\) is more than the 2 CPUs"):
         check_pipeline_parallel(2, 2, cfg, allowed_cpus=2)
-    with pytest.raises(ValueError, match="speculative decoding"):
-        check_pipeline_parallel(2, 1, cfg, speculative=True, allowed_cpus=8)
+    medusa = SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2, "model": "/no/heads"})
+    with pytest.raises(ValueError, match=r"Medusa is not supported with pipeline_parallel_size=2.*'ngram'"):
+        check_pipeline_parallel(2, 1, cfg, speculative_config=medusa, allowed_cpus=8)
+    check_pipeline_parallel(2, 1, cfg, speculative_config=SpeculativeConfig.from_dict(
+        {"method": "ngram", "num_speculative_tokens": 2}), allowed_cpus=8)  # runs in the driver: accepted
     cfg.architectures = ["GPT2LMHeadModel"]
     with pytest.raises(ValueError, match="no pipeline-parallel support"):
         check_pipeline_parallel(2, 1, cfg, allowed_cpus=8)

@@ -8,17 +8,17 @@ mismatched versions are refused at start-up, within a bounded time, naming the p
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import pytest
 import torch
 import transformers as tf
 
+from parallel_helpers import ray_two_node_cluster
+
 pytest.importorskip("pagellm._C", reason="the engine needs the compiled scheduler (run `make install`)")
 ray = pytest.importorskip("ray", reason="the ray executor needs Ray (pip install ray; part of the test extra)")
 
-from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util import placement_group_table  # noqa: E402
 
 from pagellm import LLM, SamplingParams  # noqa: E402
@@ -30,24 +30,7 @@ from pagellm.engine.ray_worker import local_versions  # noqa: E402
 PROMPTS = [list(range(5, 11)), list(range(20, 57)), [7, 300, 3, 3, 3, 41, 99, 250, 18]]
 NEW_TOKENS = 12
 TOL = 1e-5
-BOUNDED_WAITS = {"PAGELLM_RAY_STEP_TIMEOUT_S": "120", "PAGELLM_RAY_PLACEMENT_TIMEOUT_S": "60",
-                 "PAGELLM_RAY_CONNECT_TIMEOUT_S": "3", "PAGELLM_NUM_THREADS": "1"}
-
-
-@pytest.fixture(scope="module")
-def two_node_cluster():
-    """A head and a worker node of 1 CPU each, joined by this process (the executor reuses ray.init)."""
-    old = {k: os.environ.get(k) for k in BOUNDED_WAITS}
-    os.environ.update(BOUNDED_WAITS)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
-    for k, v in old.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+two_node_cluster = pytest.fixture(scope="module")(ray_two_node_cluster)  # 1 CPU per node, waits bounded
 
 
 @pytest.fixture(scope="module")

@@ -83,10 +83,11 @@ def cpu_slices(allowed: list[int], tp_size: int) -> list[list[int]]:
     return out
 
 
-def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: str = "cpu", speculative: bool = False,
+def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: str = "cpu", speculative_config=None,
                             allowed_cpus: int | None = None) -> None:
     """ValueError when `pp_size` stages of `tp_size` ranks each cannot run this model here: more stages than
-    decoder layers, more ranks in all than allowed CPUs, or a feature the stages do not pass on yet."""
+    decoder layers, more ranks in all than allowed CPUs, or a speculative method that needs the whole target
+    model in the driver (`check_speculative_parallel`)."""
     if pp_size == 1:
         return
     _check_architecture(f"pipeline_parallel_size={pp_size}", "pipeline-parallel", hf_config)
@@ -101,24 +102,31 @@ def check_pipeline_parallel(pp_size: int, tp_size: int, hf_config, *, device: st
     if allowed_cpus is not None and world > allowed_cpus:
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size ({tp_size} x {pp_size} = {world} ranks) is "
                          f"more than the {allowed_cpus} CPUs this process may use: each rank needs at least one")
-    if speculative:
-        raise ValueError(f"pipeline_parallel_size={pp_size}: speculative decoding is not supported with pipeline "
-                         f"parallelism yet (its proposers read hidden states of the last stage in the driver)")
+    check_speculative_parallel(tp_size, speculative_config, pp_size)
 
 
-def check_speculative_tensor_parallel(tp_size: int, speculative_config) -> None:
+def check_speculative_parallel(tp_size: int, speculative_config, pp_size: int = 1) -> None:
     """ValueError when `speculative_config` (a SpeculativeConfig or None) needs the target model in the driver
-    and `tp_size` > 1 puts it in other processes: Medusa heads and a self-draft (draft_model without
-    `model`). An n-gram proposer or a separate draft checkpoint are fine."""
-    # Both run on the target's own modules / LM head, which tensor parallelism shards across the ranks: the
-    # driver would silently load a second whole copy of the weights (self-draft) or the LM head from the
-    # checkpoint (Medusa), a slow fallback that defeats the point of sharding.
-    if tp_size == 1 or speculative_config is None:
+    and tp_size > 1 or pp_size > 1 puts it in other processes: Medusa heads and a self-draft (draft_model
+    without `model`). An n-gram proposer or a separate draft checkpoint run in the driver and are fine
+    (with pipeline stages too: they need only the committed tokens, never a stage's hidden states)."""
+    # Both run on the target's own modules / LM head, which tensor parallelism shards across the ranks and
+    # pipeline parallelism splits across the stages: the driver would silently load a second whole copy of
+    # the weights (self-draft) or the LM head from the checkpoint (Medusa), a slow fallback that defeats the
+    # point of splitting. Medusa's tree verification would also move KV slots between steps, which drains
+    # the micro-batches in flight.
+    if (tp_size == 1 and pp_size == 1) or speculative_config is None:
         return
     method = speculative_config.method
     if method == "medusa" or (method == "draft_model" and speculative_config.options.get("model") is None):
         what = "Medusa" if method == "medusa" else "a self-draft (draft_model without 'model')"
-        raise ValueError(f"speculative_config: {what} is not supported with tensor_parallel_size={tp_size}: it "
-                         "runs on the target model, which tensor parallelism shards across the rank processes. "
-                         "Use tensor_parallel_size=1, method='ngram', or draft_model with a separate "
-                         "'model' checkpoint")
+        split = "tensor parallelism shards" if tp_size > 1 else "pipeline parallelism splits"
+        setting = f"tensor_parallel_size={tp_size}" if tp_size > 1 else f"pipeline_parallel_size={pp_size}"
+        raise ValueError(f"speculative_config: {what} is not supported with {setting}: it runs on the target "
+                         f"model, which {split} across the rank processes. Supported there: method='ngram', or "
+                         "draft_model with a separate 'model' checkpoint (both run in the driver)")
+
+
+def check_speculative_tensor_parallel(tp_size: int, speculative_config) -> None:
+    """`check_speculative_parallel` with one pipeline stage (the name the config and tests know)."""
+    check_speculative_parallel(tp_size, speculative_config)

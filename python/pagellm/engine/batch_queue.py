@@ -1,18 +1,24 @@
 """Pipeline micro-batches in the engine loop: `step()` = schedule -> submit -> collect the oldest step.
 
 On only when the executor takes several steps at once (`max_concurrent_batches` n > 1: pipeline_parallel_size
-n over "mp", pipeline_microbatching on); otherwise LLMEngine keeps its one-step path (schedule -> execute ->
+n over "mp" or "ray", pipeline_microbatching on); otherwise LLMEngine keeps its one-step path (schedule -> execute ->
 update). The scheduler then hands out up to n steps over disjoint requests (a request in flight is not
 scheduled again until its step is updated) and the executor runs them on the stages at once:
 
-    step():  if fewer than n steps are in flight: schedule one and submit it; return [] while the
-             pipeline is still filling.
+    step():  if fewer than n steps are in flight: ask the proposer (if any) for drafts of the decode-ready
+             requests not in flight, schedule one step and submit it; return [] while the pipeline is
+             still filling.
              collect the oldest step (wait for it), sample, update the scheduler, return its outputs.
 
 A request aborted while its step is in flight has its blocks freed at once (the step's later writes land in
 free blocks, before any later step can reuse them: every stage runs the steps in order); the collected step
-skips its row. A failed step (submit, collect, sampling) fails its own requests only and closes its pending
-step in the scheduler; the other steps in flight go on.
+skips its row (and its drafts). A failed step (submit, collect, sampling) fails its own requests only and
+closes its pending step in the scheduler; the other steps in flight go on.
+
+Speculative decoding: drafts come from proposers that need only the committed tokens (ngram, or a draft
+checkpoint run in this process: the driver knows every verified token first, and a draft on the last stage
+would need its own messages ordered with the steps in flight). A request is drafted for just before it is
+scheduled again, i.e. after its previous step was verified, so greedy output is that of plain decoding.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ class BatchQueueStep:
             in_step: list[str] = []
             sched_out = None
             try:
+                if self.proposer is not None:  # drafts for the decode-ready requests not in flight
+                    self._propose_drafts(in_step)
+                in_step.clear()  # a failure inside schedule() leaves nothing known: it fails every request
                 if self.lora is not None:
                     self.lora.admit_waiting()
                 sched_out = self.scheduler.schedule()
@@ -68,7 +77,7 @@ class BatchQueueStep:
                         return []  # fill the pipeline before waiting for the oldest step
             except BaseException as exc:  # noqa: BLE001
                 # schedule() itself failed: every live request fails (nothing else is known), no step closes
-                step_id = int(sched_out.step_id) if in_step else None
+                step_id = int(sched_out.step_id) if sched_out is not None and in_step else None
                 return self._fail_in_flight(exc, in_step, step_id)
         if not queue:
             return []
@@ -94,14 +103,20 @@ class BatchQueueStep:
         return outputs
 
     def _apply_in_flight_step(self, step: InFlightStep, result) -> list[RequestOutput]:
-        """Sample the rows still live (those aborted in flight get no token), then update the scheduler."""
+        """Sample the rows still live (those aborted in flight get no token), verify their drafts, then update
+        the scheduler."""
         sched_out, seq_ids = step.sched_out, step.seq_ids
         known = self.output_processor.seq_to_req
         live = [known.get(sid, (None,))[0] is st for sid, st in zip(seq_ids, step.states)]
+        prompt_rows = [r for r in step.prompt_logprob_rows if live[r]]
+        if len(sched_out.draft_token_ids):  # spec rows (engine/spec_step.py)
+            self._record_prompt_logprobs(sched_out, seq_ids, prompt_rows, result.prompt_logits)
+            update = self._sample_and_verify(sched_out, seq_ids, result.logits, live)
+            self._report_to_scheduler(sched_out, seq_ids, update)
+            return self._collect_outputs(update.changed)
         sampling = np.flatnonzero(sched_out.do_sample)
         kept = [k for k, r in enumerate(sampling) if live[r]]
         logits = result.logits if len(kept) == len(sampling) else result.logits[kept]
-        prompt_rows = [r for r in step.prompt_logprob_rows if live[r]]
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_rows, result.prompt_logits)
         targets, rows, logit_rows = self._build_sampling_rows(seq_ids, sampling[kept])
         token_ids, logprob_lists = self._sample(logits, rows, logit_rows)

@@ -5,8 +5,9 @@
 
 `method` is the name of a `Worker` method or a callable `fn(worker, *args, **kwargs)`: the seam that
 weight updates from an RL trainer, sleep/wake, tensor-parallel set-up and kernel-swap experiments use.
-"uni" runs the one worker in process; "mp" (mp_executor.py) runs tensor_parallel_size workers in
-processes on this host; "ray" (ray_executor.py) runs them as Ray actors on the nodes of a Ray cluster.
+"uni" runs the one worker in process; "mp" (mp_executor.py) runs tensor_parallel_size x
+pipeline_parallel_size workers in processes on this host; "ray" (ray_executor.py) runs them as Ray actors on
+the nodes of a Ray cluster (both build the same rank grid, distributed/rank_groups.py).
 
 Pipeline micro-batches: an executor whose `max_concurrent_batches` is n > 1 lets the engine submit up to n
 steps (`submit_model`) before it collects the oldest (`collect_model`), so pipeline stages work on different

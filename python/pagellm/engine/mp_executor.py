@@ -41,7 +41,8 @@ from pagellm.distributed.shm_comm import allreduce_backend, new_segment_name, un
 from pagellm.distributed.validation import check_pipeline_parallel, check_tensor_parallel, cpu_slices
 from pagellm.engine.executor import ExecutorBase, check_rpc_method, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
-from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, output_rank, worker_main
+from pagellm.distributed.rank_groups import output_rank
+from pagellm.engine.mp_worker import STEP_TIMEOUT_ENV, SchedulerOutputSnapshot, worker_main
 from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -117,7 +118,7 @@ class MultiprocExecutor(ExecutorBase):
         self.output_rank = output_rank(self.tp_size, self.pp_size)
         allowed = sorted(os.sched_getaffinity(0))
         check_pipeline_parallel(self.pp_size, self.tp_size, model_files.hf_config, device=mc.device,
-                                speculative=config.speculative_config is not None, allowed_cpus=len(allowed))
+                                speculative_config=config.speculative_config, allowed_cpus=len(allowed))
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device, allowed_cpus=len(allowed))
         self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, "300"))
         microbatching = self.pp_size > 1 and getattr(pc, "pipeline_microbatching", True)

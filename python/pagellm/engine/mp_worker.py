@@ -1,7 +1,7 @@
 """The worker-process side of the "mp" executor (mp_executor.py): one process per rank of the tp x pp grid.
 
-A rank pins itself to its slice of the CPUs, joins the gloo group, sets its TensorParallelState and
-PipelineParallelState (global rank = pp_rank * tp_size + tp_rank), builds a `Worker`, reports
+A rank pins itself to its slice of the CPUs, joins the rank grid (distributed/rank_groups.py, shared with
+the "ray" executor: one gloo world, global rank = pp_rank * tp_size + tp_rank), builds a `Worker`, reports
 ("ready", num_kv_blocks) and then serves requests from the driver over its pipe: pickled (method, args,
 kwargs, reply_with_result) in, ("ok", result) or ("error", exception, traceback text) out. A None message
 ends it. With pipeline stages (pp > 1) a thread reads the pipe ahead into a queue: the driver writes step
@@ -23,6 +23,8 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+
+from pagellm.distributed.rank_groups import join_rank_groups, output_rank
 
 STEP_TIMEOUT_ENV = "PAGELLM_MP_STEP_TIMEOUT_S"  # the longest one call may take before the driver gives up
 
@@ -88,44 +90,6 @@ def _error_reply(exc: BaseException) -> bytes:
         return pickle.dumps(("error", RuntimeError(f"{type(exc).__name__}: {exc}"), text))
 
 
-def output_rank(tp_size: int, pp_size: int = 1) -> int:
-    """The global rank whose step output is the step's output: tp rank 0 of the last pipeline stage."""
-    return (pp_size - 1) * tp_size
-
-
-def _join_groups(rank: int, tp_size: int, pp_size: int, port: int, timeout, num_layers: int,
-                 shm_name: str | None = None) -> None:
-    """init the gloo world of tp_size * pp_size ranks; set this rank's tensor-parallel group and stage.
-    With `shm_name` (the driver's base name) the stage's TP group also gets a shared-memory all-reduce."""
-    import torch.distributed as dist  # noqa: PLC0415
-
-    from pagellm.distributed import (  # noqa: PLC0415
-        PipelineParallelState, TensorParallelState, set_pp_state, set_tp_state,
-    )
-    from pagellm.distributed.pipeline import stage_layer_range  # noqa: PLC0415
-
-    world = tp_size * pp_size
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timeout)
-    tp_rank, pp_rank = rank % tp_size, rank // tp_size
-    group = dist.group.WORLD
-    if pp_size > 1 and tp_size > 1:  # every rank creates every stage's group, in the same order
-        stage_groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)]
-        group = stage_groups[pp_rank]
-    if tp_size > 1:
-        shm = None
-        if shm_name is not None:
-            from pagellm.distributed.shm_comm import ShmCommunicator, stage_segment_name  # noqa: PLC0415
-
-            shm = ShmCommunicator(stage_segment_name(shm_name, pp_rank), tp_rank, tp_size)
-        set_tp_state(TensorParallelState(tp_rank, tp_size, group, shm))
-    if pp_size > 1:
-        start, end = stage_layer_range(num_layers, pp_rank, pp_size)
-        set_pp_state(PipelineParallelState(
-            pp_rank, pp_size, start, end, prev_rank=rank - tp_size if pp_rank > 0 else None,
-            next_rank=rank + tp_size if pp_rank < pp_size - 1 else None))
-
-
 def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, config, model_files, conn,
                 pp_size: int = 1, shm_name: str | None = None) -> None:
     """Entry point of global rank `rank` of tp_size x pp_size (spawned). Never returns normally while the
@@ -138,7 +102,8 @@ def worker_main(rank: int, tp_size: int, port: int, cpus: list[int] | None, conf
 
         timeout = timedelta(seconds=float(os.environ.get(STEP_TIMEOUT_ENV, "300")))
         if tp_size * pp_size > 1:
-            _join_groups(rank, tp_size, pp_size, port, timeout, model_files.hf_config.num_hidden_layers, shm_name)
+            join_rank_groups(rank, tp_size, pp_size, f"tcp://127.0.0.1:{port}", timeout,
+                             model_files.hf_config.num_hidden_layers, shm_name)
         worker = Worker(config, model_files, rank=rank)
         conn.send_bytes(pickle.dumps(("ok", worker.num_kv_blocks)))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it

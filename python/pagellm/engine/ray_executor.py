@@ -1,12 +1,20 @@
-"""The "ray" executor: tensor_parallel_size ranks as Ray actors, placed by a placement group, on one
-machine or across a Ray cluster (`ray start --head` / `ray start --address=<head>:6379`).
+"""The "ray" executor: tensor_parallel_size x pipeline_parallel_size ranks as Ray actors, placed by a
+placement group (bundle i holds global rank i = pp_rank * tp + tp_rank), on one machine or across a Ray
+cluster (`ray start --head` / `ray start --address=<head>:6379`).
 
     driver (engine, scheduler, block manager; ray.init)
        │ each call: (args, kwargs) put in the object store once (the step's SchedulerOutputSnapshot),
        │ the same reference sent to every actor
        ▼
-    RayWorkerActor rank 0 … tp-1 (ray_worker.py: a Worker each, one gloo group whose rendezvous is a
-                                  free port on rank 0's node)
+    RayWorkerActor rank 0 … tp*pp-1 (ray_worker.py: a Worker each in the rank grid of the mp executor,
+                                     distributed/rank_groups.py: one gloo world whose rendezvous is a free
+                                     port on rank 0's node, activations sent stage to stage; the output of
+                                     tp rank 0 of the last stage is the step's)
+
+Pipeline micro-batches (pipeline_parallel_size > 1, pipeline_microbatching): `submit_model` sends a step to
+every actor and returns its object refs at once; an actor runs the calls of one caller in the order sent,
+so stage 0 starts step k+1 while the last stage still runs step k, and `collect_model` waits for the refs
+of one step (a collective_rpc in between waits for its own refs only: each call's replies are its own).
 
 Start-up, every step bounded: the address is probed first (PAGELLM_RAY_CONNECT_TIMEOUT_S, default 10 s; a
 ValueError names it), the placement group must be placed within PAGELLM_RAY_PLACEMENT_TIMEOUT_S (60 s),
@@ -14,7 +22,8 @@ every actor reports its node and its pagellm / torch / python versions (a mismat
 ValueError naming the node), then the Workers are built. Calls wait at most PAGELLM_RAY_STEP_TIMEOUT_S
 (300 s). A dead actor (ray.exceptions.RayActorError) fails the call with `WorkerDiedError` naming its rank
 and node; the executor is then broken (later calls raise at once) and its actors are killed, so the
-engine's step recovery fails the step's requests and /health reports it.
+engine's step recovery fails the step's requests and /health reports it; the steps still in flight fail
+with the same error when collected.
 """
 
 from __future__ import annotations
@@ -24,11 +33,12 @@ import socket
 import time
 import weakref
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from pagellm.config import EngineConfig
-from pagellm.distributed.validation import check_tensor_parallel
+from pagellm.distributed.rank_groups import output_rank
+from pagellm.distributed.validation import check_pipeline_parallel, check_tensor_parallel
 from pagellm.engine.executor import ExecutorBase, check_rpc_method, register_executor
 from pagellm.engine.model_runner import ModelRunnerOutput
 from pagellm.engine.mp_executor import WorkerDiedError, per_rank_config
@@ -131,6 +141,14 @@ def check_node_versions(driver: dict[str, str], node_infos: list[dict[str, Any]]
                              f"torch and python on every node of the Ray cluster")
 
 
+@dataclass
+class _RayCall:
+    """A call sent to every actor: one object ref per rank, in rank order."""
+
+    what: str
+    refs: list
+
+
 def _release(actors: list, pg) -> None:
     """Kill every actor and remove the placement group (idempotent; tolerant of a Ray already shut down)."""
     import ray  # noqa: PLC0415
@@ -152,7 +170,8 @@ def _release(actors: list, pg) -> None:
 
 @register_executor("ray")
 class RayExecutor(ExecutorBase):
-    """tensor_parallel_size ranks as Ray actors, one placement-group bundle each; rank 0's output is the step's."""
+    """tensor_parallel_size x pipeline_parallel_size ranks as Ray actors, one placement-group bundle each
+    (bundle i: global rank i); the output of tp rank 0 of the last stage is the step's."""
 
     def __init__(self, config: EngineConfig, model_files) -> None:
         super().__init__(config, model_files)
@@ -160,10 +179,14 @@ class RayExecutor(ExecutorBase):
 
         pc, mc = config.parallel_config, config.model_config
         self.tp_size = pc.tensor_parallel_size
-        if getattr(pc, "pipeline_parallel_size", 1) > 1:
-            raise ValueError(f"pipeline_parallel_size={pc.pipeline_parallel_size}: the ray executor runs tensor "
-                             f"parallelism only for now; use distributed_executor_backend='mp'")
+        self.pp_size = getattr(pc, "pipeline_parallel_size", 1)
+        self.world_size = self.tp_size * self.pp_size
+        self.output_rank = output_rank(self.tp_size, self.pp_size)
+        check_pipeline_parallel(self.pp_size, self.tp_size, model_files.hf_config, device=mc.device,
+                                speculative_config=config.speculative_config)
         check_tensor_parallel(self.tp_size, model_files.hf_config, device=mc.device)
+        microbatching = self.pp_size > 1 and getattr(pc, "pipeline_microbatching", True)
+        self._max_concurrent_batches = self.pp_size if microbatching else 1
         self.step_timeout_s = _env_seconds(STEP_TIMEOUT_ENV, 300.0)
         placement_timeout_s = _env_seconds(PLACEMENT_TIMEOUT_ENV, 60.0)
         connect_ray(pc.ray_address, _env_seconds(CONNECT_TIMEOUT_ENV, 10.0))
@@ -179,22 +202,22 @@ class RayExecutor(ExecutorBase):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("ray executor: %d ranks on nodes %s, %d KV blocks each", self.tp_size,
-                    [i["ip"] for i in self.node_infos], self._num_kv_blocks)
+        logger.info("ray executor: %d ranks (tp %d x pp %d) on nodes %s, %d KV blocks each", self.world_size,
+                    self.tp_size, self.pp_size, [i["ip"] for i in self.node_infos], self._num_kv_blocks)
 
     # ---- start-up ---------------------------------------------------------------------------------------
     def _place(self, strategy: str, timeout_s: float):
         import ray  # noqa: PLC0415
         from ray.util.placement_group import placement_group, remove_placement_group  # noqa: PLC0415
 
-        bundles = [{"CPU": self.cpus_per_rank} for _ in range(self.tp_size)]
+        bundles = [{"CPU": self.cpus_per_rank} for _ in range(self.world_size)]
         pg = placement_group(bundles, strategy=strategy)
         if not pg.wait(timeout_seconds=timeout_s):
             remove_placement_group(pg)
-            raise ValueError(f"Ray could not place {self.tp_size} bundles of {{'CPU': {self.cpus_per_rank}}} "
+            raise ValueError(f"Ray could not place {self.world_size} bundles of {{'CPU': {self.cpus_per_rank}}} "
                              f"(strategy {strategy}) within {timeout_s:g} s ({PLACEMENT_TIMEOUT_ENV}); the cluster "
                              f"has {ray.available_resources().get('CPU', 0):g} CPUs free. Add nodes or lower "
-                             f"tensor_parallel_size / PAGELLM_NUM_THREADS")
+                             f"tensor_parallel_size / pipeline_parallel_size / PAGELLM_NUM_THREADS")
         return pg
 
     def _start_actors(self, ray, timeout_s: float) -> None:
@@ -202,7 +225,7 @@ class RayExecutor(ExecutorBase):
 
         env = {k: v for k, v in os.environ.items() if k.startswith("PAGELLM_")}  # threads, timeouts, binding
         actor_cls = ray.remote(RayWorkerActor)
-        for rank in range(self.tp_size):
+        for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.placement_group,
                                                         placement_group_bundle_index=rank)
             options = {"num_cpus": self.cpus_per_rank, "scheduling_strategy": strategy, "max_restarts": 0}
@@ -221,7 +244,8 @@ class RayExecutor(ExecutorBase):
         files = ray.put(replace(model_files, tokenizer=None))  # the ranks never tokenize
         master_ip = self.node_infos[0]["ip"]
         port = self._gather([self.actors[0].free_port.remote()], self.step_timeout_s, "start-up")[0]
-        refs = [a.init_worker.remote(rank, self.tp_size, master_ip, port, rank_config, files, self.step_timeout_s)
+        refs = [a.init_worker.remote(rank, self.tp_size, self.pp_size, master_ip, port, rank_config, files,
+                                     self.step_timeout_s)
                 for rank, a in enumerate(self.actors)]
         return self._gather(refs, 2 * self.step_timeout_s, "start-up")
 
@@ -231,27 +255,45 @@ class RayExecutor(ExecutorBase):
         return self._num_kv_blocks
 
     @property
+    def max_concurrent_batches(self) -> int:
+        """pipeline_parallel_size with micro-batching (one step per stage in flight), else 1."""
+        return self._max_concurrent_batches
+
+    @property
     def broken_error(self) -> WorkerDiedError | None:
         """Why the executor cannot run calls any more (an actor died or stopped answering); None while healthy."""
         return self._broken
 
     def execute_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> ModelRunnerOutput:
+        return self.collect_model(self.submit_model(sched_out, prompt_logprob_rows, **kwargs))
+
+    def submit_model(self, sched_out, prompt_logprob_rows: list[int] | None = None, **kwargs: Any) -> _RayCall:
+        """Send the step to every actor and return at once (the snapshot is taken now)."""
         snapshot = sched_out if isinstance(sched_out, SchedulerOutputSnapshot) else SchedulerOutputSnapshot.of(sched_out)
-        return self._call_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)[0]
+        return self._send_all("execute_model", (snapshot, prompt_logprob_rows), kwargs, reply_with_result=False)
+
+    def collect_model(self, handle: _RayCall) -> ModelRunnerOutput:
+        return self._wait(handle)[self.output_rank]
 
     def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (),
                        kwargs: dict[str, Any] | None = None) -> list[Any]:
         check_rpc_method(method)
-        return self._call_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True)
+        return self._wait(self._send_all(method, tuple(args), dict(kwargs or {}), reply_with_result=True))
 
-    def _call_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> list[Any]:
+    def _send_all(self, method, args: tuple, kwargs: dict, reply_with_result: bool) -> _RayCall:
         import ray  # noqa: PLC0415
 
         if self._broken is not None:
             raise self._broken
         call = ray.put((args, kwargs))  # once; every actor reads the same object
         refs = [a.execute.remote(method, call, reply_with_result) for a in self.actors]
-        return self._gather(refs, self.step_timeout_s, f"call {getattr(method, '__name__', method)!r}")
+        return _RayCall(f"call {getattr(method, '__name__', method)!r}", refs)
+
+    def _wait(self, call: _RayCall) -> list[Any]:
+        """`call`'s replies in rank order; a call sent before the executor broke fails with its error."""
+        if self._broken is not None:
+            raise self._broken
+        return self._gather(call.refs, self.step_timeout_s, call.what)
 
     def _gather(self, refs: list, timeout_s: float, what: str) -> list[Any]:
         """Every actor's reply in rank order; a rank's exception is raised after all replied (bounded),
@@ -287,7 +329,8 @@ class RayExecutor(ExecutorBase):
             where = f" (Ray actor pid {info['pid']} on node {info['ip']}, host {info['hostname']})"
         hint = ("; an actor that cannot start on a node is often a Ray / Python version mismatch there"
                 if "start-up" in when and not self.node_infos else "")
-        self._broken = WorkerDiedError(f"tensor-parallel worker rank {rank}{where} died or stopped answering "
+        stage = f" (pipeline stage {rank // self.tp_size})" if self.pp_size > 1 else ""
+        self._broken = WorkerDiedError(f"worker rank {rank}{stage}{where} died or stopped answering "
                                        f"{when}; the ray executor is unusable (its other actors were killed){hint}")
         logger.error("%s", self._broken)
         self.shutdown()

@@ -1,10 +1,12 @@
-"""The actor side of the "ray" executor (ray_executor.py): one `RayWorkerActor` per tensor-parallel rank.
+"""The actor side of the "ray" executor (ray_executor.py): one `RayWorkerActor` per rank of the tp x pp grid.
 
 An actor starts light (no torch model yet) so the driver can first check where it landed and with which
 versions (`node_info`), then ask rank 0's node for a free port (`free_port`), and only then build the
-rank's `Worker` inside a gloo group (`init_worker`). After that it serves `execute` calls: a `Worker`
-method name or a callable `fn(worker, *args, **kwargs)`. Only rank 0 returns step outputs (the other
-ranks' are identical copies the driver does not need).
+rank's `Worker` inside the rank grid (`init_worker`: the same gloo world, stage groups and pipeline stage as
+the mp executor's ranks, distributed/rank_groups.py). After that it serves `execute` calls in the order
+the driver sent them (an actor runs one call at a time): a `Worker` method name or a callable
+`fn(worker, *args, **kwargs)`. Only the output rank (tp rank 0 of the last stage) returns step outputs (the
+other ranks' are identical copies, or nothing on earlier stages).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class RayWorkerActor:
     def __init__(self) -> None:
         self.worker = None
         self.rank = -1
+        self.returns_outputs = False
 
     def node_info(self) -> dict[str, Any]:
         """Where this actor runs and with which versions."""
@@ -57,32 +60,31 @@ class RayWorkerActor:
             s.bind(("", 0))
             return s.getsockname()[1]
 
-    def init_worker(self, rank: int, tp_size: int, master_ip: str, master_port: int, config, model_files,
-                    timeout_s: float) -> int:
-        """Join the gloo group (tp_size > 1), build this rank's Worker; returns its KV block count."""
-        import torch.distributed as dist  # noqa: PLC0415
-
-        from pagellm.distributed import TensorParallelState, set_tp_state  # noqa: PLC0415
+    def init_worker(self, rank: int, tp_size: int, pp_size: int, master_ip: str, master_port: int, config,
+                    model_files, timeout_s: float) -> int:
+        """Join the rank grid (tp_size x pp_size > 1; distributed/rank_groups.py, as the mp executor's ranks),
+        build this rank's Worker; returns its KV block count."""
+        from pagellm.distributed.rank_groups import join_rank_groups, output_rank  # noqa: PLC0415
         from pagellm.engine.worker import Worker  # noqa: PLC0415
 
         self.rank = rank
-        if tp_size > 1:
+        self.returns_outputs = rank == output_rank(tp_size, pp_size)
+        if tp_size * pp_size > 1:
             my_ip = self.node_info()["ip"]
             iface = "lo" if my_ip.startswith("127.") else _interface_of(my_ip)
             if iface and "GLOO_SOCKET_IFNAME" not in os.environ:
                 os.environ["GLOO_SOCKET_IFNAME"] = iface  # the interface Ray reaches this node on
-            dist.init_process_group("gloo", init_method=f"tcp://{master_ip}:{master_port}", rank=rank,
-                                    world_size=tp_size, timeout=timedelta(seconds=timeout_s))
-            set_tp_state(TensorParallelState(rank, tp_size, dist.group.WORLD))
+            join_rank_groups(rank, tp_size, pp_size, f"tcp://{master_ip}:{master_port}", timedelta(seconds=timeout_s),
+                             model_files.hf_config.num_hidden_layers)
         self.worker = Worker(config, model_files, rank=rank)
         return self.worker.num_kv_blocks
 
     def execute(self, method, call: tuple[tuple, dict], reply_with_result: bool) -> Any:
         """Run `method(*args, **kwargs)` on this rank's Worker, `call` = (args, kwargs) (the driver puts it in
-        the object store once; Ray hands every rank the same object). Rank 0 (or every rank when
-        reply_with_result) returns the result."""
+        the object store once; Ray hands every rank the same object). The output rank (tp rank 0 of the last
+        stage), or every rank when reply_with_result, returns the result."""
         args, kwargs = call
         fn = getattr(self.worker, method) if isinstance(method, str) else (
             lambda *a, **k: method(self.worker, *a, **k))
         result = fn(*args, **kwargs)
-        return result if reply_with_result or self.rank == 0 else None
+        return result if reply_with_result or self.returns_outputs else None

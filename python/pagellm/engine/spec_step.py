@@ -29,6 +29,7 @@ from pagellm.spec_decode import (
     create_proposer,
     split_spec_rows,
 )
+from pagellm.spec_decode.batch import keep_rows
 from pagellm.spec_decode.switch import SpecSwitch
 
 logger = init_logger(__name__)
@@ -60,10 +61,16 @@ class SpecDecodeStep:
         pays for the verify cost measured at the step's batch size (spec_decode/switch.py; re-probed now
         and then), which turns drafting off at the batch sizes where it cannot pay; with `adaptive_k` (opt-in) it also
         picks how many drafts (<= k) each sequence asks for. Resets `spec_stats`.
-        Raises TypeError for a non-BaseProposer, ValueError for a limit < 1 or when a waiting prompt plus
-        num_speculative_tokens lookahead slots no longer fits the KV cache."""
+        Raises TypeError for a non-BaseProposer, ValueError for a limit < 1, when a waiting prompt plus
+        num_speculative_tokens lookahead slots no longer fits the KV cache, or for a proposer that reads
+        hidden states or proposes trees under pipeline micro-batches."""
         if proposer is not None and not isinstance(proposer, BaseProposer):
             raise TypeError(f"proposer must be a BaseProposer or None, got {type(proposer).__name__}")
+        if proposer is not None and self._batch_queue is not None and (
+                proposer.needs_hidden_states or getattr(proposer, "proposes_trees", False)):
+            raise ValueError(f"{type(proposer).__name__} reads the target's hidden states or proposes trees, which "
+                             "pipeline micro-batches do not pass on; proposers that need only the tokens (ngram, "
+                             "draft_model with its own checkpoint) are supported, or set pipeline_microbatching=False")
         if disable_by_batch_size is None and proposer is not None:
             disable_by_batch_size = proposer.default_disable_by_batch_size
         if disable_by_batch_size is not None and (isinstance(disable_by_batch_size, bool)
@@ -119,7 +126,10 @@ class SpecDecodeStep:
 
     def _decode_only_step(self, ready: list[str]) -> bool:
         """Whether the coming step holds decode-ready rows only (none mid-prefill, no waiting request it can
-        admit): its time is a clean sample of a decode or verify step for the switch."""
+        admit): its time is a clean sample of a decode or verify step for the switch. Never under pipeline
+        micro-batches: the time between two schedules is not one step's there (the switch then leaves drafting on)."""
+        if self._batch_queue is not None:
+            return False
         running = self.scheduler.num_running
         return running == len(ready) and (self.scheduler.num_waiting == 0
                                           or running >= self.config.scheduler_config.max_num_seqs)
@@ -216,10 +226,14 @@ class SpecDecodeStep:
                                type(self.proposer).__name__, exc_info=exc)
             return {}
 
-    def _sample_and_verify(self, sched_out, seq_ids: list[str], logits: torch.Tensor) -> StepUpdate:
+    def _sample_and_verify(self, sched_out, seq_ids: list[str], logits: torch.Tensor,
+                           live: list[bool] | None = None) -> StepUpdate:
         """A step with spec rows: plain sampling rows are sampled as usual, spec rows verified; each spec
-        row's accepted tokens are appended one by one with stop checks (a stop truncates the run)."""
+        row's accepted tokens are appended one by one with stop checks (a stop truncates the run). `live`
+        (a step collected from the pipeline): per scheduler row, False for one aborted in flight (no token)."""
         split = split_spec_rows(sched_out)
+        if live is not None:
+            split = keep_rows(split, np.asarray(live, dtype=bool))
         update = StepUpdate()
         if len(split.plain_rows):
             targets, rows, logit_rows = self._build_sampling_rows(seq_ids, split.plain_rows)

@@ -33,3 +33,13 @@ def split_spec_rows(sched_out) -> SpecRows:
     bounds = np.concatenate([[0], np.cumsum(spec_counts - 1)]).tolist()
     drafts = [flat[bounds[i] : bounds[i + 1]] for i in range(len(spec_counts))]
     return SpecRows(sampling[~is_spec], start[~is_spec], sampling[is_spec], spec_logit_rows, drafts)
+
+
+def keep_rows(split: SpecRows, keep: np.ndarray) -> SpecRows:
+    """`split` without the scheduler rows r whose keep[r] is False (rows aborted while their step was in
+    flight: they get no token), logits rows and drafts dropped alike."""
+    plain, spec = keep[split.plain_rows], keep[split.spec_rows]
+    counts = np.asarray([1 + len(d) for d in split.draft_token_ids], dtype=np.int64)
+    return SpecRows(split.plain_rows[plain], split.plain_logit_rows[plain], split.spec_rows[spec],
+                    split.spec_logit_rows[np.repeat(spec, counts)],
+                    [d for d, k in zip(split.draft_token_ids, spec) if k])
