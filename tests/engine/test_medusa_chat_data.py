@@ -84,3 +84,18 @@ def test_train_medusa_on_chat_turns_writes_heads(tmp_path, tiny_llama_dir):
     out, acc = train_medusa(tmp_path / "heads", str(tiny_llama_dir), config)
     assert (out / "medusa_config.json").is_file() and set(acc) == {"base", "head1", "head2"}
     assert all(0.0 <= v <= 1.0 for v in acc.values())
+
+
+def test_engine_answers_equal_hf_greedy_answers(hf_base, tiny_tokenizer, tiny_llama_dir):
+    from pagellm.entrypoints.train_medusa import engine_answers
+
+    prompts = chat_prompt_ids(tiny_tokenizer, chat_questions(4, held_out=True, seed=2))
+    got = engine_answers(str(tiny_llama_dir), "float32")(prompts, 10)
+    assert got == chat_answers(hf_base, tiny_tokenizer, prompts, answer_len=10)
+
+
+def test_answer_fn_that_drops_the_prompt_is_refused(hf_base, tiny_tokenizer):
+    config = MedusaTrainConfig(data="chat", seq_len=8, num_train_seqs=2, num_heads=2)
+    with pytest.raises(ValueError, match="answer_fn"):
+        chat_training_data(hf_base, tiny_tokenizer, config, held_out=False, say=lambda _m: None,
+                           answer_fn=lambda prompts, n: [[1, 2, 3] for _ in prompts])

@@ -23,9 +23,29 @@ def run(a: argparse.Namespace) -> int:
                                batch_size=a.batch_size, data=a.data, seed=a.seed,
                                draft_vocab_size=a.draft_vocab_size)
     start = time.perf_counter()
-    out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True))
+    answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
+    out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True),
+                          answer_fn=answer_fn)
     print(f"[medusa] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
+
+
+def engine_answers(model: str | None, dtype: str):
+    """`--data chat`'s answers from pagellm itself: greedy, to the first EOS, at most answer_len tokens (the
+    engine is started on first use and shut down after each call)."""
+
+    def answer(prompts: list[list[int]], answer_len: int) -> list[list[int]]:
+        from pagellm import LLM, SamplingParams  # noqa: PLC0415
+
+        llm = LLM(model, dtype=dtype)
+        try:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                SamplingParams(temperature=0.0, max_tokens=answer_len), use_tqdm=False)
+            return [p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)]
+        finally:
+            llm.shutdown()
+
+    return answer
 
 
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
@@ -49,6 +69,8 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
                    help="kjv | pydoc: text on this machine; self: the model's own greedy continuations of KJV "
                         "prompts; chat: the model's own answers to chat-templated questions")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--answer-dtype", default="bfloat16",
+                   help="--data chat: the dtype pagellm answers the questions in (the one you serve with)")
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="> 0: draft only the N most frequent tokens of the training labels (a [N, H] LM head "
                         "product per step instead of the whole vocabulary's)")

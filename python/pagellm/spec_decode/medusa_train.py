@@ -276,25 +276,34 @@ def frozen_lm_head(base) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: F.linear(x, weight)
 
 
-def chat_training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool,
-                       say: Callable[[str], None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+AnswerFn = Callable[[list[list[int]], int], list[list[int]]]  # (prompts, answer_len) -> prompt + answer each
+
+
+def chat_training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool, say: Callable[[str], None],
+                       answer_fn: AnswerFn | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`--data chat`: ([1, S] token ids, [1, S, H] hidden states, flat trained positions) of chat turns laid
-    end to end; a turn's positions start at its prompt's last token (the first whose next token is answer)."""
+    end to end; a turn's positions start at its prompt's last token (the first whose next token is answer).
+    `answer_fn`: who answers (`pagellm train-medusa` passes the engine: the answers the heads will meet when
+    serving, and far faster than HF generate on a CPU); default: HF greedy decoding of `base` (chat_answers)."""
     from pagellm.spec_decode.medusa_chat_data import chat_prompt_ids, chat_questions  # noqa: PLC0415
 
     count = config.num_eval_seqs if held_out else config.num_train_seqs
     prompts = chat_prompt_ids(tokenizer, chat_questions(count, held_out, config.seed))
     say(f"chat self-distillation: answering {len(prompts)} {'held-out ' if held_out else ''}questions "
         f"(up to {config.seq_len} tokens each)")
-    seqs = chat_answers(base, tokenizer, prompts, config.seq_len)
+    seqs = (answer_fn or (lambda ps, n: chat_answers(base, tokenizer, ps, n)))(prompts, config.seq_len)
+    if any(q[: len(p)] != p for p, q in zip(prompts, seqs)) or len(seqs) != len(prompts):
+        raise ValueError("answer_fn must return each prompt followed by its answer")
     hidden = torch.cat([final_hidden_states(base, torch.tensor([q]))[0] for q in seqs])
     positions = ragged_positions([len(q) for q in seqs], [len(p) - 1 for p in prompts], config.num_heads)
     return torch.tensor([sum(seqs, [])]), hidden[None], positions
 
 
 def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
-                 progress: Callable[[str], None] | None = None) -> tuple[Path, dict[str, float]]:
-    """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies."""
+                 progress: Callable[[str], None] | None = None,
+                 answer_fn: AnswerFn | None = None) -> tuple[Path, dict[str, float]]:
+    """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies.
+    `answer_fn`: see chat_training_data (`--data chat` only)."""
     config = config or MedusaTrainConfig()
     config.check()
     say = progress or (lambda _msg: None)
@@ -305,7 +314,7 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     data = {}
     for held_out in (False, True):
         if config.data == "chat":
-            data[held_out] = chat_training_data(base, files.tokenizer, config, held_out, say)
+            data[held_out] = chat_training_data(base, files.tokenizer, config, held_out, say, answer_fn)
             continue
         ids = torch.tensor(build_windows(files.tokenizer, config, held_out), dtype=torch.long)
         if config.data == "self":
