@@ -255,3 +255,26 @@ def test_seeded_sampled_rows_take_chains_and_reproduce(tiny_llama_dir, vocab):
     assert first == second and num_trees == 0  # sampled rows never verify a tree (rejection sampling needs a chain)
     assert eng.spec_stats.num_draft_tokens > 0
     _assert_all_blocks_free(eng)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tree_steps_replay_from_step_graphs_bit_for_bit(tiny_llama_dir, vocab, dtype, monkeypatch):
+    """Tree verification steps replay through step graphs keyed by their shape (the tree is data); every replay
+    is also run eagerly and compared bit for bit (PAGELLM_STEP_GRAPH_CHECK), and the outputs (tokens and top-5 raw
+    logits) equal an enforce_eager run's."""
+    params = _greedy(32, logprobs=5, logprobs_mode="raw_logits")
+    prompts = _branchy_prompts(vocab, 6, seed=31)
+    config = _tree(3, 8, disable_by_batch_size=64, adaptive=False)
+    eager = _generate(_make_llm(tiny_llama_dir, dtype=dtype, max_num_seqs=2, enforce_eager=True,
+                                speculative_config=config), prompts, params)
+    monkeypatch.setenv("PAGELLM_STEP_GRAPH_CHECK", "1")
+    llm = _make_llm(tiny_llama_dir, dtype=dtype, max_num_seqs=2, speculative_config=config)
+    eng = llm.llm_engine
+    trees = _count_trees(eng)
+    outs = _generate(llm, prompts, params)
+    assert [list(o.token_ids) for o in outs] == [list(o.token_ids) for o in eager]
+    assert [o.logprobs for o in outs] == [o.logprobs for o in eager]
+    graphs = eng.runner.step_graphs
+    tree_replays = sum(n for key, n in graphs.num_replays_by_key.items() if key[0] == "tree")
+    assert trees[0] > 0 and tree_replays > 0 and graphs.check
+    _assert_all_blocks_free(eng)

@@ -20,6 +20,7 @@ from pagellm.engine.tree_step import (
 from pagellm.logger import init_logger
 from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
+from pagellm.sampling.processors import argmax_rows
 from pagellm.spec_decode import (
     BaseProposer,
     DraftRequest,
@@ -180,7 +181,7 @@ class SpecDecodeStep:
         if not parents:
             return None
         seq_ids = [sched_out.request_ids[r] for r in split.spec_rows]
-        target_ids = spec_logits.argmax(dim=-1).tolist()
+        target_ids = argmax_rows(spec_logits).tolist()  # torch's argmax rule, without its slow CPU reduction
         row_parents = [parents.get(int(r)) for r in split.spec_rows]
         chosen = typical_tree_paths(split, row_parents, rows, spec_logits, self.sampler.typical_acceptance,
                                     self.vocab_size)
@@ -231,7 +232,8 @@ class SpecDecodeStep:
         spec_logits = _take_rows(logits, split.spec_logit_rows)
         paths = self._tree_paths(sched_out, split, spec_logits, rows)
         if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
-            split, spec_logits = paths.chain_split, spec_logits[paths.chain_logit_rows]
+            # a view when each path is its tree's first nodes (the heaviest branch usually is)
+            split, spec_logits = paths.chain_split, _take_rows(spec_logits, paths.chain_logit_rows)
         md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
                                      device=spec_logits.device)
         verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
