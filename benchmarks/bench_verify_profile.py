@@ -33,6 +33,8 @@ PHASES = ("proposer", *P.PHASES[:-1], "verify", "other")
 def instrument_spec(eng, timers: P.StepTimers):
     """bench_step_profile's timers plus the proposer and verification phases; returns undo."""
     undo = P.instrument(eng, timers)
+    runner = eng.runner
+    runner._tree_with_graph = timers.wrap("forward+pad", runner._tree_with_graph)  # a tree step's replay
     saved = {k: eng.__dict__.get(k) for k in ("_propose_drafts", "_sample_and_verify")}
     eng._propose_drafts = timers.wrap("proposer", getattr(eng, "_propose_drafts"))
     eng._sample_and_verify = timers.wrap("verify+", getattr(eng, "_sample_and_verify"))
@@ -40,6 +42,7 @@ def instrument_spec(eng, timers: P.StepTimers):
     def undo_all() -> None:
         for k in saved:
             eng.__dict__.pop(k, None)
+        runner.__dict__.pop("_tree_with_graph", None)
         undo()
     return undo_all
 
