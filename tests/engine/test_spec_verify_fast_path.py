@@ -22,6 +22,16 @@ def test_take_rows_equals_indexing(rows, width):
     assert torch.equal(got, logits[torch.as_tensor(idx, dtype=torch.long)])
 
 
+@pytest.mark.parametrize("positions", [[0], [3], [2, 3, 4, 5], [0, 2, 5], [6, 1], list(range(9))])
+def test_take_positions_equals_indexing(positions):
+    from pagellm.engine.model_runner import _take_positions
+
+    hidden = torch.randn(9, 41).to(torch.bfloat16)
+    idx = np.asarray(positions, dtype=np.int64)
+    got = _take_positions(hidden, idx, torch.from_numpy)
+    assert torch.equal(got, hidden[torch.as_tensor(idx)]) and got.is_contiguous()
+
+
 def _verify(logits, drafts, params):
     rows = [SamplingRow(p, [1, 2], [3], None) for p in params]
     md = build_sampling_metadata(expand_rows_for_verify(rows, drafts), logits.shape[1])

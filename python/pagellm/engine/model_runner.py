@@ -210,7 +210,7 @@ class ModelRunner:
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states)
-        logits = self.model.compute_logits(hidden[self._to_device(gather)])  # model dtype
+        logits = self.model.compute_logits(_take_positions(hidden, gather, self._to_device))  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
                                  hidden_states=hidden_states)
@@ -246,6 +246,16 @@ def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
                                                                              device=q_lens.device),
                              group_slot_mappings=md.group_slot_mappings,
                              group_block_tables=tuple(t.index_select(0, rows) for t in md.group_block_tables))
+
+
+def _take_positions(hidden: torch.Tensor, positions: np.ndarray, to_device) -> torch.Tensor:
+    """hidden[positions]: a view when they are consecutive (a batch-1 decode or verify row), else index_select.
+    Not hidden[tensor]: on CPU that advanced-indexing kernel is an OpenMP region from about 6 rows on, which a loaded
+    2-core machine stalled for 20-45 ms per verify step (torch.profiler, load 16); index_select of a few rows is not."""
+    n = len(positions)
+    if n and int(positions[-1]) - int(positions[0]) == n - 1 and (n == 1 or bool((np.diff(positions) == 1).all())):
+        return hidden[int(positions[0]) : int(positions[0]) + n]
+    return hidden.index_select(0, to_device(np.ascontiguousarray(positions, dtype=np.int64)))
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,
