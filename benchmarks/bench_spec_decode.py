@@ -251,7 +251,14 @@ def main() -> None:
     ap.add_argument("--wait-load", type=float, default=2.5)
     ap.add_argument("--wait-timeout", type=float, default=300)
     ap.add_argument("--tag", default="full")
+    ap.add_argument("--pagellm-src", default=None,
+                    help="import pagellm from this python/ dir (another checkout's package with its built _C): the "
+                         "'before' arm of a before/after pair of runs")
     args = ap.parse_args()
+    if args.pagellm_src:
+        import bench_step_profile
+
+        bench_step_profile.use_pagellm_from(args.pagellm_src)
     args.num_threads_env = os.environ.get("PAGELLM_NUM_THREADS", "unset (all CPUs)")
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
