@@ -34,7 +34,8 @@ def instrument_spec(eng, timers: P.StepTimers):
     """bench_step_profile's timers plus the proposer and verification phases; returns undo."""
     undo = P.instrument(eng, timers)
     runner = eng.runner
-    runner._tree_with_graph = timers.wrap("forward+pad", runner._tree_with_graph)  # a tree step's replay
+    if hasattr(runner, "_tree_with_graph"):  # a tree step's replay (absent from older checkouts)
+        runner._tree_with_graph = timers.wrap("forward+pad", runner._tree_with_graph)
     saved = {k: eng.__dict__.get(k) for k in ("_propose_drafts", "_sample_and_verify")}
     eng._propose_drafts = timers.wrap("proposer", getattr(eng, "_propose_drafts"))
     eng._sample_and_verify = timers.wrap("verify+", getattr(eng, "_sample_and_verify"))
@@ -138,7 +139,11 @@ def main() -> None:
     ap.add_argument("--warmup-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--tag", default="ngram")
+    ap.add_argument("--pagellm-src", default=None,
+                    help="import pagellm from this python/ dir (another checkout's package with its built _C): a before run")
     args = ap.parse_args()
+    if args.pagellm_src:
+        P.use_pagellm_from(args.pagellm_src)
     C.setup_threads(args.threads)
     tok, _ = C.load_tokenizer_for_prompts()
     prompts = S.workloads(tok, args.prompts)["copy"]
