@@ -5,6 +5,7 @@ method and number of draft tokens k, against no speculation, in one interleaved 
     python benchmarks/bench_spec_decode.py                                # none + ngram k=2,4; batch 1 and 8
     python benchmarks/bench_spec_decode.py --methods none,ngram --ks 3 --batches 1 --rounds 1 --output-len 16
     python benchmarks/bench_spec_decode.py --methods none,medusa --ks 3 --workloads chat --medusa-heads DIR
+    python benchmarks/bench_spec_decode.py --methods none,ngram,ngram_tree --ks 3,6 --tree-nodes 8 --batches 1
 
 Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
   copy   copy-heavy prompts: rewrite / summarise a KJV passage (Debian's bible-kjv, `bible -f`), and
@@ -47,6 +48,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
+    # ngram candidate trees: depth k, at most --tree-nodes nodes (greedy rows), verified in one step
+    "ngram_tree": lambda k, args: {**METHODS["ngram"](k, args), "tree_nodes": max(k, args.tree_nodes)},
     # ngram with adaptive k (opt-in): each sequence asks for the drafts (<= k) that pay best; A/B with ngram in one run
     "ngram_adaptive_k": lambda k, args: {**METHODS["ngram"](k, args), "adaptive_k": True},
     # the target's own Q4_1 file read natively (quantization="gguf") as its draft: a self-draft made here
@@ -237,6 +240,7 @@ def main() -> None:
     ap.add_argument("--prompt-lookup-min", type=int, default=1)
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--tree-nodes", type=int, default=8, help="ngram_tree: the tree's most nodes (at least k)")
     ap.add_argument("--medusa-heads", default="/tmp/medusa-smollm2", help="heads from `pagellm train-medusa --output`")
     ap.add_argument("--draft-options", type=json.loads, default={},
                     help='draft_model: extra speculative_config keys as JSON, e.g. \'{"num_layers": 20}\'')
@@ -247,7 +251,14 @@ def main() -> None:
     ap.add_argument("--wait-load", type=float, default=2.5)
     ap.add_argument("--wait-timeout", type=float, default=300)
     ap.add_argument("--tag", default="full")
+    ap.add_argument("--pagellm-src", default=None,
+                    help="import pagellm from this python/ dir (another checkout's package with its built _C): the "
+                         "'before' arm of a before/after pair of runs")
     args = ap.parse_args()
+    if args.pagellm_src:
+        import bench_step_profile
+
+        bench_step_profile.use_pagellm_from(args.pagellm_src)
     args.num_threads_env = os.environ.get("PAGELLM_NUM_THREADS", "unset (all CPUs)")
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:

@@ -12,13 +12,24 @@ from pagellm.engine.spec_step import _take_rows
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, expand_rows_for_verify
 
 
-@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 4, 5], [2], [0, 2, 3], [5, 1, 2], [4, 3], []])
-def test_take_rows_equals_indexing(rows):
-    logits = torch.randn(7, 37).to(torch.bfloat16)
+@pytest.mark.parametrize("width", [37, 40_003])  # one piece / several pieces with a ragged last one (COPY_PIECE)
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [3, 4, 5], [2], [0, 2, 3], [5, 1, 2], [4, 3], [], [6, 0] * 20])
+def test_take_rows_equals_indexing(rows, width):
+    logits = torch.randn(7, width).to(torch.bfloat16)
     idx = np.asarray(rows, dtype=np.int64)
-    got = _take_rows(logits, idx)
-    assert got.shape == (len(rows), 37)
+    got = _take_rows(logits, idx)  # [6, 0] * 20: 40 rows, above SERIAL_GATHER_MAX_ROWS: the gather
+    assert got.shape == (len(rows), width)
     assert torch.equal(got, logits[torch.as_tensor(idx, dtype=torch.long)])
+
+
+@pytest.mark.parametrize("positions", [[0], [3], [2, 3, 4, 5], [0, 2, 5], [6, 1], list(range(9))])
+def test_take_positions_equals_indexing(positions):
+    from pagellm.engine.model_runner import _take_positions
+
+    hidden = torch.randn(9, 41).to(torch.bfloat16)
+    idx = np.asarray(positions, dtype=np.int64)
+    got = _take_positions(hidden, idx, torch.from_numpy)
+    assert torch.equal(got, hidden[torch.as_tensor(idx)]) and got.is_contiguous()
 
 
 def _verify(logits, drafts, params):

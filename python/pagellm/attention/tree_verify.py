@@ -40,6 +40,18 @@ def tree_verify_refusal(worker) -> str | None:
     return None
 
 
+def check_tree_verification(executor, what: str, fallback: str) -> None:
+    """ValueError, at start-up, when the target's workers cannot run tree verification steps (a quantized KV
+    cache, sliding-window or MLA layers): `what` names the trees ("Medusa trees"), `fallback` how to verify chain
+    drafts instead ("drop 'tree'"). No executor (a proposer built by hand): nothing to check."""
+    if executor is None:
+        return
+    for reason in executor.collective_rpc(tree_verify_refusal):
+        if reason is not None:
+            raise ValueError(f"speculative_config: {what} are verified with paged_tree_attention, which cannot run "
+                             f"this model ({reason}); {fallback} to verify chain drafts instead")
+
+
 def _tree_op():
     return torch.ops.pagellm.paged_tree_attention.default if ops.ops_available()[0] else reference.paged_tree_attention
 

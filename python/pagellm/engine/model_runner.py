@@ -46,6 +46,8 @@ class ModelRunnerOutput:
     hidden_states: torch.Tensor | None = None
 
 
+# the longest row a tree verification step may have to replay from a step graph (a spec row: 1 + its tree's nodes)
+MAX_TREE_GRAPH_QUERY_LEN = 64
 STEP_GRAPH_ENV = "PAGELLM_STEP_GRAPH"  # "0" runs every step eagerly (A/B tests, debugging)
 # "1": every replay is checked against the eager forward (bit-identical or StepGraphMismatch); for debugging
 STEP_GRAPH_CHECK_ENV = "PAGELLM_STEP_GRAPH_CHECK"
@@ -136,6 +138,25 @@ class ModelRunner:
 
         return self.step_graphs.run((md.num_reqs, padded), inputs, step)
 
+    def _tree_with_graph(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
+                         tree_mask: torch.Tensor) -> torch.Tensor:
+        """A tree verification step of short rows through the step graph of its shape: keyed by rows, tokens,
+        block-table width and mask width (the tree's shape is data: the mask and positions are inputs)."""
+        width = md.block_tables.shape[1]
+        padded = _block_table_width(width)
+        tables = md.block_tables
+        if padded != width:
+            tables = torch.zeros((md.num_reqs, padded), dtype=tables.dtype, device=tables.device)
+            tables[:, :width] = md.block_tables
+        inputs = [input_ids, positions, md.slot_mapping, tables, md.seq_lens, md.query_start_loc, tree_mask]
+
+        def step(ins: list[torch.Tensor]) -> torch.Tensor:
+            step_md = replace(md, slot_mapping=ins[2], block_tables=ins[3], seq_lens=ins[4], query_start_loc=ins[5])
+            return self._forward(step_md, ins[0], ins[1], TreeVerifyAttention(self.attn_backend, ins[6]))
+
+        key = ("tree", md.num_reqs, md.num_tokens, padded, tree_mask.shape[1])
+        return self.step_graphs.run(key, inputs, step)
+
     def _lora_token_slots(self, sched_out, lora_slots: np.ndarray | None) -> torch.Tensor | None:
         """Each scheduled token's adapter slot (int32 [num_tokens]), from the rows' slots."""
         if lora_slots is None:
@@ -161,14 +182,15 @@ class ModelRunner:
         metadata = self.build_metadata(sched_out)
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
         token_slots = self._lora_token_slots(sched_out, lora_slots)
-        backend = None
         if draft_parents is not None:  # tree verification: tree positions, one tree-masked attention call per layer
             tree_positions, tree_mask = tree_step_inputs(sched_out, draft_parents)
-            positions = self._to_device(tree_positions)
-            backend = TreeVerifyAttention(self.attn_backend, tree_mask.to(self.device))
-        if backend is not None:
-            with self._lora_scope(token_slots):
-                hidden = self._forward(metadata, input_ids, positions, backend)
+            positions, tree_mask = self._to_device(tree_positions), tree_mask.to(self.device)
+            if token_slots is None and self.step_graphs is not None and _replays_as_tree(metadata, self.kv_caches):
+                hidden = self._tree_with_graph(metadata, input_ids, positions, tree_mask)
+            else:
+                with self._lora_scope(token_slots):
+                    hidden = self._forward(metadata, input_ids, positions,
+                                           TreeVerifyAttention(self.attn_backend, tree_mask))
         elif token_slots is None and self.step_graphs is not None and _replays_as_decode(metadata):
             hidden = self._decode_with_graph(_rows_as_decode_tokens(metadata), input_ids, positions)
         elif token_slots is not None:  # LoRA steps run eagerly: their hooks read the slots (pagellm.lora.layers)
@@ -188,7 +210,7 @@ class ModelRunner:
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states)
-        logits = self.model.compute_logits(hidden[self._to_device(gather)])  # model dtype
+        logits = self.model.compute_logits(_take_positions(hidden, gather, self._to_device))  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
                                  hidden_states=hidden_states)
@@ -199,6 +221,12 @@ def _replays_as_decode(md: AttentionMetadata) -> bool:
     short prompts) replay through the decode graphs: the cpu backend, the only one step graphs run with,
     attends such rows one decode-kernel query per token anyway (attention/cpu_backend.py)."""
     return md.num_tokens > 0 and md.num_reqs > 0 and md.max_query_len <= MULTI_QUERY_MAX_LEN
+
+
+def _replays_as_tree(md: AttentionMetadata, kv_caches: KVCaches) -> bool:
+    """Tree verification steps of short rows (decodes, spec rows with trees, short prompts) on a one-group KV cache
+    replay through tree graphs; longer prefill chunks would multiply the keys (one per chunk length) for little."""
+    return md.num_reqs > 0 and md.max_query_len <= MAX_TREE_GRAPH_QUERY_LEN and kv_caches.num_groups == 1
 
 
 def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
@@ -218,6 +246,16 @@ def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
                                                                              device=q_lens.device),
                              group_slot_mappings=md.group_slot_mappings,
                              group_block_tables=tuple(t.index_select(0, rows) for t in md.group_block_tables))
+
+
+def _take_positions(hidden: torch.Tensor, positions: np.ndarray, to_device) -> torch.Tensor:
+    """hidden[positions]: a view when they are consecutive (a batch-1 decode or verify row), else index_select.
+    Not hidden[tensor]: on CPU that advanced-indexing kernel is an OpenMP region from about 6 rows on, which a loaded
+    2-core machine stalled for 20-45 ms per verify step (torch.profiler, load 16); index_select of a few rows is not."""
+    n = len(positions)
+    if n and int(positions[-1]) - int(positions[0]) == n - 1 and (n == 1 or bool((np.diff(positions) == 1).all())):
+        return hidden[int(positions[0]) : int(positions[0]) + n]
+    return hidden.index_select(0, to_device(np.ascontiguousarray(positions, dtype=np.int64)))
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from pagellm.attention.tree_verify import tree_verify_refusal
+from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
@@ -96,7 +96,7 @@ class MedusaProposer(BaseProposer):
         if tree.depth > config.num_speculative_tokens:
             raise ValueError(f"the Medusa tree is {tree.depth} deep: it needs num_speculative_tokens >= {tree.depth} "
                              f"(one head per level), got {config.num_speculative_tokens}")
-        check_tree_verification(context)
+        check_tree_verification(context.executor, "Medusa trees", "drop 'tree'")
         return MedusaTreeProposer(heads, tree, lm_head)
 
     # ------------------------------------------------------------------ the engine's hidden states
@@ -192,17 +192,6 @@ class MedusaTreeProposer(MedusaProposer):
             else:
                 out[r.seq_id] = chain[: r.max_num_drafts]
         return out
-
-
-def check_tree_verification(context: ProposerContext) -> None:
-    """ValueError, at start-up, when the target cannot run tree verification steps (attention/tree_verify.py:
-    a quantized KV cache, sliding-window or MLA layers); chain drafts (no "tree") work there."""
-    if context.executor is None:
-        return
-    for reason in context.executor.collective_rpc(tree_verify_refusal):
-        if reason is not None:
-            raise ValueError(f"speculative_config: Medusa trees are verified with paged_tree_attention, which cannot "
-                             f"run this model ({reason}); drop 'tree' to verify chain drafts instead")
 
 
 def _target_model(worker):

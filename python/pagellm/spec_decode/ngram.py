@@ -8,57 +8,35 @@ down to prompt_lookup_min, that also occurred earlier is looked up; the tokens t
 recent earlier occurrence are the drafts (read on from their start when they reach the end of the
 sequence: a loop goes on). No model, no state between steps: it pays off where outputs copy their
 input (rewriting, summarising, code edits) and costs one numpy scan per sequence elsewhere.
+
+Candidate trees (`"tree_nodes": N`, N >= num_speculative_tokens): greedy rows get a token tree of up to N
+nodes and depth num_speculative_tokens merged from several earlier occurrences of the suffix, heaviest
+branches first (ngram_match.ngram_candidate_tree), verified in one step with paged_tree_attention like Medusa
+trees (engine/tree_step.py); the longest path the target agrees with is committed. Sampled rows keep the
+chain (lossless rejection sampling needs one deterministic draft path). A row whose tree is a single chain is
+verified as one. A target the tree step cannot run (quantized KV cache, sliding-window or MLA layers) is
+refused at construction.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from pagellm.spec_decode.base import BaseProposer, DraftRequest
+from pagellm.attention.tree_verify import check_tree_verification
+from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer, DraftRequest
+from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
 MAX_PROMPT_LOOKUP = 128  # longest n-gram matched; longer suffixes add nothing a 128-token match lacks
-
-
-def find_ngram_continuation(token_ids: np.ndarray, min_n: int, max_n: int, num_tokens: int) -> np.ndarray:
-    """Drafts for one sequence `token_ids` [num_ids] (int64): the `num_tokens` tokens following the most
-    recent earlier occurrence of the longest suffix of length n in [min_n, max_n], read on cyclically
-    when they reach the end of the sequence (empty: no match).
-
-    Vectorised: the candidates are the earlier positions j holding the last token; their match length
-    (how many tokens ending at j equal the suffix, at most max_n) grows one comparison over all
-    candidates per step back, so the Python loop runs max_n times, never over the tokens."""
-    last = len(token_ids) - 1
-    if last < 1 or num_tokens < 1:
-        return token_ids[:0]
-    ends = np.flatnonzero(token_ids[:last] == token_ids[last])  # earlier occurrences' last positions
-    if not len(ends):
-        return token_ids[:0]
-    length = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, min(max_n, last)):  # the suffix is token_ids[last - back .. last]
-        pos = ends - back
-        alive &= pos >= 0
-        alive[alive] = token_ids[pos[alive]] == token_ids[last - back]
-        if not alive.any():
-            break
-        length += alive
-    best = int(length.max())
-    if best < min_n:
-        return token_ids[:0]
-    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1  # the most recent of the longest matches
-    # a continuation cut off by the end of the sequence repeats: the suffix recurs after it, so what
-    # followed the match follows again (a loop of period p yields k drafts, not p)
-    return token_ids[start + np.arange(num_tokens) % (len(token_ids) - start)]
 
 
 @register_proposer("ngram")
 class NgramProposer(BaseProposer):
     """Prompt-lookup drafts (`find_ngram_continuation`) per sequence; sequences without a match get none."""
 
-    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max")
+    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max", "tree_nodes")
     # CPU decode is weight-bound at small batches, so scoring 1 + k tokens per row is nearly free there;
     # from a handful of rows on the forward turns compute-bound and rejected drafts cost real time.
     default_disable_by_batch_size = 4
@@ -78,10 +56,21 @@ class NgramProposer(BaseProposer):
                                  f"got {value!r}")
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        nodes = options.get("tree_nodes")
+        if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
+                                  or not 1 <= nodes <= MAX_SPECULATIVE_TOKENS):
+            raise ValueError(f"speculative_config: tree_nodes must be None or an integer in [1, "
+                             f"{MAX_SPECULATIVE_TOKENS}] (and >= num_speculative_tokens), got {nodes!r}")
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "NgramProposer":
-        return cls(config.num_speculative_tokens, **config.options)
+        options = {k: v for k, v in config.options.items() if k in cls.OPTIONS}
+        nodes = options.pop("tree_nodes", None)
+        if nodes is None:
+            return cls(config.num_speculative_tokens, **options)
+        proposer = NgramTreeProposer(config.num_speculative_tokens, nodes, **options)  # ValueError: N < k
+        check_tree_verification(context.executor, "ngram trees", "drop 'tree_nodes'")
+        return proposer
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {}
@@ -91,4 +80,55 @@ class NgramProposer(BaseProposer):
                                             min(self.num_speculative_tokens, r.max_num_drafts))
             if len(found):
                 drafts[r.seq_id] = found.tolist()
+        return drafts
+
+
+class NgramTreeProposer(NgramProposer):
+    """Candidate trees (ngram_match.ngram_candidate_tree) of depth `num_speculative_tokens` and at most
+    `tree_nodes` nodes for the rows the engine allows (greedy ones), chains for the others. Its
+    `num_speculative_tokens` (the lookahead slots a row reserves) becomes `tree_nodes`; `depth` keeps k."""
+
+    proposes_trees = True  # the engine asks draft_parents() and tells set_tree_seq_ids() which rows may take trees
+
+    def __init__(self, num_speculative_tokens: int, tree_nodes: int, prompt_lookup_min: int = 1,
+                 prompt_lookup_max: int = 4) -> None:
+        super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+        self.check_options({"tree_nodes": tree_nodes})
+        if tree_nodes < num_speculative_tokens:
+            raise ValueError(f"speculative_config: tree_nodes ({tree_nodes}) must be >= num_speculative_tokens "
+                             f"({num_speculative_tokens}), the tree's depth")
+        self.depth = num_speculative_tokens
+        self.tree_nodes = tree_nodes
+        self.num_speculative_tokens = tree_nodes
+        self._tree_ok: set[str] = set()  # sequences that may take a tree in the next propose()
+        self._parents: dict[str, list[int]] = {}  # sequences whose last drafts were a (branching) tree
+
+    def set_tree_seq_ids(self, seq_ids: Iterable[str]) -> None:
+        """The sequences of the next propose() that may take a tree; the others get chains."""
+        self._tree_ok = set(seq_ids)
+
+    def draft_parents(self, seq_id: str, num_drafts: int) -> list[int] | None:
+        """Parent index of each of the first num_drafts drafts of seq_id (-1: the row's committed token), or
+        None when they are a chain."""
+        parents = self._parents.get(seq_id)
+        if parents is None:
+            return None
+        parents = parents[:num_drafts]
+        return None if parents == list(range(-1, len(parents) - 1)) else parents  # a clamped tree may be a chain
+
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        drafts: dict[str, list[int]] = {}
+        self._parents = {}
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        for r in requests:
+            ids = np.asarray(r.token_ids, dtype=np.int64)
+            depth = min(self.depth, r.max_num_drafts)
+            if r.seq_id in self._tree_ok:
+                tokens, parents = ngram_candidate_tree(ids, lo, hi, depth, min(self.tree_nodes, r.max_num_drafts))
+                if parents != list(range(-1, len(parents) - 1)):  # a branching tree (a chain is verified as one)
+                    self._parents[r.seq_id] = parents
+            else:
+                tokens = find_ngram_continuation(ids, lo, hi, depth).tolist()
+            if tokens:
+                drafts[r.seq_id] = tokens
         return drafts

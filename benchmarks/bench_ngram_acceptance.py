@@ -1,0 +1,94 @@
+#!/usr/bin/env python
+"""Offline acceptance of ngram chains and candidate trees on the default model's own greedy outputs (issue 17).
+
+    python benchmarks/bench_ngram_acceptance.py                        # copy prompts, 96 new tokens
+    python benchmarks/bench_ngram_acceptance.py --workload chat --costs 0.03,0.1
+
+One plain greedy generation per prompt (bench_spec_decode's workloads, bf16) gives the sequence a lossless
+speculative run must reproduce. Each configuration is then replayed without the model: at every step the proposer
+sees prompt + the tokens committed so far, drafts a chain (find_ngram_continuation) or a tree
+(ngram_candidate_tree), and the step commits the longest draft path equal to the true continuation plus one token
+(what greedy verification commits). Reported: tokens per step, and the decode speed-up under a verify cost model
+(a step of 1 + d tokens costs 1 + c d plain steps, c per --costs; a step without drafts costs 1), which says how
+cheap a draft token must be for a configuration to pay. No timing: the numbers do not depend on the machine's load.
+Writes benchmarks/results/ngram_acceptance_<tag>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import bench_spec_decode as S
+import common as C
+import numpy as np
+
+CONFIGS = (("chain", 3, 3), ("chain", 4, 4), ("chain", 6, 6), ("chain", 8, 8), ("tree", 3, 4), ("tree", 3, 6),
+           ("tree", 4, 6), ("tree", 4, 8), ("tree", 6, 10), ("tree", 8, 16))
+
+
+def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: int, lo: int, hi: int) -> list[int]:
+    """Per step of a lossless speculative run: its number of draft tokens and tokens committed (pairs)."""
+    from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
+
+    steps = []
+    for prompt, out in pairs:
+        seq, i = list(prompt), 0
+        while i < len(out):
+            ids = np.asarray(seq, dtype=np.int64)
+            if kind == "chain":
+                drafts = find_ngram_continuation(ids, lo, hi, k).tolist()
+                parents = list(range(-1, len(drafts) - 1))
+            else:
+                drafts, parents = ngram_candidate_tree(ids, lo, hi, k, nodes)
+            depth = {-1: 0}  # accepted nodes -> their depth
+            for j, (t, p) in enumerate(zip(drafts, parents)):
+                if p in depth and i + depth[p] < len(out) and out[i + depth[p]] == t:
+                    depth[j] = depth[p] + 1
+            n = min(max(depth.values()) + 1, len(out) - i)
+            steps.append((len(drafts), n))
+            seq += out[i : i + n]
+            i += n
+    return steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=S.WORKLOADS, default="copy")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--costs", type=lambda s: [float(x) for x in s.split(",")], default=[0.03, 0.08, 0.15],
+                    help="verify cost per draft token, in plain decode steps")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    from pagellm import SamplingParams
+
+    tok, _ = C.load_tokenizer_for_prompts()
+    prompts = S.workloads(tok, args.num_prompts)[args.workload]
+    llm = C.make_llm("default", max_model_len=max(map(len, prompts)) + args.output_len + 16,
+                     max_num_seqs=len(prompts), kv_gb=0.5)
+    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    pairs = [(list(p), list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    rows, results = [], []
+    for kind, k, nodes in CONFIGS:
+        steps = replay(pairs, kind, k, nodes, 1, 4)
+        committed = sum(n for _, n in steps)
+        drafted = sum(1 for d, _ in steps if d)
+        speed = [committed / sum(1 + c * d for d, _ in steps) for c in args.costs]
+        results.append({"kind": kind, "k": k, "tree_nodes": nodes, "steps": len(steps), "drafted_steps": drafted,
+                        "tokens_per_step": committed / len(steps), "speedup": dict(zip(map(str, args.costs), speed))})
+        rows.append([kind, k, nodes if kind == "tree" else "-", f"{committed / len(steps):.2f}",
+                     f"{drafted / len(steps):.0%}"] + [f"{s:.2f}x" for s in speed])
+    tag = args.tag or args.workload
+    md = "\n".join([f"# ngram acceptance offline ({tag})", "",
+                    f"Default model bf16, {len(prompts)} {args.workload} prompts, {args.output_len} greedy tokens each, "
+                    "prompt_lookup_min 1, max 4. Speed-up: tokens per step over steps' cost (1 + c per draft token).",
+                    "", C.md_table(["drafts", "k", "tree_nodes", "tokens / step", "steps with drafts"]
+                                   + [f"speed-up at c = {c}" for c in args.costs], rows)])
+    print("\n" + md, flush=True)
+    C.save_results(f"ngram_acceptance_{tag}", md, {"tag": tag, "env": C.env_info(), "args": vars(args),
+                                                   "results": results})
+
+
+if __name__ == "__main__":
+    main()
