@@ -23,6 +23,7 @@ from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
+from pagellm.ops.row_dispatch import gather_rows
 from pagellm.forward_context import ForwardContext
 from pagellm.step_graph import StepGraphCache, iter_tensors
 
@@ -188,11 +189,18 @@ class ModelRunner:
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states)
-        logits = self.model.compute_logits(hidden[self._to_device(gather)])  # model dtype
+        logits = self.model.compute_logits(self._logits_rows(hidden, gather))  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
                                  hidden_states=hidden_states)
 
+
+    def _logits_rows(self, hidden: torch.Tensor, gather: np.ndarray) -> torch.Tensor:
+        """hidden [num_tokens, H] at the positions `gather`; a decode-only step samples every row in order, so
+        its hidden states are used as they are (no gather)."""
+        if len(gather) == hidden.shape[0] and np.array_equal(gather, np.arange(len(gather))):
+            return hidden
+        return gather_rows(hidden, self._to_device(gather))
 
 def _replays_as_decode(md: AttentionMetadata) -> bool:
     """Steps whose rows all have at most MULTI_QUERY_MAX_LEN tokens (decodes, speculative verify rows of 1 + k,
