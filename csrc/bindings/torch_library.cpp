@@ -62,6 +62,16 @@ TORCH_LIBRARY(pagellm, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("gelu_and_mul(Tensor(a!) out, Tensor input, str approximate=\"none\") -> ()");
 
+  // ---- sampling ----
+  // out[r] = argmax(logits[r, :]) (int64 [N]): the first index of the row's maximum, a NaN counting as the maximum
+  // (torch.argmax's rule, exact in every float dtype); logits [N, V] float32 / bfloat16 / float16. CPU only.
+  m.def("argmax_rows(Tensor(a!) out, Tensor logits) -> ()");
+
+  // ---- indexing ----
+  // out[i, :] = src[index[i], :]: out / src [N, D] / [R, D] of one dtype, index int64 / int32 [N] in [0, R)
+  // (every index checked before a row is written). CPU only (the embedding lookup, logits rows' hidden states).
+  m.def("gather_rows(Tensor(a!) out, Tensor src, Tensor index) -> ()");
+
   // ---- lora ----
   // y[t] += scales[s] * lora_b[s] @ (lora_a[s] @ x[t]) for s = token_slots[t] >= 0 (-1: none); y [T, N], x [T, K],
   // lora_a [S, R, K], lora_b [S, N, R] (x's dtype, ranks < R zero-padded), scales float32 [S], token_slots int32 [T].

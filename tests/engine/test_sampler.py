@@ -86,9 +86,17 @@ def test_greedy_is_argmax_and_min_tokens_masks_eos():
     assert toks[3] == 7
 
 
+@pytest.mark.parametrize("path", ["op", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [7, 511, 512, 1000, 4097])
-def test_argmax_rows_matches_torch_argmax(dtype, v):
+def test_argmax_rows_matches_torch_argmax(dtype, v, path, monkeypatch):
+    """Both CPU paths: the compiled argmax_rows op, and the pure-torch fallback used without it."""
+    import pagellm.sampling.processors as processors
+
+    if path == "torch":
+        monkeypatch.setattr(processors, "_argmax_op", lambda: None)
+    elif processors._argmax_op() is None:
+        pytest.skip("pagellm._C is not built: no argmax_rows op")
     g = torch.Generator().manual_seed(v)
     x = torch.randn(9, v, generator=g).to(dtype)
     x[1] = torch.randint(0, 3, (v,), generator=g).to(dtype)  # many ties: the first index must win

@@ -47,6 +47,8 @@ def _cases():
     yield "silu_and_mul", (torch.empty(5, 64), x)
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
+    yield "argmax_rows", (torch.empty(5, dtype=torch.int64), x.to(torch.bfloat16))
+    yield "gather_rows", (torch.empty(3, 128), x, torch.tensor([4, 0, 4]))
     xb = x.to(torch.bfloat16)
     yield "linear_amx", (torch.empty(5, 24, dtype=torch.bfloat16), xb, torch.randn(24, 128).to(xb.dtype), xb[0, :24])
     x_outlier = x.clone()

@@ -263,10 +263,29 @@ inline void decode_tile_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h,
   }
 }
 
+// The work item a thread takes after the current one (seq < 0: none): its first tile is prefetched while the
+// current item's last tile is scored, so a new item does not start on a cold tile (the item's other tiles are
+// prefetched one tile ahead from inside the item).
+struct DecodeNextItem {
+  int64_t seq = -1, h = 0, kbeg = 0, kend = 0;
+};
+
+// pf[2j], pf[2j + 1] = key / value rows of keys [start, start + nn) of sequence s, kv head h.
+template <typename T, typename C>
+inline void decode_prefetch_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t start, int64_t nn,
+                                 DecodeScratch& w) {
+  const int64_t D = a.head_dim;
+  for (int64_t j = 0; j < nn; ++j) {
+    const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
+    w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + j, h) : static_cast<const C*>(w.pf[2 * j - 2]) + D;
+    w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + j, h) : static_cast<const C*>(w.pf[2 * j - 1]) + D;
+  }
+}
+
 // Attends keys [kbeg, kend) of sequence s for kv head h; leaves unnormalized acc [G, D], m [G], l [G].
 template <typename T, typename C>
 void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbeg, int64_t kend, DecodeScratch& w,
-                 float* acc, float* m, float* l, const DecodeKeyTail& tail = {}) {
+                 float* acc, float* m, float* l, const DecodeKeyTail& tail = {}, const DecodeNextItem& next = {}) {
   const int64_t G = a.group(), D = a.head_dim;
   for (int64_t g = 0; g < G; ++g) {
     if constexpr (use_bf16_dot<T, C>()) {
@@ -283,13 +302,15 @@ void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbe
   for (int64_t start = kbeg; start < kend; start += kDecodeTile) {
     const int64_t n = std::min(kDecodeTile, kend - start);
     decode_tile_rows(a, s, h, start, n, w, kp, vp, tail);
-    // Next tile's rows (its blocks are random), prefetched by the score loop; past the end: this tile's rows.
-    // (A tail's keys are prefetched at their logical positions: rows of the same sequence, a harmless miss.)
-    const int64_t nn = std::min(kDecodeTile, kend - start - n);
-    for (int64_t j = 0; j < nn; ++j) {
-      const bool block_start = j == 0 || ((start + n + j) & (a.block_size - 1)) == 0;
-      w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + n + j, h) : static_cast<const C*>(w.pf[2 * j - 2]) + D;
-      w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + n + j, h) : static_cast<const C*>(w.pf[2 * j - 1]) + D;
+    // Next tile's rows (its blocks are random), prefetched by the score loop; after the last tile: the next work
+    // item's first tile, else this tile's rows. (A tail's keys are prefetched at their logical positions: rows of
+    // the same sequence, a harmless miss.)
+    int64_t nn = std::min(kDecodeTile, kend - start - n);
+    if (nn > 0) {
+      decode_prefetch_rows(a, s, h, start + n, nn, w);
+    } else if (next.seq >= 0) {
+      nn = std::min(kDecodeTile, next.kend - next.kbeg);
+      decode_prefetch_rows(a, next.seq, next.h, next.kbeg, nn, w);
     }
     for (int64_t j = nn; j < kDecodeTile + 1; ++j) w.pf[2 * j] = w.pf[2 * j + 1] = kp[0];
     decode_tile_scores(a, w, static_cast<const C* const*>(kp), n);
@@ -382,12 +403,18 @@ void paged_attention_decode_kernel(const PagedAttnArgs<T, C>& a, const DecodeKey
   parallel_dynamic(n_items, [&](auto claim) {
     DecodeScratch w(G, D);
     std::vector<float> own(item_floats);
-    for (int64_t i = claim(); i < n_items; i = claim()) {
+    // Each thread claims one item ahead, so the current item can prefetch the next one's first tile.
+    for (int64_t i = claim(), ahead = i < n_items ? claim() : n_items; i < n_items; i = ahead, ahead = claim()) {
       const DecodePart& p = parts[i / H];
       const int64_t h = i % H;
+      DecodeNextItem next;
+      if (ahead < n_items) {
+        const DecodePart& q = parts[ahead / H];
+        next = {q.seq, ahead % H, q.kbeg, q.kend};
+      }
       float* it = split ? partials.data() + i * item_floats : own.data();
       decode_item(a, p.seq, h, p.kbeg, p.kend, w, it, it + G * D, it + G * D + G,
-                  tails != nullptr ? tails[p.seq] : DecodeKeyTail{});
+                  tails != nullptr ? tails[p.seq] : DecodeKeyTail{}, next);
       if (!split) {
         for (int64_t g = 0; g < G; ++g) write_normalized(a.out_row(p.seq, h * G + g), it + g * D, it[G * D + G + g], D);
       }

@@ -23,6 +23,7 @@ from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
+from pagellm.ops.row_dispatch import gather_rows
 from pagellm.forward_context import ForwardContext
 from pagellm.step_graph import StepGraphCache, iter_tensors
 
@@ -249,13 +250,14 @@ def _rows_as_decode_tokens(md: AttentionMetadata) -> AttentionMetadata:
 
 
 def _take_positions(hidden: torch.Tensor, positions: np.ndarray, to_device) -> torch.Tensor:
-    """hidden[positions]: a view when they are consecutive (a batch-1 decode or verify row), else index_select.
-    Not hidden[tensor]: on CPU that advanced-indexing kernel is an OpenMP region from about 6 rows on, which a loaded
-    2-core machine stalled for 20-45 ms per verify step (torch.profiler, load 16); index_select of a few rows is not."""
+    """hidden[positions]: a view when they are consecutive (a decode-only step's every row, a batch-1 verify row),
+    else `gather_rows` (ops/row_dispatch.py). Not hidden[tensor]: on CPU that advanced-indexing kernel is an OpenMP
+    region from about 6 rows on, which a loaded 2-core machine stalled for 20-45 ms per verify step (torch.profiler,
+    load 16); gather_rows runs on pagellm's own pool."""
     n = len(positions)
     if n and int(positions[-1]) - int(positions[0]) == n - 1 and (n == 1 or bool((np.diff(positions) == 1).all())):
         return hidden[int(positions[0]) : int(positions[0]) + n]
-    return hidden.index_select(0, to_device(np.ascontiguousarray(positions, dtype=np.int64)))
+    return gather_rows(hidden, to_device(np.ascontiguousarray(positions, dtype=np.int64)))
 
 
 def _gather_positions(logits_indices: np.ndarray, query_start_loc: np.ndarray,

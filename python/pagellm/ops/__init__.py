@@ -37,6 +37,8 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
+    "argmax_rows",
+    "gather_rows",
     "amx_available",
     "int8_linear",
     "gguf_linear",
@@ -231,6 +233,36 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
     if approximate not in ("none", "tanh"):
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     torch.ops.pagellm.gelu_and_mul(out, input, approximate)
+
+
+def argmax_rows(out: torch.Tensor, logits: torch.Tensor) -> None:
+    """out int64 [N] = logits [N, V].argmax(-1) (first maximum; NaN counts as the maximum); CPU tensors."""
+    _float(logits, "logits")
+    _ndim(logits, 2, "logits")
+    _dtype(out, torch.int64, "out")
+    if tuple(out.shape) != (logits.shape[0],):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(logits.shape[0],)}")
+    if logits.shape[1] == 0 and logits.shape[0] > 0:
+        raise ValueError("logits must have at least one column")
+    if logits.device.type != "cpu" or out.device.type != "cpu":
+        raise ValueError(f"argmax_rows runs on CPU tensors, got {logits.device} / {out.device}")
+    torch.ops.pagellm.argmax_rows(out, logits)
+
+
+def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    """out [N, D] = src [R, D][index [N]] (int64 / int32 indices in [0, R)); CPU tensors of one dtype."""
+    _tensor(out, "out")
+    _tensor(src, "src")
+    _same(out, src, "out", "src")
+    _ndim(src, 2, "src")
+    _ndim(_tensor(index, "index"), 1, "index")
+    if index.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"index must have dtype int64 or int32, got {index.dtype}")
+    if tuple(out.shape) != (index.shape[0], src.shape[1]):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(index.shape[0], src.shape[1])}")
+    if index.numel() and (int(index.min()) < 0 or int(index.max()) >= src.shape[0]):
+        raise ValueError(f"index values must lie in [0, {src.shape[0]}), got [{int(index.min())}, {int(index.max())}]")
+    torch.ops.pagellm.gather_rows(out, src, index)
 
 
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -300,6 +300,14 @@ def gelu_and_mul(out: torch.Tensor, input: torch.Tensor, approximate: str = "non
 # ---------------------------------------------------------------- linear
 
 
+def argmax_rows(out: torch.Tensor, logits: torch.Tensor) -> None:
+    out.copy_(logits.argmax(dim=-1))
+
+
+def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> None:
+    out.copy_(src.index_select(0, index.to(torch.int64)))
+
+
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     out.copy_(F.linear(x.float(), weight.float(), None if bias is None else bias.float()))
 

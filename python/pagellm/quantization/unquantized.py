@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.ops.linear_dispatch import linear
+from pagellm.ops.row_dispatch import embedding
 from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, new_linear_param
 
 
@@ -27,9 +27,10 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
 
 class UnquantizedEmbeddingMethod(UnquantizedLinearMethod, EmbeddingMethodBase):
-    """weight [num_embeddings, embedding_dim] in `params_dtype`: looked up with F.embedding, multiplied as a linear."""
+    """weight [num_embeddings, embedding_dim] in `params_dtype`: looked up as F.embedding (on the CPU with
+    pagellm's gather_rows, no OpenMP region), multiplied as a linear."""
 
     vocab_parallel = True
 
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(token_ids, layer.weight)
+        return embedding(token_ids, layer.weight)

@@ -110,19 +110,32 @@ def apply_sampling_filters(processed: torch.Tensor, md: SamplingMetadata) -> tor
     return apply_top_k_top_p(final, md.top_k, md.top_p)
 
 
-SMALL_ROWS = 16  # up to this many rows, argmax_rows reduces row by row (no OpenMP region)
+SMALL_ROWS = 16  # up to this many rows, the torch fallback reduces row by row (no OpenMP region)
+_ARGMAX_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _argmax_op():
+    """torch.ops.pagellm.argmax_rows when the compiled ops are loaded, else None."""
+    from pagellm import ops
+
+    return torch.ops.pagellm.argmax_rows if ops.ops_available()[0] else None
 
 
 def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
     """x.argmax(-1) for a 2-D x, with torch's semantics (the first index of the maximum; NaN counts as the
-    maximum), in any float dtype. torch's CPU argmax reduction is ~5x slower than amax, and at batch 256
-    over a 150k vocabulary it cost a tenth of a decode step; so: maxima of blocks of `block` columns, the
-    first block holding the row's maximum, then the argmax inside that one block. One row (batch-1 decode):
-    torch.max over the row, a single-output reduction that runs on one thread; the blocked path's reduction
-    over [1, v / block, block] is an OpenMP region that, on a loaded 2-core machine, waited 5-15 ms for a
-    preempted thread (bench_step_profile.py) and is twice as slow in bf16 even when quiet. Up to SMALL_ROWS rows
-    (speculative verify rows) the same one-thread reduction runs row by row."""
+    maximum), in any float dtype. On the CPU: the `argmax_rows` op (one vectorized pass per row, rows spread over
+    pagellm's thread pool, no OpenMP region: torch's amax / argmax reductions waited 5-15 ms for a preempted
+    OpenMP worker on a loaded 2-core machine, bench_batch_profile.py). Without the compiled ops (and off the CPU,
+    where torch's argmax is used): one row is torch.max over the row, up to SMALL_ROWS rows the same row by row,
+    more rows the maxima of blocks of `block` columns, the first block holding the row's maximum, then the argmax
+    inside that one block (torch's CPU argmax reduction is ~5x slower than amax)."""
     n, v = x.shape
+    if x.device.type == "cpu" and n > 0 and v > 0 and x.dtype in _ARGMAX_OP_DTYPES:
+        op = _argmax_op()
+        if op is not None:
+            out = torch.empty(n, dtype=torch.int64)
+            op(out, x)
+            return out
     if n == 1 and x.device.type == "cpu":  # same first-maximum / NaN rule as argmax (tests/engine/test_sampler.py)
         return x.max(dim=-1).indices
     if 1 < n <= SMALL_ROWS and x.device.type == "cpu":  # a verify step's 1 + k rows: one single-thread reduction each
