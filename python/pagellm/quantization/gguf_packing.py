@@ -17,7 +17,7 @@ from functools import lru_cache
 
 import torch
 
-from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_ELEMS
+from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_ELEMS, GGUF_QTYPES
 
 PACK_ROWS = 16
 PACKED_FLAG = 0x100
@@ -30,7 +30,6 @@ _FIELDS = {
     14: ((208, 2, 2), (192, 16, 4), (0, 128, 4), (128, 64, 4)),  # Q6_K: d, scales, ql, qh
 }
 PACKABLE_QTYPES = tuple(sorted(_FIELDS))
-_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 14: "Q6_K"}
 
 
 def _block_source_bytes(qtype: int) -> list[tuple[int, int]]:
@@ -50,7 +49,8 @@ def _group_gather_index(qtype: int, row_bytes: int) -> torch.Tensor:
 
 def _check(qweight: torch.Tensor, qtype: int) -> None:
     if qtype not in PACKABLE_QTYPES:
-        names = ", ".join(f"{t} ({_NAMES[t]})" for t in PACKABLE_QTYPES)
+        type_names = {t: name for name, t in GGUF_QTYPES.items()}
+        names = ", ".join(f"{t} ({type_names[t]})" for t in PACKABLE_QTYPES)
         raise ValueError(f"qtype must be one of {names}, got {qtype}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] % GGUF_BLOCK_BYTES[qtype]:
         raise ValueError(f"qweight must be uint8 [N, K / {GGUF_BLOCK_ELEMS[qtype]} * {GGUF_BLOCK_BYTES[qtype]}], got "
