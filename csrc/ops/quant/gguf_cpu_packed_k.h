@@ -98,17 +98,16 @@ PAGELLM_GGUF_VNNI void q6_k_group_dot(const uint8_t* g, const uint8_t* x, int64_
       const __m512 a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc0)), a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc1));
       const uint8_t* ql = blk + kQl + (16 * (s / 4) + 8 * (s % 2)) * 64;
       const uint8_t* qh = blk + kQh + 8 * (s / 4) * 64;
-      const int t = s / 2 % 2, k = s % 4;  // ql nibble, qh bit pair
+      // ql's nibble s / 2 % 2 down to bits 0-3; qh's bits 2 (s % 4), + 1 to bits 4, 5 by rotating each int32 lane
+      // left by 4 - 2 (s % 4) (mod 32): what wraps around or crosses bytes lands outside bits 4, 5 and is masked.
+      const __m128i ql_shift = _mm_cvtsi32_si128(4 * (s / 2 % 2));
+      const __m512i qh_rot = _mm512_set1_epi32((4 - 2 * (s % 4)) & 31);
       const __m512i bits45 = _mm512_set1_epi8(0x30);
       __m512i w[8];
       for (int e = 0; e < 8; ++e) {
-        const __m512i l = _mm512_loadu_si512(ql + 64 * e), h = _mm512_loadu_si512(qh + 64 * e);
-        const __m512i lo = _mm512_and_si512(t ? _mm512_srli_epi16(l, 4) : l, nib);
-        // bits 2k, 2k + 1 of qh to bits 4, 5 (16-bit shifts: what crosses bytes is masked off)
-        const __m512i hi = _mm512_and_si512(k == 3 ? _mm512_srli_epi16(h, 2)
-                                            : k == 2 ? h
-                                            : k == 1 ? _mm512_slli_epi16(h, 2) : _mm512_slli_epi16(h, 4), bits45);
-        w[e] = _mm512_or_si512(lo, hi);
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(_mm512_loadu_si512(ql + 64 * e), ql_shift), nib);
+        const __m512i hi = _mm512_rolv_epi32(_mm512_loadu_si512(qh + 64 * e), qh_rot);
+        w[e] = _mm512_or_si512(lo, _mm512_and_si512(hi, bits45));
       }
       for (int i = 0; i < MR; ++i) {
         const uint8_t* xb = x + i * ldx + (8 * sb + s) * kXB;
