@@ -61,6 +61,29 @@ constexpr int packed_field_offset(int qt, int i) {
 // Offset of the quant bytes in a packed block of 16 rows (the 32-element types: after the scales).
 constexpr int packed_qs_offset(int qt) { return packed_field_offset(qt, packed_fields(qt).count - 1); }
 
+// Row j (< 16) of the packed blocks of one group, back in the file's layout: nb blocks from `group` into dst.
+// QT is a template argument so every copy below has a constant size (a load and a store, not a memcpy call).
+template <int QT>
+inline void unpack_group_row(const uint8_t* group, int64_t nb, int j, uint8_t* dst) {
+  constexpr int bb = block_bytes(QT);
+  constexpr PackedFields fields = packed_fields(QT);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* src = group + b * kPackRows * bb;
+    uint8_t* out = dst + b * bb;
+    for (int i = 0; i < fields.count; ++i) {
+      const PackedField f = fields.f[i];
+      for (int u = 0; u < f.bytes / f.unit; ++u) {
+        if (f.unit == 4) {
+          std::memcpy(out + f.offset + 4 * u, src + (u * kPackRows + j) * 4, 4);
+        } else {
+          std::memcpy(out + f.offset + 2 * u, src + (u * kPackRows + j) * 2, 2);
+        }
+      }
+      src += kPackRows * f.bytes;
+    }
+  }
+}
+
 // Row r (< N) of a packed weight, back in the file's layout, into dst[row_bytes].
 inline void unpack_row(int qt, const uint8_t* w, int64_t N, int64_t row_bytes, int64_t r, uint8_t* dst) {
   const int64_t full = N / kPackRows * kPackRows;
@@ -68,19 +91,16 @@ inline void unpack_row(int qt, const uint8_t* w, int64_t N, int64_t row_bytes, i
     std::memcpy(dst, w + r * row_bytes, static_cast<size_t>(row_bytes));
     return;
   }
-  const int bb = block_bytes(qt), j = static_cast<int>(r % kPackRows);
-  const PackedFields fields = packed_fields(qt);
+  const int j = static_cast<int>(r % kPackRows);
   const uint8_t* group = w + (r - j) * row_bytes;
-  for (int64_t b = 0; b < row_bytes / bb; ++b) {
-    const uint8_t* src = group + b * kPackRows * bb;
-    uint8_t* out = dst + b * bb;
-    for (int i = 0; i < fields.count; ++i) {
-      const PackedField& f = fields.f[i];
-      for (int u = 0; u < f.bytes / f.unit; ++u) {
-        std::memcpy(out + f.offset + u * f.unit, src + (u * kPackRows + j) * f.unit, static_cast<size_t>(f.unit));
-      }
-      src += kPackRows * f.bytes;
-    }
+  const int64_t nb = row_bytes / block_bytes(qt);
+  switch (qt) {
+    case kQ8_0: return unpack_group_row<kQ8_0>(group, nb, j, dst);
+    case kQ4_0: return unpack_group_row<kQ4_0>(group, nb, j, dst);
+    case kQ4_1: return unpack_group_row<kQ4_1>(group, nb, j, dst);
+    case kQ4_K: return unpack_group_row<kQ4_K>(group, nb, j, dst);
+    case kQ6_K: return unpack_group_row<kQ6_K>(group, nb, j, dst);
+    default: return;
   }
 }
 
