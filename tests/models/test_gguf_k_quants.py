@@ -81,7 +81,7 @@ def test_k_quant_layers_hold_the_files_blocks(k_quant_gguf):
                 continue
             assert isinstance(layer.linear_method, GGUFLinearMethod), (i, merged)
             assert layer.linear_method.type_name == types[kind].name
-            assert not layer.linear_method.packed  # k-quants keep the file's layout
+            assert not layer.linear_method.packed  # float32: the file's layout (packing is for half precision)
             w = gguf_dequantize(layer.qweight, layer.linear_method.qtype, layer.in_features)
             assert torch.equal(w, ref.weight), (i, merged)
     for name, gguf_name in (("model.embed_tokens", "token_embd.weight"), ("lm_head", "output.weight")):
@@ -149,9 +149,47 @@ def test_mixed_method_shards_bias_and_reference_fallback(monkeypatch):
             torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
 
 
+def test_bf16_k_quant_layers_packed_give_the_unpacked_tokens(k_quant_gguf, monkeypatch):
+    """On an AVX-512 VNNI CPU a bfloat16 model holds its Q4_K / Q6_K blocks row-packed (the mixed qkv shard by
+    shard): unpacked they are the file's bytes, embedding lookups give the file's rows, and greedy tokens equal
+    those of the same model with packing turned off (both quantize x to int8 per 32-block and make the same
+    integer dots; only the fp32 summation order differs)."""
+    from pagellm.quantization import gguf as gguf_method, gguf_mixed
+    from pagellm.quantization.gguf_packing import packing_pays_off, unpack_rows
+
+    if not packing_pays_off(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("packing applies to CPUs with AVX-512 VNNI (and no narrower PAGELLM_GGUF_CPU_ISA)")
+    files = open_model(k_quant_gguf)
+    packed = build_model(files, "bfloat16", quantization="gguf")
+    with monkeypatch.context() as patch:
+        for module in (gguf_method, gguf_mixed):
+            patch.setattr(module, "packing_pays_off", lambda *args: False)
+        plain = build_model(files, "bfloat16", quantization="gguf")
+    packed_types, num_mixed = set(), 0
+    for name, layer in packed.named_modules():
+        method = getattr(layer, "linear_method", None)
+        if not isinstance(method, (GGUFLinearMethod, GGUFMixedLinearMethod)):
+            continue
+        ref = plain.get_submodule(name)
+        assert method.packed and not ref.linear_method.packed, name
+        if isinstance(method, GGUFMixedLinearMethod):
+            num_mixed += 1
+            assert torch.equal(method.dequantize(layer), ref.linear_method.dequantize(ref)), name
+            assert not hasattr(layer.qweight, "weight_loader")  # in-place updates refused
+            continue
+        assert torch.equal(unpack_rows(layer.qweight, method.qtype), ref.qweight), name
+        packed_types.add(method.type_name)
+    assert packed_types == {"Q4_K", "Q6_K"} and num_mixed == 1
+    ids = torch.tensor([[0, 3, files.hf_config.vocab_size - 1]])
+    assert torch.equal(packed.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    be = make_backend("cpu")
+    prompts = random_prompts([5, 33, 70], files.hf_config.vocab_size, seed=4)
+    assert paged_greedy(packed, be, prompts, 24, 16) == paged_greedy(plain, be, prompts, 24, 16)
+
+
 def test_llm_k_quant_bf16_replay_is_bit_identical_to_eager(k_quant_gguf):
-    """bfloat16 (k-quant blocks stay in the file's layout, the mixed qkv makes one call per shard): the replayed
-    decode makes exactly the eager calls."""
+    """bfloat16 (k-quant blocks row-packed on AVX-512 VNNI CPUs, the mixed qkv makes one call per shard): the
+    replayed decode makes exactly the eager calls."""
     eager = _generate(k_quant_gguf, "bfloat16", quantization="gguf", enforce_eager=True)
     replayed = _generate(k_quant_gguf, "bfloat16", quantization="gguf")
     assert replayed[2].num_replays > 0

@@ -85,11 +85,11 @@ PAGELLM_GGUF_HD constexpr int block_bytes(int qtype) {
                           : 0;
 }
 
-// Whether the row-packed layout (kPackedFlag) exists for `qtype`: the 32-element types only.
-PAGELLM_GGUF_HD constexpr bool packable(int qtype) { return qtype == kQ8_0 || qtype == kQ4_0 || qtype == kQ4_1; }
+// Whether the row-packed layout (kPackedFlag) exists for `qtype`: every supported type.
+PAGELLM_GGUF_HD constexpr bool packable(int qtype) { return block_bytes(qtype) > 0; }
 
 constexpr const char* kSupportedTypes =
-    "2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K); the first three optionally | 0x100 (row-packed, CPU)";
+    "2 (Q4_0), 3 (Q4_1), 8 (Q8_0), 12 (Q4_K) or 14 (Q6_K), optionally | 0x100 (row-packed, CPU)";
 
 // Q4_K's 6-bit scale and min of sub-block s (0..7) from its 12 packed bytes.
 PAGELLM_GGUF_HD inline void q4k_scale_min(const uint8_t* scales, int s, int& sc, int& mn) {

@@ -27,7 +27,7 @@
 #include "ops/quant/gguf_blocks.h"
 #include "ops/quant/gguf_cpu_simd.h"
 #include "ops/quant/gguf_cpu_vnni.h"
-#include "ops/quant/gguf_cpu_packed.h"
+#include "ops/quant/gguf_cpu_packed_k.h"
 
 namespace pagellm::cpu::gguf {
 using namespace pagellm::gguf;
@@ -259,12 +259,13 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
 // last N % 16 rows (file layout) go through the unpacked tiles.
 template <typename T, int QT>
 void packed_small_m(T* out, const T* x, const uint8_t* w, const T* bias, const GgufLinearArgs& a) {
-  const int64_t nb = a.K / kBlockElems, ldq = nb * packed::kXBlockBytes, groups = a.N / kPackRows;
+  const int64_t xblocks = a.K / kBlockElems, ldq = xblocks * packed::x_block_bytes<QT>(), groups = a.N / kPackRows;
+  const int64_t nb = a.K / block_elems(QT);
   std::vector<float> xf(static_cast<size_t>(a.K));
   std::vector<uint8_t> xq(static_cast<size_t>(a.M * ldq));
   for (int64_t m = 0; m < a.M; ++m) {
     load_row_f32(x + m * a.ldx, xf.data(), a.K);
-    packed::quantize_row<QT>(xf.data(), nb, xq.data() + m * ldq);
+    packed::quantize_row<QT>(xf.data(), xblocks, xq.data() + m * ldq);
   }
   const int64_t group_bytes = kPackRows * a.ldw;
   // >= ~128 KiB of weight per task: small layers run inline (a wake-up costs more than they do).
@@ -298,6 +299,8 @@ void gguf_linear_small_m(T* out, const T* x, const uint8_t* w, const T* bias, co
     switch (a.qtype) {
       case kQ8_0: return packed_small_m<T, kQ8_0>(out, x, w, bias, a);
       case kQ4_0: return packed_small_m<T, kQ4_0>(out, x, w, bias, a);
+      case kQ4_K: return packed_small_m<T, kQ4_K>(out, x, w, bias, a);
+      case kQ6_K: return packed_small_m<T, kQ6_K>(out, x, w, bias, a);
       default: return packed_small_m<T, kQ4_1>(out, x, w, bias, a);
     }
   }

@@ -10,8 +10,8 @@ types); a layer whose tensor is F32/F16/BF16 in the file stays an ordinary float
 and the LM head too: the head is a `gguf_linear` over the blocks, the embedding dequantizes only the rows it
 looks up, and a tied pair holds the blocks once (`GGUFEmbeddingMethod`). On a CPU with AVX-512 VNNI a
 half-precision model's blocks are rearranged once after loading into gguf_linear's row-packed layout
-(`gguf_packing`: 16 rows interleaved per block, the same bytes), which its VNNI kernel streams ~2-4x faster
-(the 32-element types only: Q4_K / Q6_K super-blocks keep the file's layout).
+(`gguf_packing`: 16 rows interleaved per block, the same bytes; every type, the k-quants' super-blocks too),
+which its VNNI kernel streams ~2-4x faster.
 """
 
 from __future__ import annotations

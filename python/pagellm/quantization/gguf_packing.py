@@ -1,10 +1,13 @@
 """The row-packed GGUF layout of `gguf_linear` on the CPU (csrc/ops/quant/gguf_cpu_packed.h), in pure torch.
 
 Every full group of 16 weight rows is rearranged block by block so that one int32 lane of a VNNI dot is one
-weight row: for block b of a group (at byte b * 16 * block_bytes of the group) the 16 rows' fp16 d (Q4_1: then
-the 16 m), then the quant bytes in 64-byte chunks c, byte c * 64 + r * 4 + t = row r's qs[4c + t]. The last
-N % 16 rows keep the file's layout. The tensor keeps its shape [N, K / 32 * block_bytes]; the op is told by
-`qtype | PACKED_FLAG`. The permutation is exact (bytes move, none change), so unpacking gives the file back.
+weight row. A block is a list of fields (`_FIELDS`: offset and length in the file's block, unit 2 for an fp16,
+4 for a quad of quant or scale bytes); block b of a group sits at byte b * 16 * block_bytes of the group, its
+fields one after another, each as [unit u][row r][unit bytes] (e.g. Q4_1: the 16 rows' fp16 d, their 16 m, then
+quant quad c of row r at c * 64 + r * 4; Q4_K: d, dmin, the 12 scale bytes as 3 quads, 32 quant quads; Q6_K: d,
+the 16 int8 scales as 4 quads, 32 ql quads, 16 qh quads). The last N % 16 rows keep the file's layout. The
+tensor keeps its shape [N, row_bytes]; the op is told by `qtype | PACKED_FLAG`. The permutation is exact (bytes
+move, none change), so unpacking gives the file back.
 """
 
 from __future__ import annotations
@@ -14,23 +17,25 @@ from functools import lru_cache
 
 import torch
 
-from pagellm.ops.reference import GGUF_BLOCK_BYTES
+from pagellm.ops.reference import GGUF_BLOCK_BYTES, GGUF_BLOCK_ELEMS, GGUF_QTYPES
 
 PACK_ROWS = 16
 PACKED_FLAG = 0x100
-PACKABLE_QTYPES = (2, 3, 8)  # Q4_0, Q4_1, Q8_0: the k-quants' super-blocks keep the file's layout
+# (offset, bytes, unit) of each field of a block, in packed order, per type (gguf_cpu_packed.h: packed_fields)
+_FIELDS = {
+    8: ((0, 2, 2), (2, 32, 4)),                             # Q8_0: d, qs
+    2: ((0, 2, 2), (2, 16, 4)),                             # Q4_0: d, qs
+    3: ((0, 2, 2), (2, 2, 2), (4, 16, 4)),                  # Q4_1: d, m, qs
+    12: ((0, 2, 2), (2, 2, 2), (4, 12, 4), (16, 128, 4)),   # Q4_K: d, dmin, scales, qs
+    14: ((208, 2, 2), (192, 16, 4), (0, 128, 4), (128, 64, 4)),  # Q6_K: d, scales, ql, qh
+}
+PACKABLE_QTYPES = tuple(sorted(_FIELDS))
 
 
 def _block_source_bytes(qtype: int) -> list[tuple[int, int]]:
     """For each byte of one packed block of 16 rows: (row, byte offset within that row's block)."""
-    src: list[tuple[int, int]] = [(r, t) for r in range(PACK_ROWS) for t in range(2)]  # d
-    qs_offset = 2
-    if qtype == 3:  # Q4_1: m after d
-        src += [(r, 2 + t) for r in range(PACK_ROWS) for t in range(2)]
-        qs_offset = 4
-    num_chunks = (GGUF_BLOCK_BYTES[qtype] - qs_offset) // 4
-    src += [(r, qs_offset + 4 * c + t) for c in range(num_chunks) for r in range(PACK_ROWS) for t in range(4)]
-    return src
+    return [(r, offset + unit * u + t) for offset, size, unit in _FIELDS[qtype] for u in range(size // unit)
+            for r in range(PACK_ROWS) for t in range(unit)]
 
 
 @lru_cache(maxsize=32)
@@ -44,10 +49,12 @@ def _group_gather_index(qtype: int, row_bytes: int) -> torch.Tensor:
 
 def _check(qweight: torch.Tensor, qtype: int) -> None:
     if qtype not in PACKABLE_QTYPES:
-        raise ValueError(f"qtype must be one of {sorted(PACKABLE_QTYPES)} (Q4_0, Q4_1, Q8_0), got {qtype}")
+        type_names = {t: name for name, t in GGUF_QTYPES.items()}
+        names = ", ".join(f"{t} ({type_names[t]})" for t in PACKABLE_QTYPES)
+        raise ValueError(f"qtype must be one of {names}, got {qtype}")
     if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] % GGUF_BLOCK_BYTES[qtype]:
-        raise ValueError(f"qweight must be uint8 [N, K / 32 * {GGUF_BLOCK_BYTES[qtype]}], got {qweight.dtype} "
-                         f"{list(qweight.shape)}")
+        raise ValueError(f"qweight must be uint8 [N, K / {GGUF_BLOCK_ELEMS[qtype]} * {GGUF_BLOCK_BYTES[qtype]}], got "
+                         f"{qweight.dtype} {list(qweight.shape)}")
 
 
 def pack_rows(qweight: torch.Tensor, qtype: int) -> torch.Tensor:
