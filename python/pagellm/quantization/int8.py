@@ -43,8 +43,11 @@ INT8_METHOD = "int8"
 DEFAULT_THRESHOLD = 6.0
 _QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
 
-# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold) -> None
-Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], None]
+ACTIVATION_SCHEMES = ("absmax", "zeropoint")
+DEFAULT_ACTIVATION_SCHEME = "absmax"
+
+# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold, zero_point) -> None
+Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool], None]
 
 
 def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +72,12 @@ def check_threshold(threshold: Any) -> float:
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
         raise ValueError(f"int8 threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
     return float(threshold)
+
+
+def check_activation_scheme(scheme: Any) -> str:
+    if scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"int8 activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
+    return scheme
 
 
 def check_skip_modules(names: Any) -> tuple[str, ...]:
@@ -101,8 +110,11 @@ class Int8LinearMethod(LinearMethodBase):
     `op` (default: `default_int8_op` for the weight's device, chosen after loading) may be replaced, e.g.
     by `pagellm.ops.reference.int8_linear` to compare against the reference on the same weights."""
 
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None) -> None:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None,
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
         self.threshold = check_threshold(threshold)
+        self.activation_scheme = check_activation_scheme(activation_scheme)
+        self.zero_point = activation_scheme == "zeropoint"
         self.op = op
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
@@ -123,11 +135,11 @@ class Int8LinearMethod(LinearMethodBase):
         n = layer.weight.shape[0]
         if x.dim() == 2:  # the decode case: as few torch calls as possible
             out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold)
+            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold)
+        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
         return out.view(x.shape[:-1] + (n,))
 
 
@@ -164,14 +176,20 @@ class Int8Config(QuantizationConfig):
     it or contains it as whole components: "down_proj" matches every "model.layers.<i>.mlp.down_proj",
     "model.layers.0" all of layer 0's linears. Names are pagellm's modules, where q/k/v are one "qkv_proj"
     and gate/up one "gate_up_proj" (a merged layer is quantized or skipped whole).
-    From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0, "skip_modules": []}
-    (all optional)."""
+    `activation_scheme`: how each token's non-outlier activations become 8-bit in `int8_linear`, "absmax"
+    (symmetric int8, bitsandbytes' rule) or "zeropoint" (asymmetric uint8 over the token's range with an
+    integer zero point, the paper's zero-point vector-wise quantization). See the module docstring for the
+    measurements behind the default.
+    From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0, "skip_modules": [],
+    "activation_scheme": "absmax"} (all optional)."""
 
-    _KEYS = ("quant_method", "threshold", "skip_modules")
+    _KEYS = ("quant_method", "threshold", "skip_modules", "activation_scheme")
 
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD, skip_modules: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, skip_modules: list[str] | tuple[str, ...] = (),
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
         self.threshold = check_threshold(threshold)
         self.skip_modules = check_skip_modules(skip_modules)
+        self.activation_scheme = check_activation_scheme(activation_scheme)
 
     @classmethod
     def get_name(cls) -> str:
@@ -182,7 +200,8 @@ class Int8Config(QuantizationConfig):
         unknown = sorted(set(config) - set(cls._KEYS))
         if unknown:
             raise ValueError(f"int8 quantization_config: unknown keys {unknown}; allowed: {list(cls._KEYS)}")
-        return cls(config.get("threshold", DEFAULT_THRESHOLD), config.get("skip_modules", ()))
+        return cls(config.get("threshold", DEFAULT_THRESHOLD), config.get("skip_modules", ()),
+                   config.get("activation_scheme", DEFAULT_ACTIVATION_SCHEME))
 
     def is_skipped(self, prefix: str) -> bool:
         return any(f".{name}." in f".{prefix}." for name in self.skip_modules)
@@ -190,10 +209,10 @@ class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
-        return Int8LinearMethod(self.threshold)
+        return Int8LinearMethod(self.threshold, activation_scheme=self.activation_scheme)
 
 
 __all__ = [
-    "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config", "Int8LinearMethod", "default_int8_op",
+    "ACTIVATION_SCHEMES", "DEFAULT_ACTIVATION_SCHEME", "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config", "Int8LinearMethod", "default_int8_op",
     "dequantize_weight_rows", "quantize_weight_rows",
 ]
