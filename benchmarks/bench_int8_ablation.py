@@ -140,9 +140,9 @@ def ablations(group: str, fakes: dict) -> list[tuple[str, dict[tuple[int, str], 
     if group == "layer":
         return [(f"only layer {i} int8", {k: dict(on=k[0] == i) for k in fakes}) for i in layers]
     if group == "scheme":
-        return [("weights int8 only", every(act_quant=False))] + [
-                (f"{scheme}, " + (f"threshold {t:g}" if t else "no outliers"), every(scheme=scheme, threshold=t))
-                for t in (6.0, 4.0, 0.0) for scheme in ("absmax", "zeropoint", "block64")]
+        rows = [(t, scheme) for t in (6.0, 0.0, 4.0) for scheme in ("absmax", "zeropoint")] + [(6.0, "block64")]
+        return [(f"{scheme}, " + (f"threshold {t:g}" if t else "no outliers"), every(scheme=scheme, threshold=t))
+                for t, scheme in rows] + [("weights int8 only", every(act_quant=False))]
     raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer, scheme")
 
 
