@@ -163,8 +163,9 @@ PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
       const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * ldq + k));
-      const __m256i xv = ZP ? _mm256_sub_epi16(_mm256_cvtepu8_epi16(raw), _mm256_set1_epi16(static_cast<int16_t>(row_term[i])))
-                            : _mm256_cvtepi8_epi16(raw);
+      const __m256i xv =
+          ZP ? _mm256_sub_epi16(_mm256_cvtepu8_epi16(raw), _mm256_set1_epi16(static_cast<int16_t>(row_term[i])))
+             : _mm256_cvtepi8_epi16(raw);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wv[j], xv));
     }

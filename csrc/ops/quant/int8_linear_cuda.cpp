@@ -24,8 +24,8 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
     check_same_device(*bias, x, "bias", "x");
   }
   const DType dt = to_dtype(x, "x");
-  const auto [M, N, K, has_bias] = ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold,
-                                                                              zero_point);
+  const auto [M, N, K, has_bias] =
+      ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold, zero_point);
   TORCH_CHECK(M <= 65535, "x: at most 65535 rows per call, got ", M);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -159,7 +159,8 @@ __global__ void int8_gemm_kernel(T* __restrict__ out, const T* __restrict__ x, c
     wsum += __shfl_xor_sync(0xffffffffu, wsum, off);
     outl += __shfl_xor_sync(0xffffffffu, outl, off);
   }
-  if (zero_point) acc = static_cast<int>(static_cast<unsigned>(acc) - static_cast<unsigned>(z) * static_cast<unsigned>(wsum));
+  if (zero_point) acc = static_cast<int>(static_cast<unsigned>(acc)
+                                        - static_cast<unsigned>(z) * static_cast<unsigned>(wsum));
   if (lane == 0) {
     float y = __fmul_rn(static_cast<float>(acc), __fmul_rn(row_scale[m], ws));
     y += outl;

@@ -111,5 +111,6 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     if tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
     if zero_point and x.shape[1] >= ZERO_POINT_MAX_K:
-        raise ValueError(f"zero_point int8_linear needs K < {ZERO_POINT_MAX_K} (exact int32 sums), got K = {x.shape[1]}")
+        raise ValueError(f"zero_point int8_linear needs K < {ZERO_POINT_MAX_K} (exact int32 sums), "
+                         f"got K = {x.shape[1]}")
     torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold), zero_point)

@@ -213,6 +213,7 @@ class Int8Config(QuantizationConfig):
 
 
 __all__ = [
-    "ACTIVATION_SCHEMES", "DEFAULT_ACTIVATION_SCHEME", "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config", "Int8LinearMethod", "default_int8_op",
+    "ACTIVATION_SCHEMES", "DEFAULT_ACTIVATION_SCHEME", "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config",
+    "Int8LinearMethod", "default_int8_op",
     "dequantize_weight_rows", "quantize_weight_rows",
 ]
