@@ -7,7 +7,8 @@
 - against the unquantized float32 model: prompt logprobs (teacher-forced) within 0.15 of each other
   everywhere and 0.03 on average (measured on this model: 0.04 and 0.009);
 - decode steps replayed from step graphs give bit-identical tokens and logprobs to enforce_eager=True.
-Each also runs with activation_scheme "zeropoint" (asymmetric uint8 activation rows; a low threshold too).
+Variants: the default (threshold 6, zero-point activations), a low threshold with absmax activations, and a low
+threshold with zero-point activations.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pagellm.model_loader import build_model, open_model
 from pagellm.models import WeightLoadError
 from pagellm.ops import ops_available, reference
 from pagellm.quantization import Int8Config, Int8LinearMethod
-from pagellm.quantization.int8 import quantize_weight_rows
+from pagellm.quantization.int8 import DEFAULT_ACTIVATION_SCHEME, quantize_weight_rows
 
 pytestmark = pytest.mark.skipif(not ops_available()[0], reason="needs the C++ extension (make install)")
 LOW_THRESHOLD = 2.5  # RMSNorm outputs of the tiny model are ~N(0, 1): several outlier columns per batch
@@ -41,10 +42,11 @@ def _write_config(path, **changes) -> None:
 
 @pytest.fixture(scope="module")
 def low_threshold_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny float32 Llama whose config asks for int8 with a low outlier threshold."""
+    """The tiny float32 Llama whose config asks for int8 with a low outlier threshold and absmax activations."""
     path = tmp_path_factory.mktemp("int8-low") / "llama"
     shutil.copytree(tiny_llama_dir, path)
-    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD})
+    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
+                                             "activation_scheme": "absmax"})
     return path
 
 
@@ -111,11 +113,14 @@ def test_weights_are_int8_quantized_per_row(tiny_llama_dir):
     assert model.lm_head.weight.dtype == torch.float32  # the head stays in the model dtype
 
 
-def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir):
+def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir, tiny_llama_dir):
     model = build_model(open_model(low_threshold_dir))
     methods = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
     assert methods and all(m.threshold == LOW_THRESHOLD for m in methods)
     assert all(m.activation_scheme == "absmax" and not m.zero_point for m in methods)
+    default = build_model(open_model(tiny_llama_dir), quantization="int8")
+    methods = [m.linear_method for m in default.modules() if isinstance(m, Linear)]
+    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "zeropoint" for m in methods)
 
 
 def test_checkpoint_quantization_config_sets_the_activation_scheme(zero_point_dir):
@@ -187,7 +192,7 @@ def _linear_inputs(llm, prompt) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("which", ["default_threshold", "zero_point"])
+@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
 def test_close_to_the_unquantized_model(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, prompts):
     path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
     tokens, _, prompt_lps, _ = _generate(path, prompts, **kw)

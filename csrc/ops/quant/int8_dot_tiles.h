@@ -73,8 +73,9 @@ PAGELLM_TARGET_VNNI inline __m128i reduce4_epi32(__m512i a0, __m512i a1, __m512i
 
 // One 64-byte step of a VNNI tile: NR weight vectors against MR activation vectors (ZP: plus the weight sums).
 template <int MR, int NR, bool ZP>
-PAGELLM_TARGET_VNNI inline void dot_step_vnni(const __m512i* w_raw, const int8_t* q, int64_t ldq,
-                                              __m512i (&acc)[MR][NR], __m512i (&wsum)[NR]) {
+PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void dot_step_vnni(const __m512i* w_raw, const int8_t* q,
+                                                                              int64_t ldq, __m512i (&acc)[MR][NR],
+                                                                              __m512i (&wsum)[NR]) {
   __m512i wv[NR];
 #pragma GCC unroll 4
   for (int j = 0; j < NR; ++j) {
@@ -117,9 +118,13 @@ PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_
     for (int j = 0; j < NR; ++j) w_raw[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + k);
     dot_step_vnni<MR, NR, ZP>(w_raw, q + k, ldq, acc, wsum);
   }
-  // the correction: int8 rows 128 * sum q (per activation row), uint8 rows z_i * sum w (per pair)
-  uint32_t wsums[NR];
-  if constexpr (ZP) {
+  // the correction: int8 rows 128 * sum q (per activation row), uint8 rows z_i * sum w (per pair); the four
+  // weight sums of a full tile reduced together, once for all its activation rows
+  uint32_t wsums[NR] = {};
+  __m128i wsums4 = _mm_setzero_si128();
+  if constexpr (ZP && NR == 4) {
+    wsums4 = reduce4_epi32(wsum[0], wsum[1], wsum[2], wsum[3]);
+  } else if constexpr (ZP) {
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) wsums[j] = static_cast<uint32_t>(_mm512_reduce_add_epi32(wsum[j]));
   }
@@ -127,8 +132,7 @@ PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_
   for (int i = 0; i < MR; ++i) {
     const uint32_t r = static_cast<uint32_t>(row_term[i]);
     if constexpr (NR == 4) {
-      const __m128i offset = ZP ? _mm_mullo_epi32(_mm_set1_epi32(static_cast<int32_t>(r)),
-                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(wsums)))
+      const __m128i offset = ZP ? _mm_mullo_epi32(_mm_set1_epi32(static_cast<int32_t>(r)), wsums4)
                                 : _mm_set1_epi32(static_cast<int32_t>(128u * r));
       const __m128i sums = reduce4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(acc_out + i * kInt8NR), _mm_sub_epi32(sums, offset));

@@ -5,15 +5,22 @@
 Each linear weight [out, in] is stored as int8 `weight` [out, in] plus a float32 `weight_scale` [out]
 (row absmax / 127). The product is `torch.ops.pagellm.int8_linear` (its pure-torch reference where the
 compiled op is missing): activation columns with |x| > threshold (default 6.0) in any token of the batch
-run in fp32 against the dequantized weight columns; the rest are quantized per token and multiplied as
-int8 x int8 -> int32. The outlier column set is decided inside the op, so a decode step replays from a
-step graph like any other. The LM head and embeddings stay in the model dtype, as do the linears named in
-`skip_modules` (bitsandbytes' llm_int8_skip_modules).
+run in fp32 against the dequantized weight columns; the rest are quantized per token to 8 bits and multiplied
+with the int8 weight into int32. The outlier column set is decided inside the op, so a decode step replays from a
+step graph like any other (and a token's output depends on the other tokens of its batch through that set). The
+LM head and embeddings stay in the model dtype, as do the linears named in `skip_modules` (bitsandbytes'
+llm_int8_skip_modules).
 
-Accuracy (benchmarks/bench_int8_ablation.py, bench_quant_ppl.py): on the default model (SmolLM2-135M) the
-method costs about +1.5 to +2.5 % word perplexity at threshold 6.0, nearly all of it from the per-token int8
-activations (int8 weights with float activations: +0.2 to +0.4 %); the op matches its reference on that model's
-activations to 1e-5 of the output norm. 6.0 stays the default (bitsandbytes, vLLM); a lower threshold or
+Activation scheme (`activation_scheme`): "zeropoint" (the default) quantizes each token's non-outlier values
+asymmetrically, uint8 codes over [min(x, 0), max(x, 0)] with an integer zero point (the paper's zero-point
+vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact);
+"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127. Zero point is the default because it halves the
+method's perplexity cost at no measurable decode cost. Measured on the default model (SmolLM2-135M), word
+perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations, threshold 6.0): absmax
++2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch (bench_int8_ablation.py
+--groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float activations alone
++0.67 % (so the remaining loss is mostly the weights'). The op matches its reference on that model's activations
+to 1e-5 of the output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or
 skip_modules trade speed or memory for accuracy.
 
 Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
@@ -44,7 +51,7 @@ DEFAULT_THRESHOLD = 6.0
 _QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
 
 ACTIVATION_SCHEMES = ("absmax", "zeropoint")
-DEFAULT_ACTIVATION_SCHEME = "absmax"
+DEFAULT_ACTIVATION_SCHEME = "zeropoint"  # see the module docstring
 
 # (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold, zero_point) -> None
 Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool], None]
