@@ -14,14 +14,16 @@ llm_int8_skip_modules).
 Activation scheme (`activation_scheme`): "zeropoint" (the default) quantizes each token's non-outlier values
 asymmetrically, uint8 codes over [min(x, 0), max(x, 0)] with an integer zero point (the paper's zero-point
 vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact);
-"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127. Zero point is the default because it halves the
-method's perplexity cost at no measurable decode cost. Measured on the default model (SmolLM2-135M), word
-perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations, threshold 6.0): absmax
-+2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch (bench_int8_ablation.py
---groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float activations alone
-+0.67 % (so the remaining loss is mostly the weights'). The op matches its reference on that model's activations
-to 1e-5 of the output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or
-skip_modules trade speed or memory for accuracy.
+"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127. Zero point is the default because it halves
+the method's perplexity cost for ~2 % of decode time (1.1B Llama shape: TPOT 0.63x bf16 vs absmax's 0.62x; the
+int8 linears ~8 % slower at M = 1, from summing the weight rows in the same pass). Measured on the default model
+(SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations,
+threshold 6.0): absmax +2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch
+(bench_int8_ablation.py --groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float
+activations alone +0.67 % (in bf16, 4000 words: +1.80 % / +2.67 %, weights alone +0.53 %, and absmax scales per
+64-element block of K +0.67 %). The absmax op matches its reference on that model's activations to 1e-5 of the
+output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or skip_modules trade speed
+or memory for accuracy.
 
 Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
 straight into its rows (the scale is per output row, so every shard of a merged layer quantizes on its
