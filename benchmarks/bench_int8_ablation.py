@@ -3,6 +3,7 @@
 
     python benchmarks/bench_int8_ablation.py --max-words 1500 --groups main       # knobs of the method
     python benchmarks/bench_int8_ablation.py --max-words 1500 --groups proj,layer  # which linears cost most
+    python benchmarks/bench_int8_ablation.py --max-words 5000 --groups scheme      # absmax vs zero-point vs blocks
 
 HF transformers' LlamaForCausalLM of the default model (bf16, or --dtype float32) with every decoder linear
 replaced by `FakeInt8Linear`: LLM.int8() as `pagellm.ops.reference.int8_linear` computes it (row-absmax int8
@@ -13,6 +14,10 @@ weights, row-absmax int8 activations, outlier columns of x over the whole batch 
               "row": only the elements over the threshold, per token
   act_quant   False: activations stay float (weight-only int8)
   weight_quant False: weights stay float (activation-only int8)
+  scheme      how a token's activations become int8: "absmax" (symmetric, s = absmax / 127: bitsandbytes),
+              "zeropoint" (asymmetric, s = (max - min) / 255 over a range widened to hold 0, integer zero point
+              z = round(-min / s), q = clamp(round(x / s) + z, 0, 255): the paper's zero-point vector-wise),
+              "block32" / "block64" (absmax per block of 32 / 64 elements of K, one scale each)
 The LM head and the embedding stay float, as in bitsandbytes' default and in `Int8Config`.
 Word perplexity as bench_quant_ppl.py (same text, windows of 512 re-reading 128), windows batched 4 per
 forward (~2048 tokens: the engine's max_num_batched_tokens, so the outlier columns are chosen over as many
@@ -29,6 +34,7 @@ import bench_quant_ppl as B
 import torch
 from torch import nn
 
+DEFAULTS = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True, scheme="absmax")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -41,7 +47,7 @@ class FakeInt8Linear(nn.Module):
         super().__init__()
         self.weight = linear.weight.detach().float()
         self.weight_dq = dequantize_weight_rows(*quantize_weight_rows(self.weight))
-        self.switches = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True)
+        self.switches = dict(DEFAULTS)
         self.switches.update(switches)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,11 +64,30 @@ class FakeInt8Linear(nn.Module):
             outlier = xf.abs() > sw["threshold"]
         x_in = torch.where(outlier, 0.0, xf)
         if sw["act_quant"]:
-            absmax = x_in.abs().amax(dim=1, keepdim=True)
-            inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
-            x_in = torch.round(x_in * inv).clamp(-127, 127) * (absmax / 127.0)
+            x_in = fake_quantize_rows(x_in, sw["scheme"])
         y = x_in @ w.t() + torch.where(outlier, xf, 0.0) @ w.t()
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def fake_quantize_rows(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """x [M, K] float32 quantized to int8 per token (or per block of K) by `scheme` and dequantized."""
+    if scheme == "zeropoint":
+        lo = x.amin(dim=1, keepdim=True).clamp(max=0.0)
+        hi = x.amax(dim=1, keepdim=True).clamp(min=0.0)
+        inv = torch.where(hi > lo, 255.0 / (hi - lo), 0.0)
+        z = torch.round(-lo * inv)
+        q = (torch.round(x * inv) + z).clamp(0, 255)
+        return (q - z) * ((hi - lo) / 255.0)
+    if scheme.startswith("block"):
+        size = int(scheme[len("block"):])
+        pad = (-x.shape[1]) % size
+        xb = torch.nn.functional.pad(x, (0, pad)).reshape(x.shape[0], -1, size)
+        return fake_quantize_rows(xb.reshape(-1, size), "absmax").reshape(x.shape[0], -1)[:, :x.shape[1]]
+    if scheme != "absmax":
+        raise ValueError(f"unknown scheme {scheme!r}")
+    absmax = x.abs().amax(dim=1, keepdim=True)
+    inv = torch.where(absmax > 0, 127.0 / absmax, 0.0)
+    return torch.round(x * inv).clamp(-127, 127) * (absmax / 127.0)
 
 
 def wrap_linears(model) -> dict[tuple[int, str], FakeInt8Linear]:
@@ -114,13 +139,17 @@ def ablations(group: str, fakes: dict) -> list[tuple[str, dict[tuple[int, str], 
         return [(f"only {p} int8", {k: dict(on=k[1] == p) for k in fakes}) for p in PROJECTIONS]
     if group == "layer":
         return [(f"only layer {i} int8", {k: dict(on=k[0] == i) for k in fakes}) for i in layers]
-    raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer")
+    if group == "scheme":
+        rows = [(t, scheme) for t in (6.0, 0.0, 4.0) for scheme in ("absmax", "zeropoint")] + [(6.0, "block64")]
+        return [(f"{scheme}, " + (f"threshold {t:g}" if t else "no outliers"), every(scheme=scheme, threshold=t))
+                for t, scheme in rows] + [("weights int8 only", every(act_quant=False))]
+    raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer, scheme")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-words", type=int, default=1500)
-    ap.add_argument("--groups", default="main", help="comma-separated: main, proj, layer")
+    ap.add_argument("--groups", default="main", help="comma-separated: main, proj, layer, scheme")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -142,7 +171,7 @@ def main() -> None:
     for group in args.groups.split(","):
         for label, per_linear in ablations(group, fakes):
             for key, fake in fakes.items():
-                fake.switches = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True)
+                fake.switches = dict(DEFAULTS)
                 fake.switches.update(per_linear[key])
             t = time.perf_counter()
             ppl = word_perplexity(model, windows, words)

@@ -3,6 +3,7 @@
 
     python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
     python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
+    python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6   # int8 by activation scheme
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
@@ -109,19 +110,22 @@ def random_1b_model(path: Path = RANDOM_1B_DIR, seed: int = 0) -> Path:
     return path
 
 
-def with_int8_threshold(model: str | None, threshold: float, root: Path) -> str:
+def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme: str | None = None) -> str:
     """A directory that reads like `model` (its files linked) but whose config.json asks for int8 with this
-    outlier threshold (the int8 format takes its threshold from the checkpoint's quantization_config)."""
+    outlier threshold and activation scheme (None: the default; the int8 format takes both from the
+    checkpoint's quantization_config)."""
     from pagellm.model_loader import open_model
 
     src = Path(open_model(model).path)
-    dst = root / f"{src.name}-int8-{threshold:g}"
+    dst = root / f"{src.name}-int8-{threshold:g}-{scheme or 'default'}"
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (dst / f.name).exists():
             (dst / f.name).symlink_to(f.resolve())
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "int8", "threshold": threshold}
+    if scheme is not None:
+        cfg["quantization_config"]["activation_scheme"] = scheme
     (dst / "config.json").write_text(json.dumps(cfg))
     return str(dst)
 
@@ -183,8 +187,12 @@ def awq_rtn_checkpoint(model: str | None, cache: Path, group: int | None = None)
     return str(out)
 
 
+INT8_SCHEMES = {"int8-absmax": "absmax", "int8-zp": "zeropoint"}  # method name -> Int8Config activation_scheme
+
+
 def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
-    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "awq[:G]": the AWQ checkpoint
+    """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "int8-absmax[:T]" /
+    "int8-zp[:T]": int8 with that activation scheme (threshold T, default 6); "awq[:G]": the AWQ checkpoint
     `awq_checkpoint` makes (group size G, default automatic); "awq-rtn[:G]": round-to-nearest; else
     quantization=method."""
     from pagellm import LLM
@@ -193,6 +201,9 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
     name, _, option = method.partition(":")
     if name == "int8" and option:
         model, quantization = with_int8_threshold(model, float(option), tmp_root), None
+    if name in INT8_SCHEMES:
+        model = with_int8_threshold(model, float(option or 6.0), tmp_root, INT8_SCHEMES[name])
+        quantization = None
     if name == "awq":
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
                                              int(option) if option else None), None
@@ -289,8 +300,9 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,int8",
-                    help="comma-separated: bf16, int8:<threshold>, awq[:<group>], awq-rtn[:<group>] (round-to-nearest, no "
-                         "calibration), or a registered quantization name")
+                    help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
+                         "awq[:<group>], awq-rtn[:<group>] (round-to-nearest, no calibration), or a registered "
+                         "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
     ap.add_argument("--max-words", type=int, default=4000)

@@ -7,6 +7,8 @@
 - against the unquantized float32 model: prompt logprobs (teacher-forced) within 0.15 of each other
   everywhere and 0.03 on average (measured on this model: 0.04 and 0.009);
 - decode steps replayed from step graphs give bit-identical tokens and logprobs to enforce_eager=True.
+Variants: the default (threshold 6, zero-point activations), a low threshold with absmax activations, and a low
+threshold with zero-point activations.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pagellm.model_loader import build_model, open_model
 from pagellm.models import WeightLoadError
 from pagellm.ops import ops_available, reference
 from pagellm.quantization import Int8Config, Int8LinearMethod
-from pagellm.quantization.int8 import quantize_weight_rows
+from pagellm.quantization.int8 import DEFAULT_ACTIVATION_SCHEME, quantize_weight_rows
 
 pytestmark = pytest.mark.skipif(not ops_available()[0], reason="needs the C++ extension (make install)")
 LOW_THRESHOLD = 2.5  # RMSNorm outputs of the tiny model are ~N(0, 1): several outlier columns per batch
@@ -40,11 +42,29 @@ def _write_config(path, **changes) -> None:
 
 @pytest.fixture(scope="module")
 def low_threshold_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny float32 Llama whose config asks for int8 with a low outlier threshold."""
+    """The tiny float32 Llama whose config asks for int8 with a low outlier threshold and absmax activations."""
     path = tmp_path_factory.mktemp("int8-low") / "llama"
     shutil.copytree(tiny_llama_dir, path)
-    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD})
+    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
+                                             "activation_scheme": "absmax"})
     return path
+
+
+@pytest.fixture(scope="module")
+def zero_point_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny float32 Llama whose config asks for int8 with zero-point activations and a low threshold."""
+    path = tmp_path_factory.mktemp("int8-zp") / "llama"
+    shutil.copytree(tiny_llama_dir, path)
+    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
+                                             "activation_scheme": "zeropoint"})
+    return path
+
+
+def _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir):
+    """(model dir, LLM kwargs) of one int8 configuration under test."""
+    if which == "default_threshold":
+        return tiny_llama_dir, {"quantization": "int8"}
+    return (low_threshold_dir if which == "low_threshold" else zero_point_dir), {}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +113,20 @@ def test_weights_are_int8_quantized_per_row(tiny_llama_dir):
     assert model.lm_head.weight.dtype == torch.float32  # the head stays in the model dtype
 
 
-def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir):
+def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir, tiny_llama_dir):
     model = build_model(open_model(low_threshold_dir))
     methods = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
     assert methods and all(m.threshold == LOW_THRESHOLD for m in methods)
+    assert all(m.activation_scheme == "absmax" and not m.zero_point for m in methods)
+    default = build_model(open_model(tiny_llama_dir), quantization="int8")
+    methods = [m.linear_method for m in default.modules() if isinstance(m, Linear)]
+    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "zeropoint" for m in methods)
+
+
+def test_checkpoint_quantization_config_sets_the_activation_scheme(zero_point_dir):
+    model = build_model(open_model(zero_point_dir))
+    methods = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
+    assert methods and all(m.activation_scheme == "zeropoint" and m.zero_point for m in methods)
 
 
 def test_skip_modules_keep_those_linears_in_the_model_dtype(tiny_llama_dir, tmp_path):
@@ -119,6 +149,9 @@ def test_bad_input_is_refused(tiny_llama_dir, tmp_path):
             Int8Config.from_config({"quant_method": "int8", "skip_modules": bad})
     with pytest.raises(ValueError, match="threshold"):
         Int8Config.from_config({"quant_method": "int8", "threshold": -1})
+    for bad in ("zero_point", "ABSMAX", None, 1):
+        with pytest.raises(ValueError, match=r"activation_scheme must be one of \['absmax', 'zeropoint'\]"):
+            Int8Config.from_config({"quant_method": "int8", "activation_scheme": bad})
     with pytest.raises(ValueError, match=r"unknown keys \['bits'\].*allowed"):
         Int8Config.from_config({"quant_method": "int8", "bits": 4})
     path = tmp_path / "model"
@@ -131,16 +164,17 @@ def test_bad_input_is_refused(tiny_llama_dir, tmp_path):
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["default_threshold", "low_threshold"])
-def test_matches_the_reference_op_on_the_same_weights(which, tiny_llama_dir, low_threshold_dir, prompts):
-    path, kw = (tiny_llama_dir, {"quantization": "int8"}) if which == "default_threshold" else (low_threshold_dir, {})
+@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
+def test_matches_the_reference_op_on_the_same_weights(which, tiny_llama_dir, low_threshold_dir, zero_point_dir,
+                                                      prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
     tokens, lps, prompt_lps, llm = _generate(path, prompts, **kw)
     ref_tokens, ref_lps, ref_prompt_lps, _ = _generate(path, prompts, use_reference=True, enforce_eager=True, **kw)
     assert tokens == ref_tokens
     for ours, ref in ((lps, ref_lps), (prompt_lps, ref_prompt_lps)):
         diff = (_flat(ours) - _flat(ref)).abs()
         assert diff.max() <= 1e-2 and diff.median() <= 1e-5, (float(diff.max()), float(diff.median()))
-    if which == "low_threshold":  # the outlier path really ran: some linear input has a column above it
+    if which != "default_threshold":  # the outlier path really ran: some linear input has a column above it
         peak = max(float(x.abs().max()) for x in _linear_inputs(llm, prompts[-1]))
         assert peak > LOW_THRESHOLD
 
@@ -158,17 +192,20 @@ def _linear_inputs(llm, prompt) -> list[torch.Tensor]:
     return seen
 
 
-def test_close_to_the_unquantized_model(tiny_llama_dir, prompts):
-    tokens, _, prompt_lps, _ = _generate(tiny_llama_dir, prompts, quantization="int8")
+@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
+def test_close_to_the_unquantized_model(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
+    tokens, _, prompt_lps, _ = _generate(path, prompts, **kw)
     _, _, fp32_prompt_lps, _ = _generate(tiny_llama_dir, prompts)
     diff = (_flat(prompt_lps) - _flat(fp32_prompt_lps)).abs()
     assert diff.max() < 0.15 and diff.mean() < 0.03, (float(diff.max()), float(diff.mean()))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("which", ["default_threshold", "low_threshold"])
-def test_step_graph_replay_is_bit_identical_to_eager(which, dtype, tiny_llama_dir, low_threshold_dir, prompts):
-    path, kw = (tiny_llama_dir, {"quantization": "int8"}) if which == "default_threshold" else (low_threshold_dir, {})
+@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
+def test_step_graph_replay_is_bit_identical_to_eager(which, dtype, tiny_llama_dir, low_threshold_dir, zero_point_dir,
+                                                     prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
     eager = _generate(path, prompts, dtype=dtype, enforce_eager=True, **kw)
     replay = _generate(path, prompts, dtype=dtype, **kw)
     graphs = replay[3].llm_engine.runner.step_graphs

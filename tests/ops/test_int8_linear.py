@@ -9,6 +9,8 @@ Tolerances:
     |x| . |w - w_dq| + |x - x_dq| . |w_dq| <= (w_scale / 2) sum|x| + (s_m / 2) sum|w_dq| over the int8
     columns (outlier columns carry only the weight term), plus fp32 slack and the output rounding.
   - every ISA path (AVX-512 VNNI, AVX2, plain C++) gives bit-identical output (same integers, same epilogue).
+Every test of the arithmetic runs for both activation schemes: absmax int8 rows and zero_point uint8 rows
+(s_m = (max - min) / 255 over the row's range widened to hold 0, so the per-element error bound has s_m / 2 too).
 """
 
 from __future__ import annotations
@@ -48,52 +50,64 @@ def make_inputs(M, K, N, dtype, *, outliers: bool, bias: bool, device="cpu", see
     return x.to(dtype).to(device), w.to(device), q.to(device), scale.to(device), b
 
 
-def run_op(x, q, scale, b, threshold=THRESHOLD):
+def run_op(x, q, scale, b, threshold=THRESHOLD, zero_point=False):
     out = poison(torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device))
-    ops.int8_linear(out, x, q, scale, b, threshold)
+    ops.int8_linear(out, x, q, scale, b, threshold, zero_point)
     return out
 
 
-def run_reference(x, q, scale, b, threshold=THRESHOLD):
+def run_reference(x, q, scale, b, threshold=THRESHOLD, zero_point=False):
     out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
-    reference.int8_linear(out, x, q, scale, b, threshold)
+    reference.int8_linear(out, x, q, scale, b, threshold, zero_point)
     return out
 
 
-def error_bound(x, q, scale, threshold):
+ZP_IDS = ["absmax", "zeropoint"]
+
+
+def error_bound(x, q, scale, threshold, zero_point=False):
     """Worst-case |int8 result - x @ w^T| per element (see the module docstring), for the unquantized w."""
     xf = x.float().cpu()
     q, scale = q.cpu(), scale.cpu()
     outlier = xf.abs().amax(0) > threshold if threshold > 0 else torch.zeros(xf.shape[1], dtype=torch.bool)
     x_in = torch.where(outlier, 0.0, xf)
-    s = x_in.abs().amax(1) / 127.0  # per-row activation scale
+    if zero_point:  # per-row activation scale
+        s = (x_in.amax(1).clamp(min=0) - x_in.amin(1).clamp(max=0)) / 255.0
+    else:
+        s = x_in.abs().amax(1) / 127.0
     w_dq = dequantize_weight_rows(q, scale).abs()
     weight_term = (scale[None, :] / 2) * xf.abs().sum(1, keepdim=True)
     return weight_term + (s[:, None] / 2) * (w_dq @ (~outlier).float())[None, :]
 
 
 # ---------------------------------------------------------------- against the reference
+@pytest.mark.parametrize("zero_point", [False, True], ids=ZP_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("outliers", [False, True], ids=["plain", "outliers"])
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
-def test_matches_reference(M, outliers, bias, dtype, device):
+def test_matches_reference(M, outliers, bias, dtype, zero_point, device):
     K, N = 131, 45  # neither a multiple of 64 (the VNNI block) nor of 4 (the register tile)
     x, _, q, scale, b = make_inputs(M, K, N, dtype, outliers=outliers, bias=bias, device=device, seed=M)
+    if zero_point:  # skewed rows: the zero point is far from the middle of the code range
+        x = (x.float() + 0.5 * (torch.arange(M, device=device)[:, None] % 3)).to(dtype)
     if outliers:  # the planted columns are the outlier set
         assert ((x.float().abs().amax(0) > THRESHOLD).nonzero().flatten().tolist()) == list(OUTLIER_COLS)
-    out, ref = run_op(x, q, scale, b), run_reference(x, q, scale, b)
+    out, ref = run_op(x, q, scale, b, zero_point=zero_point), run_reference(x, q, scale, b, zero_point=zero_point)
     if not outliers and not bias:
         assert torch.equal(out, ref)
     else:
         torch.testing.assert_close(out.float(), ref.float(), rtol=OUT_RTOL[dtype], atol=1e-6)
 
 
+@pytest.mark.parametrize("zero_point", [False, True], ids=ZP_IDS)
 @pytest.mark.parametrize("K,N", [(1, 1), (63, 7), (64, 5), (65, 9), (389, 67), (1000, 3)])
-def test_odd_shapes_match_reference(K, N, device):
+def test_odd_shapes_match_reference(K, N, zero_point, device):
     x, _, q, scale, b = make_inputs(5, K, N, torch.float32, outliers=K > 41, bias=True, device=device, seed=K)
-    torch.testing.assert_close(run_op(x, q, scale, b), run_reference(x, q, scale, b), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(run_op(x, q, scale, None, 0.0), run_reference(x, q, scale, None, 0.0), rtol=0, atol=0)
+    zp = dict(zero_point=zero_point)
+    torch.testing.assert_close(run_op(x, q, scale, b, **zp), run_reference(x, q, scale, b, **zp), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run_op(x, q, scale, None, 0.0, **zp), run_reference(x, q, scale, None, 0.0, **zp),
+                               rtol=0, atol=0)
 
 
 def test_float16_and_strided_input(device):
@@ -131,16 +145,48 @@ def test_outlier_decomposition_beats_plain_int8(device):
 
 
 # ---------------------------------------------------------------- against the unquantized fp32 product
+@pytest.mark.parametrize("zero_point", [False, True], ids=ZP_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threshold", [0.0, THRESHOLD])
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
-def test_within_quantization_error_of_fp32_matmul(M, threshold, dtype, device):
+def test_within_quantization_error_of_fp32_matmul(M, threshold, dtype, zero_point, device):
     x, w, q, scale, b = make_inputs(M, 131, 45, dtype, outliers=True, bias=True, device=device, seed=M + 7)
     exact = F.linear(x.float(), w.float(), b.float()).cpu()
-    out = run_op(x, q, scale, b, threshold).float().cpu()
-    bound = error_bound(x, q, scale, threshold) * (1 + 1e-4) + 1e-5 + exact.abs() * OUT_RTOL[dtype]
+    out = run_op(x, q, scale, b, threshold, zero_point).float().cpu()
+    bound = error_bound(x, q, scale, threshold, zero_point) * (1 + 1e-4) + 1e-5 + exact.abs() * OUT_RTOL[dtype]
     excess = (out - exact).abs() - bound
     assert excess.max() <= 0, f"error exceeds the quantization bound by {excess.max():.3g}"
+
+
+def test_zero_point_halves_the_error_on_one_sided_rows(device):
+    """Non-negative rows (e.g. after a ReLU) use only half of absmax's int8 codes; the zero point uses all 256,
+    so its rounding error is about half, and the result stays within its (smaller) bound."""
+    x, w, q, scale, _ = make_inputs(64, 256, 96, torch.float32, outliers=False, bias=False, device=device)
+    x = x.abs()
+    exact = F.linear(x, w.float())
+    err = {zp: (run_op(x, q, scale, None, 0.0, zp) - exact).norm() / exact.norm() for zp in (False, True)}
+    err_x = {zp: (reference_dequantized_rows(x, zp) - x).norm() for zp in (False, True)}
+    assert err_x[True] < 0.6 * err_x[False], err_x
+    assert err[True] < err[False], err
+
+
+def reference_dequantized_rows(x, zero_point):
+    """x's rows quantized and dequantized by the op's rule (threshold 0), read back through an identity weight."""
+    eye_q, eye_scale = quantize_weight_rows(torch.eye(x.shape[1], device=x.device))
+    return run_reference(x, eye_q, eye_scale, None, 0.0, zero_point)
+
+
+def test_zero_point_keeps_zeroed_outlier_columns_exact(device):
+    """The range always holds 0 and z is an integer, so zeroed outlier columns contribute exactly nothing: rows
+    that are 0 apart from their outlier columns give exactly the fp32 outlier term, as absmax rows do (no NaN
+    from the empty range), and an all-zero row gives 0."""
+    x, w, q, scale, _ = make_inputs(8, 100, 12, torch.float32, outliers=True, bias=False, device=device)
+    only_outliers = torch.zeros_like(x)
+    only_outliers[:, list(OUTLIER_COLS)] = x[:, list(OUTLIER_COLS)].abs() + 10.0  # every row above the threshold
+    zp = run_op(only_outliers, q, scale, None, THRESHOLD, True)
+    assert torch.equal(zp, run_op(only_outliers, q, scale, None, THRESHOLD, False)) and zp.abs().min() > 0
+    torch.testing.assert_close(zp, F.linear(only_outliers, dequantize_weight_rows(q, scale)), rtol=1e-5, atol=1e-6)
+    assert torch.equal(run_op(torch.zeros_like(x), q, scale, None, THRESHOLD, True), torch.zeros_like(zp))
 
 
 # ---------------------------------------------------------------- every ISA path
@@ -162,9 +208,11 @@ outs = []
 for M, K, N, outliers, bias, dtype in [(1, 131, 45, False, False, torch.float32),
                                        (17, 389, 67, True, True, torch.bfloat16),
                                        (64, 64, 9, True, False, torch.float32),
+                                       (3, 200, 5, False, False, torch.float32),
                                        (5, 1000, 3, False, True, torch.float32)]:
     x, _, q, scale, b = make_inputs(M, K, N, dtype, outliers=outliers, bias=bias, seed=K)
-    outs.append(run_op(x, q, scale, b))
+    for zero_point in (False, True):
+        outs.append(run_op(x + 0.3 * zero_point, q, scale, b, zero_point=zero_point))
 torch.save(outs, sys.argv[1])
 """
 
@@ -222,6 +270,10 @@ def test_wrapper_errors():
         (TypeError, "bias", lambda: ops.int8_linear(out, x, q, scale, torch.zeros(4, dtype=torch.bfloat16))),
         (ValueError, "threshold", lambda: ops.int8_linear(out, x, q, scale, None, -1.0)),
         (ValueError, "threshold", lambda: ops.int8_linear(out, x, q, scale, None, float("nan"))),
+        (TypeError, "zero_point must be a bool", lambda: ops.int8_linear(out, x, q, scale, None, 6.0, 1)),
+        (ValueError, "zero_point int8_linear needs K < 65536",
+         lambda: ops.int8_linear(torch.empty(1, 1), torch.zeros(1, 1 << 16), torch.zeros(1, 1 << 16, dtype=torch.int8),
+                                 torch.ones(1), None, 6.0, True)),
         (ValueError, "weight shape", lambda: ops.int8_linear(out, x, q[:, :7], scale)),
         (ValueError, "weight_scale shape", lambda: ops.int8_linear(out, x, q, scale[:3])),
         (ValueError, "bias shape", lambda: ops.int8_linear(out, x, q, scale, torch.zeros(5))),
@@ -245,6 +297,9 @@ def test_cpp_errors_name_the_argument():
         ("too large for int32", lambda: op(torch.empty(1, 1), torch.zeros(1, 1 << 17), torch.zeros(1, 1 << 17,
                                                                                                    dtype=torch.int8),
                                             torch.ones(1), None, 6.0)),
+        ("zero-point rows", lambda: op(torch.empty(1, 1), torch.zeros(1, 1 << 16), torch.zeros(1, 1 << 16,
+                                                                                             dtype=torch.int8),
+                                       torch.ones(1), None, 6.0, True)),
     ]
     for match, fn in cases:
         with pytest.raises(RuntimeError, match=match):

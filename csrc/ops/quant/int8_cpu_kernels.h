@@ -1,9 +1,13 @@
 // LLM.int8() linear on the CPU (Dettmers et al. 2022), math over raw pointers:
 //   1. outlier columns: every j with |x[m, j]| > threshold in some row m of the batch (threshold 0: none);
-//   2. every row of x, its outlier columns zeroed, quantized to int8 by its absmax:
-//        s_m = absmax_m / 127,  q[m, k] = clamp(round_half_even(x[m, k] * (127 / absmax_m)), -127, 127)
-//      (a row with absmax 0 gets s_m = 0 and q = 0);
-//   3. int8 x int8 -> int32 dot products against the int8 weight [N, K] (int8_dot_tiles.h, ISA chosen by the caller);
+//   2. every row of x, its outlier columns zeroed, quantized to 8 bits:
+//      absmax (bitsandbytes): s_m = absmax_m / 127, q[m, k] = clamp(round_half_even(x[m, k] * (127 / absmax_m)),
+//        -127, 127), z_m = 0 (a row with absmax 0 gets s_m = 0 and q = 0);
+//      zero point: over [lo_m, hi_m] = [min(min_k x, 0), max(max_k x, 0)], inv = 255 / (hi_m - lo_m),
+//        s_m = (hi_m - lo_m) / 255, z_m = round_half_even(-lo_m * inv), q[m, k] = clamp(round_half_even(x * inv)
+//        + z_m, 0, 255) as uint8 (a zeroed column is exactly z_m; a row of zeros gets s_m = 0, z_m = 0, q = 0);
+//   3. sum_k (q[m, k] - z_m) * w[n, k] -> int32 against the int8 weight [N, K] (int8_dot_tiles.h, ISA chosen by
+//      the caller);
 //   4. out[m, n] = T( float(acc[m, n]) * (s_m * w_scale[n])
 //                     + sum_{j outlier} x[m, j] * (float(w[n, j]) * w_scale[n])     (fp32 FMA, outliers only)
 //                     + bias[n] ).
@@ -27,10 +31,11 @@ enum class Isa { kScalar, kAvx2, kAvx512Vnni };
 
 // Activations prepared for the int8 dot products (step 1 and 2), owned by one call.
 struct QuantizedActivations {
+  bool zero_point = false;            // q holds uint8 codes with zero points `zero` (else int8, zero 0)
   int64_t ldq = 0;                    // row stride of q: K rounded up to 64
-  std::vector<int8_t> q;              // [M, ldq], zero beyond K and in outlier columns
-  std::vector<float> scale;           // [M] absmax / 127
-  std::vector<int32_t> sum;           // [M] row sums of q
+  std::vector<int8_t> q;              // [M, ldq], 0 beyond K; in outlier columns 0 (int8) or the zero point
+  std::vector<float> scale;           // [M] s_m
+  std::vector<int32_t> sum;           // [M] int8: row sums of q (the VNNI offset correction); zero point: z_m
   std::vector<int64_t> outlier_cols;  // [P] ascending
   std::vector<float> outlier_x;       // [M, P] x at the outlier columns, in fp32
 };
@@ -47,6 +52,7 @@ struct Int8LinearArgs {
   T* out;
   int64_t ldo;
   float threshold;  // > 0: outlier threshold; 0: no outlier columns
+  bool zero_point;  // asymmetric uint8 rows with a zero point (K < 65536) instead of absmax int8
 };
 
 // Rows of x (M * K elements) below this are prepared on the calling thread.
@@ -70,10 +76,10 @@ std::vector<int64_t> find_outlier_columns(const Int8LinearArgs<T>& a) {
   return cols;
 }
 
-// Step 2 for one row: q (pre-zeroed, outlier columns left 0), its scale and sum, and its outlier values.
+// Step 2 for one row, absmax: q (pre-zeroed, outlier columns left 0), its scale and sum.
 template <typename T>
-void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_col, int64_t m,
-                  QuantizedActivations& qa) {
+void quantize_row_absmax(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_col, int64_t m,
+                         QuantizedActivations& qa) {
   const T* xr = a.x + m * a.ldx;
   const bool has_outliers = !qa.outlier_cols.empty();
   float absmax = 0.f;
@@ -93,6 +99,40 @@ void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_c
   }
   qa.scale[m] = absmax / 127.f;
   qa.sum[m] = sum;
+}
+
+// Step 2 for one row, zero point: uint8 codes (stored in q's bytes; outlier columns get the zero point), the
+// scale and the zero point.
+template <typename T>
+void quantize_row_zero_point(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_col, int64_t m,
+                             QuantizedActivations& qa) {
+  const T* xr = a.x + m * a.ldx;
+  const bool has_outliers = !qa.outlier_cols.empty();
+  float lo = 0.f, hi = 0.f;  // the range always holds 0, so a zeroed column is exact
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float v = (has_outliers && zero_col[k]) ? 0.f : static_cast<float>(xr[k]);
+    lo = std::min(lo, v);
+    hi = std::max(hi, v);
+  }
+  const float span = hi - lo;
+  const float inv = span > 0.f ? 255.f / span : 0.f;
+  const float z = std::min(255.f, std::max(0.f, std::nearbyint(-lo * inv)));
+  uint8_t* qr = reinterpret_cast<uint8_t*>(qa.q.data() + m * qa.ldq);
+  for (int64_t k = 0; k < a.K; ++k) {
+    const float v = (has_outliers && zero_col[k]) ? 0.f : static_cast<float>(xr[k]);
+    qr[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, std::nearbyint(v * inv) + z)));
+  }
+  qa.scale[m] = span / 255.f;
+  qa.sum[m] = static_cast<int32_t>(z);
+}
+
+// Step 2 for one row: the scheme's quantization, then the row's outlier values.
+template <typename T>
+void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_col, int64_t m,
+                  QuantizedActivations& qa) {
+  if (qa.zero_point) quantize_row_zero_point(a, zero_col, m, qa);
+  else quantize_row_absmax(a, zero_col, m, qa);
+  const T* xr = a.x + m * a.ldx;
   const int64_t P = static_cast<int64_t>(qa.outlier_cols.size());
   for (int64_t p = 0; p < P; ++p) qa.outlier_x[m * P + p] = static_cast<float>(xr[qa.outlier_cols[p]]);
 }
@@ -101,6 +141,7 @@ void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_c
 template <typename T>
 QuantizedActivations quantize_activations(const Int8LinearArgs<T>& a) {
   QuantizedActivations qa;
+  qa.zero_point = a.zero_point;
   qa.ldq = (a.K + 63) / 64 * 64;
   qa.q.assign(a.M * qa.ldq, 0);
   qa.scale.resize(a.M);
@@ -182,12 +223,13 @@ void store_tile(const Int8LinearArgs<T>& a, const QuantizedActivations& qa, int6
 using DotBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int64_t, int, int,
                             int32_t*);
 
-inline DotBlockFn dot_block_for(Isa isa) {
+// The dot products of `isa` for int8 rows (zero_point false) or uint8 rows with zero points (true).
+inline DotBlockFn dot_block_for(Isa isa, bool zero_point) {
 #ifdef PAGELLM_INT8_X86
-  if (isa == Isa::kAvx512Vnni) return &dot_block_vnni;
-  if (isa == Isa::kAvx2) return &dot_block_avx2;
+  if (isa == Isa::kAvx512Vnni) return zero_point ? &dot_block_vnni<true> : &dot_block_vnni<false>;
+  if (isa == Isa::kAvx2) return zero_point ? &dot_block_avx2<true> : &dot_block_avx2<false>;
 #endif
-  return &dot_block_scalar;
+  return zero_point ? &dot_block_scalar<true> : &dot_block_scalar<false>;
 }
 
 // Rows of x whose quantized and outlier values stay in cache while a thread's weight tiles pass (prefill).
@@ -199,7 +241,7 @@ constexpr int64_t kInt8RowChunk = 64;
 template <typename T>
 void int8_linear_kernel(const Int8LinearArgs<T>& a, Isa isa) {
   const QuantizedActivations qa = quantize_activations(a);
-  const DotBlockFn dot_block = dot_block_for(isa);
+  const DotBlockFn dot_block = dot_block_for(isa, a.zero_point);
   const int64_t num_tiles = (a.N + kInt8NR - 1) / kInt8NR;
   // >= 256 KiB of weight per task (as linear_small_m): small layers run inline, where waking threads would
   // cost more than the work; big ones split across threads.

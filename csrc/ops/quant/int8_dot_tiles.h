@@ -3,12 +3,15 @@
 // with a function target attribute, whatever -march the file is built with, so the caller can pick one at
 // run time from CPUID (int8_linear_cpu.cpp) and never executes an instruction the CPU lacks.
 //
-// Shared contract of dot_block_<isa>(w, ldw, q, ldq, qsum, K, mr, nr, acc):
-//   w    [nr, K] int8 weight rows (row stride ldw; any value in [-128, 127]);
-//   q    [mr, ldq] int8 quantized activations, ldq a multiple of 64, zero beyond K;
-//   qsum [mr] the row sums of q (used by the VNNI path's unsigned-offset correction);
-//   acc  [mr, kInt8NR] (row stride kInt8NR): acc[i][j] = sum_k q[i][k] * w[j][k], exact in int32
-//        (|acc| <= 128 * 127 * K; K < 2^17 keeps every partial sum in range).
+// Shared contract of dot_block_<isa><ZP>(w, ldw, q, ldq, row_term, K, mr, nr, acc):
+//   w        [nr, K] int8 weight rows (row stride ldw; any value in [-128, 127]);
+//   q        [mr, ldq] quantized activations, ldq a multiple of 64, zero beyond K: int8 values (ZP false) or
+//            uint8 codes (ZP true, the same bytes read as unsigned);
+//   row_term [mr] ZP false: the row sums of q (the VNNI path's unsigned-offset correction); ZP true: the rows'
+//            zero points z_i in [0, 255];
+//   acc      [mr, kInt8NR] (row stride kInt8NR): acc[i][j] = sum_k (q[i][k] - z_i) * w[j][k] (z_i = 0 for
+//            int8 rows), exact in int32 (|acc| <= 128 * 127 * K for int8 rows, K < 2^17; <= 128 * 255 * K
+//            for uint8 rows, K < 2^16).
 #pragma once
 
 #include <cstdint>
@@ -26,14 +29,23 @@ constexpr int kInt8MR = 4;  // activation rows per block (register tile rows)
 constexpr int kInt8NR = 4;  // weight rows per block (register tile columns)
 
 // ---------------------------------------------------------------- plain C++ (any CPU)
-inline void dot_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* /*qsum*/,
+// Activation value k of row `qi` minus the row's zero point z (an int8 value, or a uint8 code under ZP).
+template <bool ZP>
+inline int32_t centered(const int8_t* qi, int64_t k, int32_t z) {
+  if constexpr (ZP) return static_cast<int32_t>(reinterpret_cast<const uint8_t*>(qi)[k]) - z;
+  return static_cast<int32_t>(qi[k]);
+}
+
+template <bool ZP>
+inline void dot_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
                              int64_t K, int mr, int nr, int32_t* acc) {
   for (int i = 0; i < mr; ++i) {
+    const int32_t z = ZP ? row_term[i] : 0;
     for (int j = 0; j < nr; ++j) {
       const int8_t* qi = q + i * ldq;
       const int8_t* wj = w + j * ldw;
       int32_t s = 0;
-      for (int64_t k = 0; k < K; ++k) s += static_cast<int32_t>(qi[k]) * static_cast<int32_t>(wj[k]);
+      for (int64_t k = 0; k < K; ++k) s += centered<ZP>(qi, k, z) * static_cast<int32_t>(wj[k]);
       acc[i * kInt8NR + j] = s;
     }
   }
@@ -41,10 +53,12 @@ inline void dot_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, int6
 
 #ifdef PAGELLM_INT8_X86
 // ---------------------------------------------------------------- AVX-512 VNNI
-// vpdpbusd multiplies unsigned bytes by signed bytes. The weight is signed, so it is offset into the
-// unsigned operand: (w ^ 0x80) = w + 128 as u8, and sum (w + 128) * q = sum w * q + 128 * sum q; the
-// second term is removed with the precomputed row sum of q. Int32 wrap-around cannot change the exact
-// result (every step is an addition modulo 2^32 and the true value fits).
+// vpdpbusd multiplies unsigned bytes by signed bytes. int8 rows: the weight is signed, so it is offset into
+// the unsigned operand: (w ^ 0x80) = w + 128 as u8, and sum (w + 128) * q = sum w * q + 128 * sum q; the
+// second term is removed with the precomputed row sum of q. uint8 rows (ZP): the codes are the unsigned
+// operand as they are, and sum (q - z) * w = sum q * w - z * sum w, with the weight row sums taken by one
+// more vpdpbusd against ones per weight vector (shared by the tile's activation rows). Int32 wrap-around
+// cannot change the exact result (every step is an addition modulo 2^32 and the true value fits).
 // The lane sums of four vectors, [sum a0, sum a1, sum a2, sum a3], in 11 instructions (an add tree over
 // interleaved lanes) instead of four horizontal reductions.
 PAGELLM_TARGET_VNNI inline __m128i reduce4_epi32(__m512i a0, __m512i a1, __m512i a2, __m512i a3) {
@@ -57,50 +71,76 @@ PAGELLM_TARGET_VNNI inline __m128i reduce4_epi32(__m512i a0, __m512i a1, __m512i
   return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
-template <int MR, int NR>
-PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
-                                       const int32_t* qsum, int64_t K, int32_t* acc_out) {
-  __m512i acc[MR][NR];
+// One 64-byte step of a VNNI tile: NR weight vectors against MR activation vectors (ZP: plus the weight sums).
+template <int MR, int NR, bool ZP>
+PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void dot_step_vnni(const __m512i* w_raw, const int8_t* q,
+                                                                              int64_t ldq, __m512i (&acc)[MR][NR],
+                                                                              __m512i (&wsum)[NR]) {
+  __m512i wv[NR];
 #pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  int64_t k = 0;
-  for (; k + 64 <= K; k += 64) {
-    __m512i wv[NR];
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w + j * ldw + k), flip);
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const __m512i xv = _mm512_loadu_si512(q + i * ldq + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv[j], xv);
-    }
-  }
-  if (k < K) {  // masked weight load (never past the row); q is zero-padded, so the offset lanes add 0
-    const __mmask64 mask = (~0ULL) >> (64 - (K - k));
-    __m512i wv[NR];
-#pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + j * ldw + k), flip);
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const __m512i xv = _mm512_loadu_si512(q + i * ldq + k);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], wv[j], xv);
+  for (int j = 0; j < NR; ++j) {
+    if constexpr (ZP) {
+      wv[j] = w_raw[j];
+      wsum[j] = _mm512_dpbusd_epi32(wsum[j], _mm512_set1_epi8(1), w_raw[j]);
+    } else {
+      wv[j] = _mm512_xor_si512(w_raw[j], _mm512_set1_epi8(static_cast<char>(0x80)));
     }
   }
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i) {
+    const __m512i xv = _mm512_loadu_si512(q + i * ldq);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j)
+      acc[i][j] = ZP ? _mm512_dpbusd_epi32(acc[i][j], xv, wv[j]) : _mm512_dpbusd_epi32(acc[i][j], wv[j], xv);
+  }
+}
+
+template <int MR, int NR, bool ZP>
+PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
+                                       const int32_t* row_term, int64_t K, int32_t* acc_out) {
+  __m512i acc[MR][NR], wsum[NR];
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) wsum[j] = _mm512_setzero_si512();
+  int64_t k = 0;
+  __m512i w_raw[NR];
+  for (; k + 64 <= K; k += 64) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) w_raw[j] = _mm512_loadu_si512(w + j * ldw + k);
+    dot_step_vnni<MR, NR, ZP>(w_raw, q + k, ldq, acc, wsum);
+  }
+  if (k < K) {  // masked weight load (never past the row); q is zero-padded, so the offset lanes add 0
+    const __mmask64 mask = (~0ULL) >> (64 - (K - k));
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) w_raw[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + k);
+    dot_step_vnni<MR, NR, ZP>(w_raw, q + k, ldq, acc, wsum);
+  }
+  // the correction: int8 rows 128 * sum q (per activation row), uint8 rows z_i * sum w (per pair); the four
+  // weight sums of a full tile reduced together, once for all its activation rows
+  uint32_t wsums[NR] = {};
+  __m128i wsums4 = _mm_setzero_si128();
+  if constexpr (ZP && NR == 4) {
+    wsums4 = reduce4_epi32(wsum[0], wsum[1], wsum[2], wsum[3]);
+  } else if constexpr (ZP) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) wsums[j] = static_cast<uint32_t>(_mm512_reduce_add_epi32(wsum[j]));
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const uint32_t r = static_cast<uint32_t>(row_term[i]);
     if constexpr (NR == 4) {
-      const __m128i offset = _mm_set1_epi32(static_cast<int32_t>(128u * static_cast<uint32_t>(qsum[i])));
+      const __m128i offset = ZP ? _mm_mullo_epi32(_mm_set1_epi32(static_cast<int32_t>(r)), wsums4)
+                                : _mm_set1_epi32(static_cast<int32_t>(128u * r));
       const __m128i sums = reduce4_epi32(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
       _mm_storeu_si128(reinterpret_cast<__m128i*>(acc_out + i * kInt8NR), _mm_sub_epi32(sums, offset));
     } else {
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         const uint32_t biased = static_cast<uint32_t>(_mm512_reduce_add_epi32(acc[i][j]));
-        acc_out[i * kInt8NR + j] = static_cast<int32_t>(biased - 128u * static_cast<uint32_t>(qsum[i]));
+        acc_out[i * kInt8NR + j] = static_cast<int32_t>(biased - (ZP ? r * wsums[j] : 128u * r));
       }
     }
   }
@@ -108,10 +148,11 @@ PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_
 
 // ---------------------------------------------------------------- AVX2
 // Sign-extend 16 bytes of each operand to int16 and vpmaddwd pairs into int32 lanes: exact for every
-// int8 value (vpmaddubsw would saturate at 255 * 127 * 2).
-template <int MR, int NR>
-PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, int64_t K,
-                                       int32_t* acc_out) {
+// int8 value (vpmaddubsw would saturate at 255 * 127 * 2). uint8 codes (ZP) are zero-extended and centered,
+// q - z in [-255, 255]: a pair sums to at most 2 * 255 * 128, still exact.
+template <int MR, int NR, bool ZP>
+PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
+                                       const int32_t* row_term, int64_t K, int32_t* acc_out) {
   __m256i acc[MR][NR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
@@ -125,7 +166,10 @@ PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_
       wv[j] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * ldw + k)));
 #pragma GCC unroll 4
     for (int i = 0; i < MR; ++i) {
-      const __m256i xv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * ldq + k)));
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i * ldq + k));
+      const __m256i xv =
+          ZP ? _mm256_sub_epi16(_mm256_cvtepu8_epi16(raw), _mm256_set1_epi16(static_cast<int16_t>(row_term[i])))
+             : _mm256_cvtepi8_epi16(raw);
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(wv[j], xv));
     }
@@ -138,44 +182,47 @@ PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_
       const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       const __m128i s1 = _mm_add_epi32(s2, _mm_shuffle_epi32(s2, 0xB1));
       int32_t s = _mm_cvtsi128_si32(s1);
-      for (int64_t t = k; t < K; ++t) s += static_cast<int32_t>(q[i * ldq + t]) * static_cast<int32_t>(w[j * ldw + t]);
+      const int32_t z = ZP ? row_term[i] : 0;
+      for (int64_t t = k; t < K; ++t) s += centered<ZP>(q + i * ldq, t, z) * static_cast<int32_t>(w[j * ldw + t]);
       acc_out[i * kInt8NR + j] = s;
     }
 }
 
 // Runtime (mr, nr) -> the register tile instantiated for it: NR = kInt8NR or 1 (weight-row tails).
-template <int NR>
-inline void dot_rows_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* qsum, int64_t K,
-                          int mr, int32_t* acc) {
+template <int NR, bool ZP>
+inline void dot_rows_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
+                          int64_t K, int mr, int32_t* acc) {
   switch (mr) {
-    case 1: dot_tile_vnni<1, NR>(w, ldw, q, ldq, qsum, K, acc); break;
-    case 2: dot_tile_vnni<2, NR>(w, ldw, q, ldq, qsum, K, acc); break;
-    case 3: dot_tile_vnni<3, NR>(w, ldw, q, ldq, qsum, K, acc); break;
-    default: dot_tile_vnni<4, NR>(w, ldw, q, ldq, qsum, K, acc); break;
+    case 1: dot_tile_vnni<1, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    case 2: dot_tile_vnni<2, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    case 3: dot_tile_vnni<3, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    default: dot_tile_vnni<4, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
   }
 }
 
-template <int NR>
-inline void dot_rows_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, int64_t K, int mr,
-                          int32_t* acc) {
+template <int NR, bool ZP>
+inline void dot_rows_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
+                          int64_t K, int mr, int32_t* acc) {
   switch (mr) {
-    case 1: dot_tile_avx2<1, NR>(w, ldw, q, ldq, K, acc); break;
-    case 2: dot_tile_avx2<2, NR>(w, ldw, q, ldq, K, acc); break;
-    case 3: dot_tile_avx2<3, NR>(w, ldw, q, ldq, K, acc); break;
-    default: dot_tile_avx2<4, NR>(w, ldw, q, ldq, K, acc); break;
+    case 1: dot_tile_avx2<1, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    case 2: dot_tile_avx2<2, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    case 3: dot_tile_avx2<3, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    default: dot_tile_avx2<4, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
   }
 }
 
-inline void dot_block_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* qsum,
+template <bool ZP>
+inline void dot_block_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
                            int64_t K, int mr, int nr, int32_t* acc) {
-  if (nr == kInt8NR) return dot_rows_vnni<kInt8NR>(w, ldw, q, ldq, qsum, K, mr, acc);
-  for (int j = 0; j < nr; ++j) dot_rows_vnni<1>(w + j * ldw, ldw, q, ldq, qsum, K, mr, acc + j);
+  if (nr == kInt8NR) return dot_rows_vnni<kInt8NR, ZP>(w, ldw, q, ldq, row_term, K, mr, acc);
+  for (int j = 0; j < nr; ++j) dot_rows_vnni<1, ZP>(w + j * ldw, ldw, q, ldq, row_term, K, mr, acc + j);
 }
 
-inline void dot_block_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* /*qsum*/,
+template <bool ZP>
+inline void dot_block_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
                            int64_t K, int mr, int nr, int32_t* acc) {
-  if (nr == kInt8NR) return dot_rows_avx2<kInt8NR>(w, ldw, q, ldq, K, mr, acc);
-  for (int j = 0; j < nr; ++j) dot_rows_avx2<1>(w + j * ldw, ldw, q, ldq, K, mr, acc + j);
+  if (nr == kInt8NR) return dot_rows_avx2<kInt8NR, ZP>(w, ldw, q, ldq, row_term, K, mr, acc);
+  for (int j = 0; j < nr; ++j) dot_rows_avx2<1, ZP>(w + j * ldw, ldw, q, ldq, row_term, K, mr, acc + j);
 }
 #endif  // PAGELLM_INT8_X86
 

@@ -18,7 +18,7 @@ struct Int8LinearShape {
 // out [M, N] (x's dtype, last dim contiguous) = x [M, K] @ (weight [N, K] int8 * weight_scale [N] fp32)^T + bias [N].
 inline Int8LinearShape check_int8_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                               const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                                              double threshold) {
+                                              double threshold, bool zero_point) {
   check_float(x, "x");
   check_same_dtype(out, x, "out", "x");
   check_dtype(weight, at::kChar, "weight");
@@ -29,6 +29,8 @@ inline Int8LinearShape check_int8_linear_args(const at::Tensor& out, const at::T
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
   TORCH_CHECK(K < (int64_t{1} << 17), "x: K = ", K, " is too large for int32 accumulation (must be < 131072)");
+  TORCH_CHECK(!zero_point || K < (int64_t{1} << 16), "x: K = ", K,
+              " is too large for int32 accumulation of zero-point rows (must be < 65536)");
   TORCH_CHECK(weight_scale.dim() == 1 && weight_scale.size(0) == N, "weight_scale must have shape [", N, "], got ",
               weight_scale.sizes());
   TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());

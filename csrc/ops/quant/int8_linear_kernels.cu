@@ -14,12 +14,12 @@ cudaError_t launch_typed(const Int8LinearCudaArgs& a, cudaStream_t s) {
   const unsigned mask_blocks = static_cast<unsigned>((a.ldq + 255) / 256);
   int8::outlier_mask_kernel<T><<<mask_blocks, 256, 0, s>>>(x, a.M, a.K, a.ldx, a.ldq, a.threshold, a.outlier_mask);
   int8::quantize_rows_kernel<T><<<static_cast<unsigned>(a.M), int8::kQuantThreads, 0, s>>>(
-      x, a.K, a.ldx, a.ldq, a.outlier_mask, a.q, a.row_scale);
+      x, a.K, a.ldx, a.ldq, a.outlier_mask, a.zero_point, a.q, a.row_scale, a.row_zero);
   const bool words = a.K % 4 == 0 && a.ldw % 4 == 0 && aligned4(a.w) && a.ldq % 4 == 0 && aligned4(a.q);
   const dim3 grid(static_cast<unsigned>((a.N + int8::kGemmWarps - 1) / int8::kGemmWarps), static_cast<unsigned>(a.M));
   int8::int8_gemm_kernel<T><<<grid, 32 * int8::kGemmWarps, 0, s>>>(
-      static_cast<T*>(a.out), x, a.w, a.w_scale, static_cast<const T*>(a.bias), a.outlier_mask, a.q, a.row_scale, a.N,
-      a.K, a.ldx, a.ldw, a.ldo, a.ldq, words);
+      static_cast<T*>(a.out), x, a.w, a.w_scale, static_cast<const T*>(a.bias), a.outlier_mask, a.q, a.row_scale,
+      a.row_zero, a.zero_point, a.N, a.K, a.ldx, a.ldw, a.ldo, a.ldq, words);
   return cudaGetLastError();
 }
 }  // namespace

@@ -9,7 +9,8 @@
 namespace pagellm::cuda {
 
 // Row strides in elements; every row contiguous. Scratch buffers are the caller's (device memory):
-// outlier_mask [ldq] uint8, q [M, ldq] int8, row_scale [M] float32, with ldq = K rounded up to a multiple of 16.
+// outlier_mask [ldq] uint8, q [M, ldq] int8, row_scale [M] float32, row_zero [M] int32, with ldq = K rounded up to
+// a multiple of 16.
 struct Int8LinearCudaArgs {
   void* out;             // [M, N] (dtype)
   const void* x;         // [M, K] (dtype)
@@ -18,15 +19,17 @@ struct Int8LinearCudaArgs {
   const void* bias;      // [N] (dtype) or nullptr
   int64_t M, N, K, ldx, ldw, ldo;
   float threshold;  // > 0: outlier threshold; 0: none
+  bool zero_point;  // rows as uint8 with a zero point (K < 65536) instead of absmax int8
   uint8_t* outlier_mask;
   int8_t* q;
   float* row_scale;
+  int32_t* row_zero;
   int64_t ldq;
 };
 
 // The same computation as the CPU kernel (csrc/ops/quant/int8_cpu_kernels.h): outlier columns of x (|x| >
 // threshold in any row) in fp32 against the dequantized weight, the other columns quantized per row to int8
-// and multiplied as int8 x int8 -> int32. Three kernels on `stream`: outlier mask, row quantization, products.
+// (or uint8 with a zero point) and multiplied with the int8 weight into int32. Three kernels on `stream`: outlier mask, row quantization, products.
 cudaError_t launch_int8_linear(const Int8LinearCudaArgs& args, DType dtype, cudaStream_t stream);
 
 }  // namespace pagellm::cuda

@@ -7,6 +7,9 @@ import torch
 
 from pagellm.ops.arg_checks import _dtype, _float, _ndim, _same, _tensor
 
+# int8_linear with zero_point: |sum_k (q - z) w| <= 255 * 128 * K must fit int32
+ZERO_POINT_MAX_K = 1 << 16
+
 def gguf_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, qtype: int, in_features: int,
                 bias: torch.Tensor | None = None) -> None:
     """out [M, N] = x [M, K] @ dequant(qweight)^T (+ bias [N]), fp32 accumulation, one rounding into x's dtype.
@@ -77,12 +80,14 @@ def awq_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
 
 
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
+                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False) -> None:
     """LLM.int8(): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N] float32)^T (+ bias [N]).
 
     Columns of x with |x| > threshold in any row run in fp32 against the dequantized weight; the rest are
-    quantized per row (absmax) to int8 and multiplied as int8 x int8 -> int32. threshold 0 = no outlier
-    columns. x, out, bias: float32 / bfloat16 / float16. Reference: `reference.int8_linear`."""
+    quantized per row to 8 bits and multiplied with the int8 weight into int32: by the row's absmax to int8
+    (zero_point False, bitsandbytes' rule) or, zero_point True, asymmetrically over the row's [min, max] to uint8
+    with an integer zero point (K < 65536). threshold 0 = no outlier columns. x, out, bias: float32 / bfloat16 /
+    float16. Reference: `reference.int8_linear`."""
     _float(x, "x")
     _tensor(out, "out")
     _same(out, x, "out", "x")
@@ -93,6 +98,8 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         _same(bias, x, "bias", "x")
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
         raise ValueError(f"threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
+    if not isinstance(zero_point, bool):
+        raise TypeError(f"zero_point must be a bool, got {zero_point!r}")
     _ndim(x, 2, "x")
     _ndim(weight, 2, "weight")
     if weight.shape[1] != x.shape[1]:
@@ -103,4 +110,7 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         raise ValueError(f"bias shape {tuple(bias.shape)} must be ({weight.shape[0]},) (N)")
     if tuple(out.shape) != (x.shape[0], weight.shape[0]):
         raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0], weight.shape[0])}")
-    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold))
+    if zero_point and x.shape[1] >= ZERO_POINT_MAX_K:
+        raise ValueError(f"zero_point int8_linear needs K < {ZERO_POINT_MAX_K} (exact int32 sums), "
+                         f"got K = {x.shape[1]}")
+    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold), zero_point)

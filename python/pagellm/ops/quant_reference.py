@@ -111,14 +111,19 @@ def awq_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
 
 
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0) -> None:
+                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False) -> None:
     """LLM.int8() (Dettmers et al. 2022): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N])^T (+ bias).
 
     Columns of x with |x| > threshold in any row (threshold 0: none) are multiplied in fp32 by the dequantized
-    weight. The other columns are quantized per row by their absmax, s_m = absmax_m / 127 and
-    q = clamp(round_half_even(x * (127 / absmax_m)), -127, 127), and multiplied as int8 x int8 -> int32
-    (exact; here in float64, exact below 2^53), rescaled by s_m * weight_scale[n]. Rounded once into out.
-    Shape branches only (no data read into Python): replayable in a step graph."""
+    weight. The other columns (outlier columns zeroed) are quantized per row:
+      absmax (zero_point False, bitsandbytes): s_m = absmax_m / 127,
+        q = clamp(round_half_even(x * (127 / absmax_m)), -127, 127), z_m = 0;
+      zero point (the paper's zero-point vector-wise): over the row's range widened to hold 0, lo_m = min(min x, 0),
+        hi_m = max(max x, 0): s_m = (hi_m - lo_m) / 255, z_m = round_half_even(-lo_m * (255 / (hi_m - lo_m))),
+        q = clamp(round_half_even(x * (255 / (hi_m - lo_m))) + z_m, 0, 255) (a zeroed column is exactly z_m);
+    and multiplied as sum (q - z_m) * weight -> int32 (exact; here in float64, exact below 2^53), rescaled by
+    s_m * weight_scale[n]. Every scale is one IEEE-rounded fp32 operation, as in the kernels. Rounded once into
+    out. Shape branches only (no data read into Python): replayable in a step graph."""
     if out.numel() == 0:
         return
     xf = x.float()
@@ -127,12 +132,23 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     else:
         outlier = torch.zeros(x.shape[1], dtype=torch.bool, device=x.device)
     x_in = torch.where(outlier, 0.0, xf)
-    absmax = x_in.abs().amax(dim=1) if x.shape[1] else torch.zeros(x.shape[0], device=x.device)  # [M]
+    empty = torch.zeros(x.shape[0], device=x.device)
     # a tensor / tensor division is IEEE-rounded, as in the kernels (127.0 / t is reciprocal(t) * 127 in torch)
-    inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
-    q = torch.round(x_in * inv[:, None]).clamp(-127, 127)
+    if zero_point:
+        lo = x_in.amin(dim=1).clamp(max=0.0) if x.shape[1] else empty  # [M]
+        hi = x_in.amax(dim=1).clamp(min=0.0) if x.shape[1] else empty
+        span = hi - lo
+        inv = torch.where(span > 0, torch.full_like(span, 255.0) / span, 0.0)
+        z = torch.round(-lo * inv).clamp(0, 255)
+        q = (torch.round(x_in * inv[:, None]) + z[:, None]).clamp(0, 255) - z[:, None]
+        row_scale = span / torch.full_like(span, 255.0)  # a true division on every device
+    else:
+        absmax = x_in.abs().amax(dim=1) if x.shape[1] else empty  # [M]
+        inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
+        q = torch.round(x_in * inv[:, None]).clamp(-127, 127)
+        row_scale = absmax / 127.0
     acc = (q.double() @ weight.double().T).float()
-    y = acc * ((absmax / 127.0)[:, None] * weight_scale[None, :])
+    y = acc * (row_scale[:, None] * weight_scale[None, :])
     y = y + torch.where(outlier, xf, 0.0) @ (weight.float() * weight_scale[:, None]).T
     if bias is not None:
         y = y + bias.float()

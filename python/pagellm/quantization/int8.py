@@ -5,16 +5,25 @@
 Each linear weight [out, in] is stored as int8 `weight` [out, in] plus a float32 `weight_scale` [out]
 (row absmax / 127). The product is `torch.ops.pagellm.int8_linear` (its pure-torch reference where the
 compiled op is missing): activation columns with |x| > threshold (default 6.0) in any token of the batch
-run in fp32 against the dequantized weight columns; the rest are quantized per token and multiplied as
-int8 x int8 -> int32. The outlier column set is decided inside the op, so a decode step replays from a
-step graph like any other. The LM head and embeddings stay in the model dtype, as do the linears named in
-`skip_modules` (bitsandbytes' llm_int8_skip_modules).
+run in fp32 against the dequantized weight columns; the rest are quantized per token to 8 bits and multiplied
+with the int8 weight into int32. The outlier column set is decided inside the op, so a decode step replays from a
+step graph like any other (and a token's output depends on the other tokens of its batch through that set). The
+LM head and embeddings stay in the model dtype, as do the linears named in `skip_modules` (bitsandbytes'
+llm_int8_skip_modules).
 
-Accuracy (benchmarks/bench_int8_ablation.py, bench_quant_ppl.py): on the default model (SmolLM2-135M) the
-method costs about +1.5 to +2.5 % word perplexity at threshold 6.0, nearly all of it from the per-token int8
-activations (int8 weights with float activations: +0.2 to +0.4 %); the op matches its reference on that model's
-activations to 1e-5 of the output norm. 6.0 stays the default (bitsandbytes, vLLM); a lower threshold or
-skip_modules trade speed or memory for accuracy.
+Activation scheme (`activation_scheme`): "zeropoint" (the default) quantizes each token's non-outlier values
+asymmetrically, uint8 codes over [min(x, 0), max(x, 0)] with an integer zero point (the paper's zero-point
+vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact);
+"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127. Zero point is the default because it halves
+the method's perplexity cost for ~2 % of decode time (1.1B Llama shape: TPOT 0.63x bf16 vs absmax's 0.62x; the
+int8 linears ~8 % slower at M = 1, from summing the weight rows in the same pass). Measured on the default model
+(SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations,
+threshold 6.0): absmax +2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch
+(bench_int8_ablation.py --groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float
+activations alone +0.67 % (in bf16, 4000 words: +1.80 % / +2.67 %, weights alone +0.53 %, and absmax scales per
+64-element block of K +0.67 %). The absmax op matches its reference on that model's activations to 1e-5 of the
+output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or skip_modules trade speed
+or memory for accuracy.
 
 Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
 straight into its rows (the scale is per output row, so every shard of a merged layer quantizes on its
@@ -43,8 +52,11 @@ INT8_METHOD = "int8"
 DEFAULT_THRESHOLD = 6.0
 _QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
 
-# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold) -> None
-Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float], None]
+ACTIVATION_SCHEMES = ("absmax", "zeropoint")
+DEFAULT_ACTIVATION_SCHEME = "zeropoint"  # see the module docstring
+
+# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold, zero_point) -> None
+Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool], None]
 
 
 def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,6 +81,12 @@ def check_threshold(threshold: Any) -> float:
     if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
         raise ValueError(f"int8 threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
     return float(threshold)
+
+
+def check_activation_scheme(scheme: Any) -> str:
+    if scheme not in ACTIVATION_SCHEMES:
+        raise ValueError(f"int8 activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
+    return scheme
 
 
 def check_skip_modules(names: Any) -> tuple[str, ...]:
@@ -101,8 +119,11 @@ class Int8LinearMethod(LinearMethodBase):
     `op` (default: `default_int8_op` for the weight's device, chosen after loading) may be replaced, e.g.
     by `pagellm.ops.reference.int8_linear` to compare against the reference on the same weights."""
 
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None) -> None:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None,
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
         self.threshold = check_threshold(threshold)
+        self.activation_scheme = check_activation_scheme(activation_scheme)
+        self.zero_point = activation_scheme == "zeropoint"
         self.op = op
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
@@ -123,11 +144,11 @@ class Int8LinearMethod(LinearMethodBase):
         n = layer.weight.shape[0]
         if x.dim() == 2:  # the decode case: as few torch calls as possible
             out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold)
+            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold)
+        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
         return out.view(x.shape[:-1] + (n,))
 
 
@@ -164,14 +185,20 @@ class Int8Config(QuantizationConfig):
     it or contains it as whole components: "down_proj" matches every "model.layers.<i>.mlp.down_proj",
     "model.layers.0" all of layer 0's linears. Names are pagellm's modules, where q/k/v are one "qkv_proj"
     and gate/up one "gate_up_proj" (a merged layer is quantized or skipped whole).
-    From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0, "skip_modules": []}
-    (all optional)."""
+    `activation_scheme`: how each token's non-outlier activations become 8-bit in `int8_linear`, "absmax"
+    (symmetric int8, bitsandbytes' rule) or "zeropoint" (asymmetric uint8 over the token's range with an
+    integer zero point, the paper's zero-point vector-wise quantization). See the module docstring for the
+    measurements behind the default.
+    From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0, "skip_modules": [],
+    "activation_scheme": "absmax"} (all optional)."""
 
-    _KEYS = ("quant_method", "threshold", "skip_modules")
+    _KEYS = ("quant_method", "threshold", "skip_modules", "activation_scheme")
 
-    def __init__(self, threshold: float = DEFAULT_THRESHOLD, skip_modules: list[str] | tuple[str, ...] = ()) -> None:
+    def __init__(self, threshold: float = DEFAULT_THRESHOLD, skip_modules: list[str] | tuple[str, ...] = (),
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
         self.threshold = check_threshold(threshold)
         self.skip_modules = check_skip_modules(skip_modules)
+        self.activation_scheme = check_activation_scheme(activation_scheme)
 
     @classmethod
     def get_name(cls) -> str:
@@ -182,7 +209,8 @@ class Int8Config(QuantizationConfig):
         unknown = sorted(set(config) - set(cls._KEYS))
         if unknown:
             raise ValueError(f"int8 quantization_config: unknown keys {unknown}; allowed: {list(cls._KEYS)}")
-        return cls(config.get("threshold", DEFAULT_THRESHOLD), config.get("skip_modules", ()))
+        return cls(config.get("threshold", DEFAULT_THRESHOLD), config.get("skip_modules", ()),
+                   config.get("activation_scheme", DEFAULT_ACTIVATION_SCHEME))
 
     def is_skipped(self, prefix: str) -> bool:
         return any(f".{name}." in f".{prefix}." for name in self.skip_modules)
@@ -190,10 +218,11 @@ class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
-        return Int8LinearMethod(self.threshold)
+        return Int8LinearMethod(self.threshold, activation_scheme=self.activation_scheme)
 
 
 __all__ = [
-    "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config", "Int8LinearMethod", "default_int8_op",
+    "ACTIVATION_SCHEMES", "DEFAULT_ACTIVATION_SCHEME", "DEFAULT_THRESHOLD", "INT8_METHOD", "Int8Config",
+    "Int8LinearMethod", "default_int8_op",
     "dequantize_weight_rows", "quantize_weight_rows",
 ]
