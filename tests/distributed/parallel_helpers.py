@@ -5,6 +5,7 @@ with prompt logprobs, and the comparison of a split run against the single-rank 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -42,6 +43,43 @@ def write_tiny_checkpoint(path, tokenizer, cfg_cls, model_cls, **overrides):
     model.save_pretrained(path, safe_serialization=True)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_pp_llama(directory, tokenizer):
+    """The pipeline tests' Llama: 4 layers (2 + 2 at PP=2), GQA with 2 KV heads, an untied LM head."""
+    import transformers as tf  # noqa: PLC0415
+
+    return write_tiny_checkpoint(directory / "llama4", tokenizer, tf.LlamaConfig, tf.LlamaForCausalLM,
+                                 num_hidden_layers=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def write_pp_qwen3(directory, tokenizer):
+    """The pipeline tests' Qwen3: 3 layers (2 + 1 at PP=2), one KV head, tied embeddings."""
+    import transformers as tf  # noqa: PLC0415
+
+    return write_tiny_checkpoint(directory / "qwen3", tokenizer, tf.Qwen3Config, tf.Qwen3ForCausalLM,
+                                 num_hidden_layers=3, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+
+
+def assert_pipeline_drained(engine) -> None:
+    """No request left, no step in flight in the engine or the scheduler, every KV block free."""
+    assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 0
+    assert engine.scheduler.num_steps_in_flight == 0
+    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks  # no leaked KV block
+
+
+def drain_after_rank_death(engine, timeout_s: float = 60.0) -> dict:
+    """Step a engine whose rank 1 was killed until its requests end: {request id: final output}. Asserts that
+    it ends within `timeout_s` and that every request failed naming rank 1."""
+    t0, failed = time.monotonic(), {}
+    while engine.has_unfinished_requests() and time.monotonic() - t0 < timeout_s:
+        for out in engine.step():
+            if out.finished:
+                failed[out.request_id] = out
+    assert time.monotonic() - t0 < timeout_s
+    for out in failed.values():
+        assert "rank 1" in out.error and out.outputs[0].finish_reason == "error"
+    return failed
 
 
 def make_llm(path, tp: int = 1, pp: int = 1, **kwargs) -> LLM:

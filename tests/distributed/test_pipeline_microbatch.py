@@ -10,9 +10,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import transformers as tf
 
-from parallel_helpers import TOL, bounded_waits, write_tiny_checkpoint  # noqa: F401  (an autouse fixture)
+from parallel_helpers import (  # noqa: F401  (bounded_waits: an autouse fixture)
+    TOL,
+    assert_pipeline_drained,
+    bounded_waits,
+    write_pp_llama,
+    write_pp_qwen3,
+)
 from pagellm import LLM, SamplingParams
 from pagellm.config import ParallelConfig
 
@@ -97,24 +102,18 @@ def _record_in_flight(engine, monkeypatch) -> list[int]:
 
 
 def _assert_idle_and_empty(engine) -> None:
-    assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 0
-    assert engine.scheduler.num_steps_in_flight == 0
-    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks  # no leaked KV block
+    assert_pipeline_drained(engine)
     assert engine.executor.broken_error is None
 
 
 @pytest.fixture(scope="module")
 def llama4_dir(tmp_path_factory, tiny_tokenizer):
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("ppmb") / "llama4", tiny_tokenizer, tf.LlamaConfig, tf.LlamaForCausalLM,
-        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return write_pp_llama(tmp_path_factory.mktemp("ppmb"), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory, tiny_tokenizer):
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("ppmb") / "qwen3", tiny_tokenizer, tf.Qwen3Config, tf.Qwen3ForCausalLM,
-        num_hidden_layers=3, num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    return write_pp_qwen3(tmp_path_factory.mktemp("ppmb"), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 import transformers as tf
 
-from parallel_helpers import TOL, bounded_waits, write_tiny_checkpoint  # noqa: F401  (an autouse fixture)
+from parallel_helpers import (  # noqa: F401  (bounded_waits: an autouse fixture)
+    TOL,
+    assert_pipeline_drained,
+    bounded_waits,
+    write_pp_llama,
+    write_tiny_checkpoint,
+)
 from pagellm import LLM, SamplingParams
 from pagellm.spec_decode.batch import SpecRows, keep_rows
 
@@ -58,17 +64,9 @@ def _assert_same(ref, got) -> None:
             assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
 
 
-def _assert_idle_and_empty(engine) -> None:
-    assert not engine.has_unfinished_requests() and engine.num_steps_in_flight == 0
-    assert engine.scheduler.num_steps_in_flight == 0
-    assert engine.scheduler.num_free_blocks == engine.scheduler.num_blocks  # no leaked KV block
-
-
 @pytest.fixture(scope="module")
 def llama4_dir(tmp_path_factory, tiny_tokenizer):
-    return write_tiny_checkpoint(
-        tmp_path_factory.mktemp("ppspec") / "llama4", tiny_tokenizer, tf.LlamaConfig, tf.LlamaForCausalLM,
-        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    return write_pp_llama(tmp_path_factory.mktemp("ppspec"), tiny_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +109,7 @@ def test_speculation_under_pp2_microbatches_matches_plain_decoding(method, llama
         if method == "ngram":  # adaptive: the switch never times a step under micro-batches, so never turns drafts off
             assert engine.spec_switch is not None and engine.spec_switch.num_switched_off == 0
         assert (2, True) in in_flight  # a step with drafts went in while another micro-batch was in flight
-        _assert_idle_and_empty(engine)
+        assert_pipeline_drained(engine)
     finally:
         llm.shutdown()
 
@@ -137,7 +135,7 @@ def test_request_aborted_while_its_spec_step_is_in_flight(llama4_dir, reference)
         assert sorted(got) == sorted(set(reference) - set(aborted))
         for rid, out in got.items():
             _assert_same(reference[rid], out)
-        _assert_idle_and_empty(engine)
+        assert_pipeline_drained(engine)
     finally:
         llm.shutdown()
 
