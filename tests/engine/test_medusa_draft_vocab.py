@@ -112,3 +112,33 @@ def test_trainer_writes_the_most_frequent_answer_tokens(tmp_path, tiny_llama_dir
     heads = MedusaHeads.load(out)
     assert heads.draft_vocab is not None and heads.draft_vocab.numel() == 40
     assert 0.0 <= acc["draft_vocab_coverage"] <= 1.0
+
+
+def test_no_hidden_states_over_the_batch_limit_and_drafting_resumes_under_it(tmp_path, tiny_llama_dir, vocab):
+    """Above disable_by_batch_size no step gathers hidden states (no drafts follow); as requests finish and the
+    batch falls under the limit, drafting resumes; greedy output stays plain decoding's."""
+    prompts = _tie_free_prompts(tiny_llama_dir, vocab, _greedy(), lens=[3, 9, 17, 26])
+    lengths = [6, 10, 24, 30]  # the batch shrinks 4 -> 2 as the short requests finish
+    ref = _make_llm(tiny_llama_dir).generate([{"prompt_token_ids": p} for p in prompts],
+                                             [_greedy(n) for n in lengths], use_tqdm=False)
+    heads_dir = _heads(vocab, None).save(tmp_path / "heads")
+    llm = _make_llm(tiny_llama_dir, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
+                                                        "model": str(heads_dir), "disable_by_batch_size": 2,
+                                                        "adaptive": False})
+    eng = llm.llm_engine
+    gathered: list[tuple[bool, int]] = []  # per step: over the limit?, rows gathered
+    rows = eng._hidden_state_rows
+
+    def recording(sched_out):
+        out = rows(sched_out)
+        gathered.append((eng._over_batch_limit, len(out)))
+        return out
+
+    eng._hidden_state_rows = recording
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], [_greedy(n) for n in lengths], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    stats = eng.spec_stats
+    assert stats.num_steps_over_batch_limit > 0 and stats.num_draft_tokens > 0
+    assert any(over for over, _ in gathered) and all(n == 0 for over, n in gathered if over)
+    assert any(n > 0 for over, n in gathered if not over)
+    _assert_all_blocks_free(eng)
