@@ -82,6 +82,34 @@ def drain_after_rank_death(engine, timeout_s: float = 60.0) -> dict:
     return failed
 
 
+def run_requests(engine, requests: dict, on_step=None) -> dict:
+    """Adds `requests` ({request id: (prompt ids, SamplingParams)}), steps until none is left (calling
+    `on_step(engine)` after each step); the final RequestOutput of each."""
+    for rid, (ids, params) in requests.items():
+        engine.add_request(rid, {"prompt_token_ids": ids}, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        if on_step is not None:
+            on_step(engine)
+    return final
+
+
+def assert_same_request(ref, got) -> None:
+    """One request's outputs: no error, identical tokens; prompt and sampled logprobs within TOL."""
+    assert getattr(got, "error", None) is None, got.error
+    a, b = ref.outputs[0], got.outputs[0]
+    assert a.token_ids == b.token_ids
+    for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
+        assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+    if ref.prompt_logprobs is not None:
+        assert len(got.prompt_logprobs) == len(ref.prompt_logprobs) == len(ref.prompt_token_ids)
+        for tok, la, lb in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], got.prompt_logprobs[1:]):
+            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+
+
 def make_llm(path, tp: int = 1, pp: int = 1, **kwargs) -> LLM:
     return LLM(str(path), dtype="float32", num_kv_blocks=64, max_model_len=256, block_size=16,
                tensor_parallel_size=tp, pipeline_parallel_size=pp, **kwargs)

@@ -12,9 +12,10 @@ import os
 import pytest
 
 from parallel_helpers import (  # noqa: F401  (bounded_waits: an autouse fixture)
-    TOL,
     assert_pipeline_drained,
+    assert_same_request,
     bounded_waits,
+    run_requests,
     write_pp_llama,
     write_pp_qwen3,
 )
@@ -40,35 +41,8 @@ def _llm(path, pp: int = 1, num_kv_blocks: int = 64, **kwargs) -> LLM:
                pipeline_parallel_size=pp, enable_prefix_caching=True, **kwargs)
 
 
-def _run(engine, requests: dict[str, tuple[list[int], SamplingParams]], on_step=None) -> dict:
-    """Adds `requests`, steps until none is left; the final RequestOutput of each."""
-    for rid, (ids, params) in requests.items():
-        engine.add_request(rid, {"prompt_token_ids": ids}, params)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if on_step is not None:
-            on_step(engine)
-    return final
-
-
 def _all_requests() -> dict:
     return {f"r{i}": (p, _params(i)) for i, p in enumerate(PROMPTS)}
-
-
-def _assert_same(ref, got) -> None:
-    """Identical tokens; prompt and sampled logprobs within TOL."""
-    assert getattr(got, "error", None) is None, got.error
-    a, b = ref.outputs[0], got.outputs[0]
-    assert a.token_ids == b.token_ids
-    for tok, la, lb in zip(a.token_ids, a.logprobs, b.logprobs):
-        assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
-    if ref.prompt_logprobs is not None:
-        assert len(got.prompt_logprobs) == len(ref.prompt_logprobs) == len(ref.prompt_token_ids)
-        for tok, la, lb in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], got.prompt_logprobs[1:]):
-            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
 
 
 class _RecordingScheduler:
@@ -119,7 +93,7 @@ def qwen3_dir(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def llama_reference(llama4_dir):
     llm = _llm(llama4_dir)
-    return _run(llm.llm_engine, _all_requests())
+    return run_requests(llm.llm_engine, _all_requests())
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +108,10 @@ def llama_pp2(llama4_dir):
 @pytest.mark.parametrize("fixture", ["llama4_dir", "qwen3_dir"])
 def test_two_micro_batches_in_flight_match_one_rank(fixture, request, llama_pp2, monkeypatch):
     path = request.getfixturevalue(fixture)
-    ref = request.getfixturevalue("llama_reference") if fixture == "llama4_dir" else _run(_llm(path).llm_engine,
-                                                                                         _all_requests())
+    if fixture == "llama4_dir":
+        ref = request.getfixturevalue("llama_reference")
+    else:
+        ref = run_requests(_llm(path).llm_engine, _all_requests())
     llm = llama_pp2 if fixture == "llama4_dir" else _llm(path, pp=2, num_kv_blocks=TINY_CACHE)
     try:
         engine = llm.llm_engine
@@ -144,12 +120,12 @@ def test_two_micro_batches_in_flight_match_one_rank(fixture, request, llama_pp2,
         monkeypatch.setattr(engine, "scheduler", recorder)
         in_flight = _record_in_flight(engine, monkeypatch)
         hits = engine.scheduler.prefix_cache_hits
-        got = _run(engine, _all_requests())
+        got = run_requests(engine, _all_requests())
         hits = engine.scheduler.prefix_cache_hits - hits
         monkeypatch.undo()
         assert sorted(got) == sorted(ref)
         for rid in ref:
-            _assert_same(ref[rid], got[rid])
+            assert_same_request(ref[rid], got[rid])
         assert max(in_flight) == 2  # the stages did run two steps at once
         assert recorder.preempted  # the tiny cache preempted (never a request in flight: the C++ test)
         assert hits > 0  # prefix caching served blocks (shared prefixes, preempted requests' own blocks)
@@ -185,7 +161,7 @@ def test_abort_while_in_flight_skips_its_row_and_frees_its_blocks(llama_pp2, lla
                 final[out.request_id] = out
     assert sorted(final) == sorted(rid for rid in requests if rid != first)
     for rid, out in final.items():  # the re-added request ran from scratch, like the others
-        _assert_same(llama_reference[rid], out)
+        assert_same_request(llama_reference[rid], out)
     _assert_idle_and_empty(engine)
 
 
@@ -207,7 +183,7 @@ def _first_step_fails(engine, requests: dict, message: str, reference: dict) -> 
         if rid in doomed:
             assert message in out.error
         else:
-            _assert_same(reference[rid], out)
+            assert_same_request(reference[rid], out)
     _assert_idle_and_empty(engine)
     return doomed
 
@@ -227,8 +203,8 @@ def test_a_failed_step_in_flight_fails_only_its_requests(llama_pp2, llama_refere
     doomed = _first_step_fails(engine, requests, "sampler exploded", llama_reference)
     assert len(doomed) < len(requests)  # the other micro-batch's requests went on
     monkeypatch.undo()
-    again = _run(engine, {"r3": requests["r3"]})  # the engine stays usable
-    _assert_same(llama_reference["r3"], again["r3"])
+    again = run_requests(engine, {"r3": requests["r3"]})  # the engine stays usable
+    assert_same_request(llama_reference["r3"], again["r3"])
     _assert_idle_and_empty(engine)
 
 
@@ -246,12 +222,12 @@ def test_n2_children_fork_into_the_step_in_flight(llama_pp2, llama4_dir):
     same tokens as one rank (each sequence has its own generator)."""
     requests = {"n2": (PROMPTS[1], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, detokenize=False)),
                 **{f"r{i}": (PROMPTS[i], _params(i)) for i in (2, 3, 5)}}
-    ref = _run(_llm(llama4_dir).llm_engine, requests)
-    got = _run(llama_pp2.llm_engine, requests)
+    ref = run_requests(_llm(llama4_dir).llm_engine, requests)
+    got = run_requests(llama_pp2.llm_engine, requests)
     assert [c.token_ids for c in got["n2"].outputs] == [c.token_ids for c in ref["n2"].outputs]
     assert len(got["n2"].outputs) == 2
     for rid in ("r2", "r3", "r5"):
-        _assert_same(ref[rid], got[rid])
+        assert_same_request(ref[rid], got[rid])
     _assert_idle_and_empty(llama_pp2.llm_engine)
 
 
@@ -285,7 +261,7 @@ def test_async_llm_streams_and_aborts_over_micro_batches(llama_pp2, llama_refere
     assert not results["r1"].finished
     for rid, out in results.items():
         if rid != "r1":
-            _assert_same(llama_reference[rid], out)
+            assert_same_request(llama_reference[rid], out)
     engine = llama_pp2.llm_engine
     while engine.has_unfinished_requests():  # a step of the aborted stream may still be in flight
         engine.step()
@@ -298,9 +274,9 @@ def test_microbatching_off_runs_one_step_at_a_time(llama4_dir, llama_reference):
         engine = llm.llm_engine
         assert engine.executor.max_concurrent_batches == 1 and engine.scheduler.max_steps_in_flight == 1
         assert engine._batch_queue is None
-        got = _run(engine, _all_requests())
+        got = run_requests(engine, _all_requests())
         for rid, out in got.items():
-            _assert_same(llama_reference[rid], out)
+            assert_same_request(llama_reference[rid], out)
         _assert_idle_and_empty(engine)
     finally:
         llm.shutdown()

@@ -16,9 +16,10 @@ import pytest
 import transformers as tf
 
 from parallel_helpers import (  # noqa: F401  (bounded_waits: an autouse fixture)
-    TOL,
     assert_pipeline_drained,
+    assert_same_request,
     bounded_waits,
+    run_requests,
     write_pp_llama,
     write_tiny_checkpoint,
 )
@@ -44,24 +45,7 @@ def _llm(path, pp: int = 1, speculative_config=None) -> LLM:
 
 
 def _run(engine, on_step=None) -> dict:
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, _params(i))
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-        if on_step is not None:
-            on_step(engine)
-    return final
-
-
-def _assert_same(ref, got) -> None:
-    assert getattr(got, "error", None) is None, got.error
-    assert ref.outputs[0].token_ids == got.outputs[0].token_ids
-    if ref.prompt_logprobs is not None:
-        for tok, la, lb in zip(ref.prompt_token_ids[1:], ref.prompt_logprobs[1:], got.prompt_logprobs[1:]):
-            assert abs(la[tok].logprob - lb[tok].logprob) <= TOL
+    return run_requests(engine, {f"r{i}": (p, _params(i)) for i, p in enumerate(PROMPTS)}, on_step)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +87,7 @@ def test_speculation_under_pp2_microbatches_matches_plain_decoding(method, llama
         got = _run(engine)
         assert sorted(got) == sorted(reference)
         for rid, ref in reference.items():
-            _assert_same(ref, got[rid])
+            assert_same_request(ref, got[rid])
         stats = engine.spec_stats
         assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens > 0  # drafts were verified
         if method == "ngram":  # adaptive: the switch never times a step under micro-batches, so never turns drafts off
@@ -134,7 +118,7 @@ def test_request_aborted_while_its_spec_step_is_in_flight(llama4_dir, reference)
         assert len(aborted) == 1 and aborted[0] not in got
         assert sorted(got) == sorted(set(reference) - set(aborted))
         for rid, out in got.items():
-            _assert_same(reference[rid], out)
+            assert_same_request(reference[rid], out)
         assert_pipeline_drained(engine)
     finally:
         llm.shutdown()
