@@ -11,8 +11,6 @@ the 32-element types: their int8 tolerance).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -22,8 +20,15 @@ from pagellm import ops
 from pagellm.ops import reference
 from ops.gguf_k_blocks import Q4_K, Q6_K, quantize_k, random_k_blocks
 from ops.op_helpers import poison, requires_ops
-from ops.test_gguf_linear import _cpu_flags, _run_with_isa, check, gguf_py_dequantize, int8_x_possible
-from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows, unpack_rows
+from ops.test_gguf_linear import (
+    _cpu_flags,
+    _run_with_isa,
+    check,
+    check_row_packing,
+    gguf_py_dequantize,
+    int8_x_possible,
+)
+from pagellm.quantization.gguf_packing import PACKED_FLAG, pack_rows
 
 gguf = pytest.importorskip("gguf")
 pytestmark = requires_ops
@@ -144,25 +149,8 @@ def test_opcheck(qtype_name):
 
 @pytest.mark.parametrize("qtype_name", list(K_QTYPES))
 def test_row_packing_round_trips_and_matches_gguf_py(qtype_name):
-    """pack_rows moves bytes only (unpack gives the file back, whole or by row ids); the packed op at odd sizes
-    (N = 16: one group, 53: 3 groups + a tail of 5, 7: all tail; K = 256 x odd; M 1 / 3 / 15 small-M, 17 GEMM)
-    against gguf-py's dequantization."""
-    qtype = K_QTYPES[qtype_name]
-    for n, k in ((16, 256), (53, 256 * 3), (7, 256 * 5)):
-        qw = random_k_blocks(n, k, qtype, seed=n)
-        packed = pack_rows(qw, qtype)
-        assert packed.shape == qw.shape
-        assert torch.equal(packed, qw) == (n < 16)  # fewer than 16 rows: all tail, left in the file's layout
-        assert torch.equal(unpack_rows(packed, qtype), qw)
-        ids = torch.tensor([n - 1, 0, n // 2, n - 1])
-        assert torch.equal(unpack_rows(packed, qtype, ids), qw[ids])
-        w64 = gguf_py_dequantize(qw, qtype, k).double()
-        for m in (1, 3, 15, 17):
-            for dtype in (torch.float32, torch.bfloat16):
-                x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
-                out = poison(torch.empty(m, n, dtype=dtype))
-                OP.gguf_linear(out, x, packed, qtype | PACKED_FLAG, k, None)
-                check(out, (x.double() @ w64.T).float(), k, int8_x_possible(x))
+    """check_row_packing at N = 16 (one group), 53 (3 groups + a tail of 5), 7 (all tail); K = 256 x odd."""
+    check_row_packing(K_QTYPES[qtype_name], ((16, 256), (53, 256 * 3), (7, 256 * 5)), random_k_blocks)
 
 
 @pytest.mark.parametrize("qtype_name", list(K_QTYPES))

@@ -178,13 +178,12 @@ def test_each_simd_path(isa, flag):
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("qtype_name", list(QTYPES))
-def test_row_packing_round_trips_and_matches_gguf_py(qtype_name):
-    """pack_rows moves bytes only (unpack gives the file back, whole or by row ids); the packed op at odd sizes
-    (N = 16 groups + a tail, M 1 / 3 / 15 small-M, 17 GEMM) against gguf-py's dequantization."""
-    qtype = QTYPES[qtype_name]
-    for n, k in ((16, 32), (53, 32 * 3), (7, 64)):
-        qw = random_blocks(n, k, qtype, seed=n)
+def check_row_packing(qtype: int, shapes, make_blocks) -> None:
+    """pack_rows moves bytes only (unpack gives the file back, whole or by row ids); the packed op for every
+    (n, k) of `shapes` at M 1 / 3 / 15 (small-M) and 17 (GEMM), fp32 and bf16, against gguf-py's dequantization.
+    `make_blocks(n, k, qtype, seed)`: random blocks of the type."""
+    for n, k in shapes:
+        qw = make_blocks(n, k, qtype, seed=n)
         packed = pack_rows(qw, qtype)
         assert packed.shape == qw.shape
         assert torch.equal(packed, qw) == (n < 16)  # fewer than 16 rows: all tail, left in the file's layout
@@ -198,6 +197,12 @@ def test_row_packing_round_trips_and_matches_gguf_py(qtype_name):
                 out = poison(torch.empty(m, n, dtype=dtype))
                 OP.gguf_linear(out, x, packed, qtype | PACKED_FLAG, k, None)
                 check(out, (x.double() @ w64.T).float(), k, int8_x_possible(x))
+
+
+@pytest.mark.parametrize("qtype_name", list(QTYPES))
+def test_row_packing_round_trips_and_matches_gguf_py(qtype_name):
+    """check_row_packing at N = 16 (one group), 53 (groups + a tail), 7 (all tail)."""
+    check_row_packing(QTYPES[qtype_name], ((16, 32), (53, 32 * 3), (7, 64)), random_blocks)
 
 
 def test_packed_layout_is_refused_where_it_does_not_apply():
