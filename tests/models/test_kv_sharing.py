@@ -21,6 +21,7 @@ from pagellm.kv_cache import FullAttentionSpec, SharedKVSpec
 from pagellm.models.kv_sharing import resolve_kv_sharing
 from pagellm.ops import ops_available
 from scheduler_probes import CountingScheduler
+from tiny_models import write_tiny_llama
 
 SHARING = {2: 0, 3: 1}  # 4 layers: 2 own their cache, 2 read it
 NUM_LAYERS, HIDDEN, HEADS, KV_HEADS = 4, 64, 4, 2
@@ -29,22 +30,7 @@ NEW_TOKENS = 32
 
 
 def _write_shared_llama(path: Path, tokenizer, config_extra: dict) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    path.mkdir(parents=True, exist_ok=True)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                      num_hidden_layers=NUM_LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                      max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                      tie_word_embeddings=False, torch_dtype="float32")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # larger logits than the default init: fewer argmax near-ties
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-    model.save_pretrained(path, safe_serialization=True)
-    tokenizer.save_pretrained(path)
+    write_tiny_llama(path, tokenizer, hidden_size=HIDDEN, num_layers=NUM_LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id]}))
     config = json.loads((path / "config.json").read_text())
     config.update(config_extra)
