@@ -7,6 +7,9 @@
 One thread (pagellm's pool and torch), thread CPU time per call (median), so a busy shared machine skews it
 less than wall time; GFLOP/s = 2 M N K / time. Shapes: SmolLM2-135M's qkv (960 x 576), o (576 x 576),
 gate_up (3072 x 576), down (576 x 1536) and, up to 64 rows, the LM head (49152 x 576).
+MFU = GFLOP/s / this core's bf16 ceiling, measured in the same run by torch.ops.pagellm.bf16_dot_peak (a
+register-only vdpbf16ps loop of the loaded kernel library; before and after the table, the first one is used;
+"-" from a build without that op).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 SHAPES = (("qkv", 960, 576), ("o", 576, 576), ("gate_up", 3072, 576), ("down", 576, 1536), ("lm_head", 49152, 576))
+PEAK_ITERS = 1 << 18  # 12 x 2^18 vdpbf16ps of 64 FLOP: ~0.2 GFLOP, ~0.4 ms at 500 GFLOP/s
 
 
 def cpu_time(fn, n: int) -> float:
@@ -30,6 +34,19 @@ def cpu_time(fn, n: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def peak_gflops() -> float | None:
+    """bf16_dot_peak's FLOP/s on this thread (12 independent chains of 64-FLOP pair dot products), None if absent."""
+    if not hasattr(torch.ops.pagellm, "bf16_dot_peak"):
+        return None
+    out = torch.empty(16)
+    t = cpu_time(lambda: torch.ops.pagellm.bf16_dot_peak(out, PEAK_ITERS), 21)
+    return 12 * PEAK_ITERS * 64 / t / 1e9
+
+
+def _fmt(v: float | None, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", default="16,64,2048")
@@ -38,8 +55,10 @@ def main() -> None:
 
     torch.set_num_threads(1)
     _C.configure_thread_pool(1, bind=False)
-    print("| M | shape | linear_small_m GFLOP/s | F.linear GFLOP/s | small_m time / F.linear time |")
-    print("|---:|---|---:|---:|---:|")
+    peak = peak_gflops()
+    print(f"bf16 peak (bf16_dot_peak, {_C.cpu_kernels_isa()} kernels): {_fmt(peak, '.0f')} GFLOP/s per core\n")
+    print("| M | shape | linear_small_m GFLOP/s | F.linear GFLOP/s | small_m MFU | F.linear MFU | small_m time / F.linear time |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for m in (int(v) for v in args.rows.split(",")):
         for name, n, k in SHAPES:
             if name == "lm_head" and m > 64:
@@ -50,9 +69,11 @@ def main() -> None:
             out = torch.empty(m, n, dtype=torch.bfloat16)
             flops = 2 * m * n * k
             reps = min(30, max(3, int(2e9 / flops)))
-            a = cpu_time(lambda: torch.ops.pagellm.linear_small_m(out, x, w, None), reps)
-            b = cpu_time(lambda: F.linear(x, w), reps)
-            print(f"| {m} | {name} | {flops / a / 1e9:.0f} | {flops / b / 1e9:.0f} | {a / b:.2f} |", flush=True)
+            a = flops / cpu_time(lambda: torch.ops.pagellm.linear_small_m(out, x, w, None), reps) / 1e9
+            b = flops / cpu_time(lambda: F.linear(x, w), reps) / 1e9
+            mfu_a, mfu_b = (_fmt(v / peak if peak else None, ".2f") for v in (a, b))
+            print(f"| {m} | {name} | {a:.0f} | {b:.0f} | {mfu_a} | {mfu_b} | {b / a:.2f} |", flush=True)
+    print(f"\nbf16 peak after the table: {_fmt(peak_gflops(), '.0f')} GFLOP/s per core")
 
 
 if __name__ == "__main__":

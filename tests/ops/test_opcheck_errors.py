@@ -51,6 +51,7 @@ def _cases():
     yield "gather_rows", (torch.empty(3, 128), x, torch.tensor([4, 0, 4]))
     xb = x.to(torch.bfloat16)
     yield "linear_amx", (torch.empty(5, 24, dtype=torch.bfloat16), xb, torch.randn(24, 128).to(xb.dtype), xb[0, :24])
+    yield "bf16_dot_peak", (torch.empty(16), 3)
     x_outlier = x.clone()
     x_outlier[2, 7] = 9.0  # one outlier column (threshold 6)
     yield "int8_linear", (torch.empty(5, 24), x_outlier, torch.randint(-127, 128, (24, 128), dtype=torch.int8),

@@ -37,6 +37,7 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
+    "bf16_dot_peak",
     "argmax_rows",
     "gather_rows",
     "amx_available",
@@ -300,6 +301,18 @@ def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: t
     _dtype(x, torch.bfloat16, "x")
     _check_linear(out, x, weight, bias)
     torch.ops.pagellm.linear_amx(out, x, weight, bias)
+
+
+def bf16_dot_peak(out: torch.Tensor, num_iters: int) -> None:
+    """A register-only loop of num_iters x 12 independent bf16 pair dot products (vdpbf16ps, 64 FLOP each) in the
+    loaded CPU kernel library: time it for this core's bf16 ceiling. out float32 [16] = 12 * num_iters * 2^-6."""
+    _tensor(out, "out")
+    _dtype(out, torch.float32, "out")
+    if tuple(out.shape) != (16,):
+        raise ValueError(f"out shape {tuple(out.shape)} must be (16,)")
+    if not isinstance(num_iters, int) or not 0 <= num_iters <= 1 << 20:
+        raise ValueError(f"num_iters must be an int in [0, {1 << 20}], got {num_iters!r}")
+    torch.ops.pagellm.bf16_dot_peak(out, num_iters)
 
 
 from pagellm.ops.quant import awq_linear, gguf_linear, int8_linear  # noqa: E402,F401

@@ -29,6 +29,7 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
+    "bf16_dot_peak",
     "int8_linear",
     "GGUF_QTYPES",
     "GGUF_BLOCK_BYTES",
@@ -315,6 +316,11 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """The same product as linear_small_m (fp32 accumulation, one rounding); bf16 only."""
     linear_small_m(out, x, weight, bias)
+
+
+def bf16_dot_peak(out: torch.Tensor, num_iters: int) -> None:
+    """What the peak loop leaves in every lane: 12 chains x num_iters pair dots of (1, 1) with (2^-7, 2^-7)."""
+    out.fill_(12 * num_iters * 2.0**-6)
 
 
 from pagellm.ops.quant_reference import (  # noqa: E402,F401  (re-export)
