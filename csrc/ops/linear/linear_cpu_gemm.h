@@ -92,11 +92,11 @@ inline void gemm_store_rows_bf16(c10::BFloat16* out, const float* s, const float
 #endif
 }
 
-// x rows [m0, m0 + MR) x weight rows [n0, n0 + 4), MR = 4 or 6: the one-row kernel's K loop per accumulator.
+// x rows [m0, m0 + MR) x weight rows [n0, n0 + 4), MR = 2, 4 or 6: the one-row kernel's K loop per accumulator.
 template <int MR>
 inline void gemm_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w, const float* bias4,
                            const LinearArgs& a, int64_t m0, int64_t n0, bool prefetch) {
-  static_assert(MR == 4 || MR == 6, "the epilogue reduces 16 + 8 sums");
+  static_assert(MR == 2 || MR == 4 || MR == 6, "the epilogue reduces 16 and / or 8 sums");
   constexpr int NR = kGemmTileN;
   VecF acc[MR * NR];
   _Pragma("GCC unroll 24")
@@ -136,11 +136,13 @@ inline void gemm_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10
     }
   }
   alignas(64) float s[MR * NR];
-  vsum_each16(acc, s);
-  gemm_store_rows_bf16(out, s, bias4, a, m0, n0, 4);
-  if constexpr (MR == 6) {
-    vsum_each8(acc + 16, s + 16);
-    gemm_store_rows_bf16(out, s + 16, bias4, a, m0 + 4, n0, 2);
+  if constexpr (MR >= 4) {
+    vsum_each16(acc, s);
+    gemm_store_rows_bf16(out, s, bias4, a, m0, n0, 4);
+  }
+  if constexpr (MR != 4) {
+    vsum_each8(acc + MR * NR - 8, s + MR * NR - 8);
+    gemm_store_rows_bf16(out, s + MR * NR - 8, bias4, a, m0 + MR - 2, n0, 2);
   }
 }
 
@@ -153,7 +155,7 @@ inline int64_t gemm_m_block(int64_t K) {
 }
 constexpr int64_t kGemmNBlock = 16;
 
-// Rows [m0, m1) x weight rows [n0, n1): 6 x 4 tiles, a 4 x 4 tile and the one-row kernel's tiles on the edges.
+// Rows [m0, m1) x weight rows [n0, n1): 6 x 4 tiles, 4 x 4 and 2 x 4 ones, and the one-row kernel's on the edges.
 inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                             const c10::BFloat16* bias, const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0,
                             int64_t n1) {
@@ -161,15 +163,21 @@ inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c1
   float b[512];
   for (int64_t n = n0; n < n4; ++n) b[n - n0] = bias ? static_cast<float>(bias[n]) : 0.f;
   const auto b4 = [&](int64_t n) { return bias ? b + (n - n0) : nullptr; };
+  // Rows as 6-row tiles, then 4-, 2- and 1-row ones: 8 = 4 + 4 and 9 = 4 + 4 + 1 rather than 6 + two rows of the
+  // one-row kernel, which would re-read the weight rows per row (from L2 where they fill L1, K = 1536).
+  int64_t num_tiles6 = (m1 - m0) / kGemmTileM;
+  if ((m1 - m0) % kGemmTileM >= 2 && (m1 - m0) % kGemmTileM <= 3 && num_tiles6 > 0) --num_tiles6;
   int64_t m = m0;
-  // x tile (6 rows) outer, weight tiles inner: the item's weight rows stay in L1 for every x tile.
-  for (; m + kGemmTileM <= m1; m += kGemmTileM)
+  // x tile outer, weight tiles inner: the item's weight rows stay in L1 for every x tile.
+  for (; m < m0 + num_tiles6 * kGemmTileM; m += kGemmTileM)
     for (int64_t n = n0; n < n4; n += 4) gemm_tile_bf16<kGemmTileM>(out, x, w, b4(n), a, m, n, m == m0);
-  if (m + 4 <= m1) {
+  for (; m + 4 <= m1; m += 4)
     for (int64_t n = n0; n < n4; n += 4) gemm_tile_bf16<4>(out, x, w, b4(n), a, m, n, m == m0);
-    m += 4;
+  if (m + 2 <= m1) {
+    for (int64_t n = n0; n < n4; n += 4) gemm_tile_bf16<2>(out, x, w, b4(n), a, m, n, m == m0);
+    m += 2;
   }
-  for (; m < m1; ++m)
+  if (m < m1)
     for (int64_t n = n0; n < n4; n += 4) linear_tile<1, 4>(out, x, w, bias, a, m, n);
   for (int64_t n = n4; n < n1; ++n)
     for (int64_t mm = m0; mm < m1; ++mm) linear_tile<1, 1>(out, x, w, bias, a, mm, n);
