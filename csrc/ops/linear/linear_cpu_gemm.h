@@ -68,7 +68,8 @@ inline void vsum_each8(const VecF* v, float* out) {
 // Rows of M from which linear_small_m takes this path (below it, the weight-streaming schedule is as fast).
 constexpr int64_t kLinearGemmMinM = 8;
 // Register tile: 6 x rows x 4 weight rows = 24 accumulators + 4 weight vectors + 1 x vector of the 32 zmm
-// registers; 10 loads per 24 vdpbf16ps (4 x 4: 8 per 16), the measured best of 4x4, 4x6, 8x3, 8x2 on Zen 5.
+// registers; 10 loads per 24 vdpbf16ps (4 x 4: 8 per 16). On Zen 5 it beat 4x6, 8x3, 8x2 and 3x8 in this schedule
+// and was -3 to +5 % against 4x4 with the same blocking (benchmarks/README.md, session 13).
 constexpr int kGemmTileM = 6, kGemmTileN = 4;
 
 // Rows `rows` (<= 4) of 4 sums s[4 i + j] (+ bias4[j]) rounded like c10::BFloat16 (nearest-even, NaN -> 0x7fc0)
@@ -146,8 +147,6 @@ inline void gemm_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10
   }
 }
 
-// Work item sizes: x rows per block (~256 KiB of x, L2-resident while the item's weight rows pass; a multiple
-// of the tile) and weight rows per item (48: 4.5-144 KiB, L2, re-read by every x tile of the block).
 // Work item sizes: x rows per block (~256 KiB of x, a quarter of a 1 MiB L2, a multiple of the tile) and weight
 // rows per item (16: 18 KiB at K = 576, L1-resident while every 6-row x tile of the block sweeps them).
 inline int64_t gemm_m_block(int64_t K) {
@@ -160,7 +159,7 @@ inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c1
                             const c10::BFloat16* bias, const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0,
                             int64_t n1) {
   const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-  float b[512];
+  float b[kGemmNBlock];
   for (int64_t n = n0; n < n4; ++n) b[n - n0] = bias ? static_cast<float>(bias[n]) : 0.f;
   const auto b4 = [&](int64_t n) { return bias ? b + (n - n0) : nullptr; };
   // Rows as 6-row tiles, then 4-, 2- and 1-row ones: 8 = 4 + 4 and 9 = 4 + 4 + 1 rather than 6 + two rows of the
