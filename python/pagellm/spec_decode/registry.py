@@ -108,6 +108,9 @@ class ProposerContext:
     tokenizer: Any
     vocab_size: int
     executor: Any = None
+    # seq_id -> the target's block ids of that sequence (the scheduler's table): lets a draft with the target's KV
+    # layout copy committed tokens' KV rather than recompute them (spec_decode/draft_kv_reuse.py)
+    target_block_table: Any = None
 
 
 def typical_acceptance_of(options: Mapping[str, Any]) -> TypicalAcceptance | None:
