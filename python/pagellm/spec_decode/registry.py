@@ -99,9 +99,9 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ProposerContext:
-    """What a method may use to build itself: the target's configuration and loaded files, never its
-    step state. `executor` reaches the target's workers (`collective_rpc`), e.g. to share weights for
-    a self-draft; `model_files` is the target's opened checkpoint (hf_config, tokenizer, weights)."""
+    """What a method may use to build itself: the target's configuration and loaded files; of its step state only
+    `target_block_table` (read-only). `executor` reaches the target's workers (`collective_rpc`), e.g. to share
+    weights for a self-draft; `model_files` is the target's opened checkpoint (hf_config, tokenizer, weights)."""
 
     engine_config: Any  # pagellm.config.EngineConfig
     model_files: Any
