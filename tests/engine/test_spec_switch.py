@@ -3,6 +3,8 @@ that are always wrong / always right. Outputs never change, only who drafts."""
 
 from __future__ import annotations
 
+from statistics import median
+
 import pytest
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
@@ -65,6 +67,61 @@ def test_idle_gaps_are_not_timed():
     busy = SpecSwitch(K)
     _drive(busy, 1, accepted=1, steps=60, plain_s=0.010, extra_per_draft_s=0.002, idle_every=3)
     assert busy.num_switched_off == 0  # idle time counted as verify cost would have switched it off
+
+
+def _drive_with_slow_step(switch: SpecSwitch, slow_step: int, discard: bool, steps: int = 60) -> list[int]:
+    """Always-right drafts at batch 1 (10 ms a step, 1 ms a draft) on a fake clock, except that step `slow_step`
+    takes 1.6 s more (a step graph's capture, or the machine's load); with `discard` the engine reports it as a
+    one-time cost (SpecSwitch.discard_step), as it does when the model runner says a step graph warmed up."""
+    now, drafted = [0.0], []
+    switch.clock = lambda: now[0]
+    for step in range(steps):
+        may = switch.begin_step(["s"], timed=True)
+        on = may and switch.wants_drafts("s", 1)
+        switch.record_proposals(K if on else 0, 0.0, int(on))
+        if on:
+            switch.record_verify("s", K, K)
+        now[0] += 0.010 + (0.001 * K if on else 0.0) + (1.6 if step == slow_step else 0.0)
+        if step == slow_step and discard:
+            switch.discard_step()
+        drafted.append(int(on))
+    return drafted
+
+
+@pytest.mark.parametrize("discard", [True, False])
+def test_one_slow_first_verify_does_not_switch_drafting_off(discard):
+    """Session 12's ngram at 1.13x: the first verify timed was a graph capture (1.6 s), its cost became the verify
+    cost, and an always-paying request stayed off but for rare re-probes. Now it is discarded (the runner flags it)
+    or, unflagged, is too slow to be a verify (over IDLE_FACTOR plain steps per token)."""
+    switch = SpecSwitch(K, probe_every=16)
+    drafted = _drive_with_slow_step(switch, slow_step=2, discard=discard)  # step 1 measured plain, 2: first verify
+    assert drafted[1] == 0 and switch.num_switched_off == 0
+    assert sum(drafted) == len(drafted) - 1
+
+
+def test_a_discarded_plain_probe_is_repeated():
+    """The plain-step probe (the second timed step) held a one-time cost: the next step probes again."""
+    switch = SpecSwitch(K, probe_every=16)
+    drafted = _drive_with_slow_step(switch, slow_step=1, discard=True)
+    assert drafted[:4] == [1, 0, 0, 1] and switch.num_switched_off == 0
+    assert 1 in switch._plain_s and median(switch._plain_s[1]) == pytest.approx(0.010)
+
+
+def test_the_verify_cost_counts_from_three_samples():
+    """Two verifies timed far too slow but under the idle bound (a loaded machine) do not switch drafting off
+    alone; a third one does (the median of three)."""
+    switch = SpecSwitch(K, probe_every=16)
+    now = [0.0]
+    switch.clock = lambda: now[0]
+    verdicts = []
+    for step in range(6):
+        may = switch.begin_step(["s"], timed=True)
+        verdicts.append(on := may and switch.wants_drafts("s", 1))
+        switch.record_proposals(K if on else 0, 0.0, int(on))
+        if on:
+            switch.record_verify("s", K, 1)
+        now[0] += 0.010 + (0.025 * K if on else 0.0)  # each draft costs 2.5 plain steps: never pays
+    assert verdicts == [True, False, True, True, True, False]
 
 
 def test_bad_arguments():
@@ -134,6 +191,39 @@ def test_engine_keeps_an_always_right_proposer_on(tiny_llama_dir, plain):
     assert eng.spec_stats.num_accepted_draft_tokens == eng.spec_stats.num_draft_tokens > 100
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_engine_leaves_step_graph_warmups_untimed(tiny_llama_dir, plain, enforce_eager):
+    """Steps whose graph key was new (eager first sighting, capture) are reported by the runner and discarded by the
+    switch; eager engines (no graphs) have no such steps."""
+    vocab, prompts, tokens = plain
+    reference = {tuple(p): t for p, t in zip(prompts, tokens)}
+    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256, enforce_eager=enforce_eager)
+    eng = llm.llm_engine
+    eng.set_proposer(OracleProposer(K, reference, vocab, wrong_from=1), adaptive=True)
+    eng.spec_switch.clock = TickClock()
+    discarded, warmups = [], []
+    switch_discard, execute = eng.spec_switch.discard_step, eng.executor.execute_model
+
+    def discard_step():
+        discarded.append(eng.spec_switch._step is not None)
+        switch_discard()
+
+    def execute_model(*args, **kwargs):
+        result = execute(*args, **kwargs)
+        warmups.append(result.graph_warmup)
+        return result
+
+    eng.spec_switch.discard_step, eng.executor.execute_model = discard_step, execute_model
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], _greedy(120), use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == tokens
+    assert len(discarded) == sum(warmups)
+    graphs = eng.runner.step_graphs
+    if enforce_eager:
+        assert graphs is None and not discarded
+    else:  # a decode key and a verify key (1 + K tokens) at least, each seen eagerly then captured; some timed
+        assert sum(warmups) == graphs.num_warmup_runs >= 4 and any(discarded)
+
+
 # ---------------------------------------------------------------- adaptive k (SpecSwitch.num_drafts)
 def _drive_adaptive(switch: SpecSwitch, first_wrong: int | None, steps: int, plain_s: float = 0.010,
                     extra_per_draft_s: float = 0.001, proposer_per_draft_s: float = 0.0) -> list[int]:
@@ -183,7 +273,9 @@ def test_engine_adaptive_k_outputs_equal_plain(tiny_llama_dir, plain):
     """A proposer right for two drafts of eight, then wrong: the switch asks for fewer drafts, outputs stay plain's."""
     vocab, prompts, tokens = plain
     reference = {tuple(p): t for p, t in zip(prompts, tokens)}
-    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256)
+    # eager: with step graphs every new draft count's first two steps (a new graph key) go untimed, which leaves this
+    # short run few timed verifies; the switch's wiring is the same either way
+    llm = _make_llm(tiny_llama_dir, max_num_seqs=1, max_model_len=256, enforce_eager=True)
     eng = llm.llm_engine
     eng.set_proposer(OracleProposer(8, reference, vocab, wrong_from=2), adaptive=True, adaptive_k=True)
     clock = TickClock()

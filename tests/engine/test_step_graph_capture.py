@@ -86,6 +86,7 @@ def test_cache_captures_on_the_second_sighting_and_replays_afterwards():
     for i in range(4):
         assert torch.equal(cache.run("k", [x + i], fn), (x + i) * 2 + 1)
     assert (cache.num_captures, cache.num_replays, calls[0]) == (1, 2, 2)
+    assert cache.num_warmup_runs == 2  # the eager first sighting and the capture: one-time costs
     # one graph at most: a new key evicts the old one
     y = torch.randn(5)
     for _ in range(2):

@@ -255,6 +255,8 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         if lora_slots is not None:
             extra["lora_slots"] = lora_slots
         result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
+        if self.spec_switch is not None and result.graph_warmup:  # a one-time cost, no sample of a step's
+            self.spec_switch.discard_step()
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
         if len(sched_out.draft_token_ids):
             update = self._sample_and_verify(sched_out, seq_ids, result.logits)

@@ -45,6 +45,9 @@ class ModelRunnerOutput:
     # [sum of num_scheduled_tokens over hidden_state_rows, hidden]: the final (normed) hidden states of
     # every position of each requested row, in the requested row order (None when none were requested)
     hidden_states: torch.Tensor | None = None
+    # the step ran eagerly or was captured on its way to a step graph (its shape's first sightings): a one-time
+    # cost, not a sample of what such a step costs (the speculative switch leaves it out, spec_decode/switch.py)
+    graph_warmup: bool = False
 
 
 # the longest row a tree verification step may have to replay from a step graph (a spec row: 1 + its tree's nodes)
@@ -181,6 +184,7 @@ class ModelRunner:
                 self.kv_caches.copy_blocks(self._to_device(np.ascontiguousarray(cow_copies[groups == g])), int(g))
 
         metadata = self.build_metadata(sched_out)
+        warmups = self.step_graphs.num_warmup_runs if self.step_graphs is not None else 0
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
         token_slots = self._lora_token_slots(sched_out, lora_slots)
         if draft_parents is not None:  # tree verification: tree positions, one tree-masked attention call per layer
@@ -200,8 +204,9 @@ class ModelRunner:
         else:
             hidden = self._forward(metadata, input_ids, positions)
 
+        graph_warmup = self.step_graphs is not None and self.step_graphs.num_warmup_runs != warmups
         if not get_pp_state().is_last_stage:  # its activations went to the next stage; the last one's output counts
-            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={})
+            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, graph_warmup=graph_warmup)
         logits_indices = sched_out.logits_indices
         hidden_states = None
         if hidden_state_rows:  # draft heads read these (speculative decoding)
@@ -212,11 +217,12 @@ class ModelRunner:
             hidden_states = gather_rows(hidden, self._to_device(positions_of_rows))
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
-            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states)
+            return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states,
+                                     graph_warmup=graph_warmup)
         logits = self.model.compute_logits(_take_positions(hidden, gather, self._to_device))  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
-                                 hidden_states=hidden_states)
+                                 hidden_states=hidden_states, graph_warmup=graph_warmup)
 
 
 def _replays_as_decode(md: AttentionMetadata) -> bool:

@@ -45,7 +45,8 @@ class SpecDecodeStep:
         self.sampler.set_acceptance(None if spec is None else spec.typical_acceptance)  # sampled rows' rule
         if proposer is None and spec is not None:
             context = ProposerContext(engine_config=self.config, model_files=self.model_files,
-                                      tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor)
+                                      tokenizer=self.tokenizer, vocab_size=self.vocab_size, executor=self.executor,
+                                      target_block_table=self.scheduler.get_block_table)
             proposer = create_proposer(spec, context)
         self.set_proposer(proposer, None if spec is None else spec.disable_by_batch_size,
                           adaptive=True if spec is None else spec.adaptive,

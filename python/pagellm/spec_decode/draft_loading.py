@@ -22,7 +22,7 @@ from pagellm.logger import init_logger
 
 logger = init_logger(__name__)
 
-DRAFT_OPTIONS = ("model", "num_layers", "quantization", "dtype", "num_kv_blocks")
+DRAFT_OPTIONS = ("model", "num_layers", "quantization", "dtype", "num_kv_blocks", "reuse_target_kv")
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,8 @@ class DraftOptions:
     quantization:  the draft's weight format (a registered method, e.g. "int8", "gguf"); None = the checkpoint's
     dtype:         the draft's dtype ("auto" / None: as the engine's dtype setting resolves for the draft)
     num_kv_blocks: blocks of the draft's KV cache; None = as many as the target's (memory permitting)
+    reuse_target_kv: a draft whose KV layout is the target's (a self-draft of every layer) copies the committed
+                   tokens' KV from the target instead of recomputing the prompt (draft_kv_reuse.py); default True
     """
 
     model: str | None = None
@@ -41,6 +43,7 @@ class DraftOptions:
     quantization: str | None = None
     dtype: str | None = None
     num_kv_blocks: int | None = None
+    reuse_target_kv: bool = True
 
     @classmethod
     def from_options(cls, options: Mapping[str, Any]) -> "DraftOptions":
@@ -57,8 +60,11 @@ class DraftOptions:
             value = options.get(key)
             if value is not None and not isinstance(value, str):
                 raise ValueError(f"speculative_config: {key} must be None or a string, got {value!r}")
+        reuse = options.get("reuse_target_kv", True)
+        if not isinstance(reuse, bool):
+            raise ValueError(f"speculative_config: reuse_target_kv must be True or False, got {reuse!r}")
         return cls(None if model is None else str(model), options.get("num_layers"), options.get("quantization"),
-                   options.get("dtype"), options.get("num_kv_blocks"))
+                   options.get("dtype"), options.get("num_kv_blocks"), reuse)
 
 
 def first_layers_view(model: nn.Module, num_layers: int) -> nn.Module:

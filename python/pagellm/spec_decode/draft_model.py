@@ -8,7 +8,9 @@
 Options: draft_loading.DraftOptions. The draft keeps its own paged KV cache (draft_runner.DraftRunner)
 and, per sequence, which tokens that cache holds. Each `propose()`:
   1. sync: the committed tokens are compared with the cached ones; cached drafts the target rejected are
-     dropped (`BlockManager.shrink`), a new sequence gets blocks (prefix-cache hits count as computed);
+     dropped (`BlockManager.shrink`), a new sequence gets blocks (prefix-cache hits count as computed); a draft with
+     the target's KV layout copies the target's KV of a long run of uncached committed tokens (a new prompt) rather
+     than computing it (`reuse_target_kv`, draft_kv_reuse.py);
   2. catch up: every uncached committed token is computed, in chunks of at most max_num_batched_tokens
      tokens per forward; the last one's logits give the first draft;
   3. k - 1 decode steps batched over all sequences, each feeding the previous draft.
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
+from pagellm.spec_decode.draft_kv_reuse import MIN_REUSED_TOKENS
 from pagellm.spec_decode.draft_loading import DRAFT_OPTIONS, DraftOptions
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
@@ -67,12 +70,14 @@ class DraftModelProposer(BaseProposer):
     # was 0.56-0.69x no speculation (benchmarks/results/spec_decode_cpu2-session7.md): off above 4 sequences
     default_disable_by_batch_size = 4
 
-    def __init__(self, num_speculative_tokens: int, runner, max_num_batched_tokens: int) -> None:
+    def __init__(self, num_speculative_tokens: int, runner, max_num_batched_tokens: int, target_kv=None) -> None:
         super().__init__(num_speculative_tokens)
         if max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {max_num_batched_tokens}")
         self.runner = runner  # DraftRunner
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.target_kv = target_kv  # draft_kv_reuse.TargetKV: committed tokens' KV copied from the target (or None)
+        self.num_reused_tokens = 0  # committed tokens whose KV came from the target (stats, tests)
         self._seqs: dict[str, _SeqState] = {}
         self._num_calls = 0
 
@@ -84,6 +89,7 @@ class DraftModelProposer(BaseProposer):
     def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "DraftModelProposer":
         """Build the draft (draft_loading.build_draft_model: ValueError for a missing path, another
         vocabulary or tokenizer, num_layers out of range) and its KV cache on the target's device."""
+        from pagellm.spec_decode.draft_kv_reuse import target_kv_for  # noqa: PLC0415
         from pagellm.spec_decode.draft_loading import build_draft_model  # noqa: PLC0415
         from pagellm.spec_decode.draft_runner import DraftRunner  # noqa: PLC0415
 
@@ -99,7 +105,9 @@ class DraftModelProposer(BaseProposer):
                              kv_cache_dtype=kv_dtype, max_model_len=sc.max_model_len, max_num_seqs=sc.max_num_seqs,
                              enable_prefix_caching=cc.enable_prefix_caching,
                              attention_backend=mc.attention_backend, enforce_eager=mc.enforce_eager)
-        return cls(config.num_speculative_tokens, runner, sc.max_num_batched_tokens)
+        target_kv = target_kv_for(runner.kv_caches, context.executor, context.target_block_table,
+                                  cc.block_size) if opts.reuse_target_kv else None
+        return cls(config.num_speculative_tokens, runner, sc.max_num_batched_tokens, target_kv)
 
     # ------------------------------------------------------------------ the proposer contract
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
@@ -175,7 +183,19 @@ class DraftModelProposer(BaseProposer):
             st.num_committed = min(st.num_committed, start)
         if not self._with_room(lambda: bm.append_slots(sid, start, len(tokens) - start, num_drafts - 1), active):
             return None
-        return _Plan(sid, tokens, start, num_drafts)
+        return _Plan(sid, tokens, self._reuse_target_kv(sid, start, len(tokens) - 1), num_drafts)
+
+    def _reuse_target_kv(self, seq_id: str, start: int, end: int) -> int:
+        """Where the draft's own computing starts: `start`, or `end` once the target's KV of [start, end) (committed
+        tokens, which the target holds) is copied in; the last committed token is always computed (its logits give
+        the first draft)."""
+        if self.target_kv is None or end - start < MIN_REUSED_TOKENS:
+            return start
+        table = self.runner.block_manager.get_block_table(seq_id)
+        if not self.target_kv.copy_into(self.runner.kv_caches, seq_id, table, start, end):
+            return start
+        self.num_reused_tokens += end - start
+        return end
 
     def _with_room(self, allocate, active: set[str]):
         """allocate() (None / False: no room); on no room, evict every idle sequence and try once more."""

@@ -99,15 +99,18 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class ProposerContext:
-    """What a method may use to build itself: the target's configuration and loaded files, never its
-    step state. `executor` reaches the target's workers (`collective_rpc`), e.g. to share weights for
-    a self-draft; `model_files` is the target's opened checkpoint (hf_config, tokenizer, weights)."""
+    """What a method may use to build itself: the target's configuration and loaded files; of its step state only
+    `target_block_table` (read-only). `executor` reaches the target's workers (`collective_rpc`), e.g. to share
+    weights for a self-draft; `model_files` is the target's opened checkpoint (hf_config, tokenizer, weights)."""
 
     engine_config: Any  # pagellm.config.EngineConfig
     model_files: Any
     tokenizer: Any
     vocab_size: int
     executor: Any = None
+    # seq_id -> the target's block ids of that sequence (the scheduler's table): lets a draft with the target's KV
+    # layout copy committed tokens' KV rather than recompute them (spec_decode/draft_kv_reuse.py)
+    target_block_table: Any = None
 
 
 def typical_acceptance_of(options: Mapping[str, Any]) -> TypicalAcceptance | None:

@@ -22,8 +22,11 @@ text (a near 1) gets all k drafts, a request whose drafts often miss gets 1 or 2
 work without paying k per verify everywhere.
 
 Until a cost is measured every request drafts (the second timed step at a batch size runs without drafts
-to measure plain_s(n)). Steps with waiting or prefilling requests, and steps much slower than the median (the engine
-sat idle between steps), are not timed. Outputs never depend on this: it only decides who gets drafts.
+to measure plain_s(n)); the verify cost counts once MIN_COST_SAMPLES spec steps measured it. Steps with waiting or
+prefilling requests, steps that held a one-time cost (`discard_step`: a step graph's first sightings), and steps more
+than IDLE_FACTOR times slower than expected (the engine sat idle between steps; until the verify cost is measured a
+draft token is expected to cost up to a plain step) are not timed: one such sample used to switch a request off for hundreds of steps (a graph capture
+timed as a verify, session 12's ngram at 1.13x). Outputs never depend on this: it only decides who gets drafts.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ MAX_BACKOFF_DOUBLINGS = 3
 # (a tiny model, timer noise) an acceptance decaying towards 0 would otherwise never switch off
 MIN_NET_TOKENS = 0.1
 MAX_DRAFT_RATE = 0.98  # the per-draft acceptance estimate is capped below 1: one miss must still shorten the drafts
+# spec steps timed before their verify cost may switch a request off: the median of 3 outlives one odd sample, while
+# off a request is timed only on its rare re-probes, so a wrong first verdict would stand for hundreds of steps
+MIN_COST_SAMPLES = 3
 
 
 @dataclass
@@ -106,7 +112,7 @@ class SpecSwitch:
         """How many drafts (1 .. k) this sequence should ask for in a step of num_rows rows (module doc); k until its
         first verify or while the costs at this batch size are unmeasured."""
         plain, extra, trials = self._plain_s.get(num_rows), self._extra_s.get(num_rows), self._trials.get(seq_id)
-        if not plain or not extra or trials is None or trials[1] <= 0.0:
+        if not plain or not extra or len(extra) < MIN_COST_SAMPLES or trials is None or trials[1] <= 0.0:
             return self.k
         rate = min(trials[0] / trials[1], MAX_DRAFT_RATE)
         # the proposer's time counts per draft: a draft model runs one forward per draft (ngram's is ~nothing)
@@ -139,6 +145,13 @@ class SpecSwitch:
         self.num_switched_off += 1
         return False
 
+    def discard_step(self) -> None:
+        """The step in flight held a one-time cost (e.g. a step graph's first sightings or capture): not timed, and
+        not counted as timed (a discarded plain-step probe is repeated by the next step)."""
+        if self._step is not None:
+            self._num_timed[self._step.num_rows] -= 1
+        self._step = None
+
     def record_proposals(self, num_draft_tokens: int, proposer_s: float, num_proposed: int) -> None:
         """What this step's proposer call produced and cost."""
         if self._step is not None:
@@ -165,7 +178,7 @@ class SpecSwitch:
         """Seconds num_drafts drafts add to a step of num_rows rows (verify + the proposer's share), None until
         measured."""
         extra = self._extra_s.get(num_rows)
-        if not extra:
+        if not extra or len(extra) < MIN_COST_SAMPLES:
             return None
         proposer = median(self._proposer_s) if self._proposer_s else 0.0
         return num_drafts * median(extra) + proposer
@@ -177,10 +190,10 @@ class SpecSwitch:
         elapsed = now_s - step.start_s
         plain = self._plain_s.get(step.num_rows)
         extra = self._extra_s.setdefault(step.num_rows, deque(maxlen=WINDOW))
-        known = plain and (extra or not step.num_draft_tokens)  # an expected time to compare with
-        if known and elapsed > IDLE_FACTOR * (median(plain) + step.num_draft_tokens * (median(extra) if extra else 0.0)
-                                              + step.proposer_s):
-            return
+        if plain:  # a draft token costs at most a plain step's time until measured (compute-bound: the whole step)
+            per_draft = median(extra) if extra else median(plain)
+            if elapsed > IDLE_FACTOR * (median(plain) + step.num_draft_tokens * per_draft + step.proposer_s):
+                return
         if step.num_proposed:
             self._proposer_s.append(step.proposer_s / step.num_proposed)
         if step.num_draft_tokens:

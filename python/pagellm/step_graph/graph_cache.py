@@ -58,6 +58,9 @@ class StepGraphCache:
         self._failed: dict[Hashable, str] = {}
         self._seen: dict[Hashable, int] = {}
         self.num_captures = 0
+        # steps of a key not captured yet run eagerly, the capture included: one-time costs, which a timer of
+        # steady steps (the speculative switch, spec_decode/switch.py) must leave out
+        self.num_warmup_runs = 0
         self.num_replays = 0
         self.num_replays_by_key: dict[Hashable, int] = {}  # which shapes replay (tests, profiling)
         self.invalidate(constants)
@@ -88,6 +91,7 @@ class StepGraphCache:
         if key in self._failed:
             return step(inputs)
         seen = self._seen[key] = self._seen.get(key, 0) + 1
+        self.num_warmup_runs += 1
         if seen < self.capture_after:
             return step(inputs)
         return self._capture(key, inputs, step)
