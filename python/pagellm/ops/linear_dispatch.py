@@ -32,11 +32,13 @@ except Exception:  # pragma: no cover - depends on the build
 #
 # fp32 (session 13): every fp32 CPU row goes through linear_small_m, whatever M and whatever the CPU (AMX has
 # no fp32 tiles), for the same batch invariance (its fp32 FMA tiles: one 16-lane accumulator per output, K in
-# order, vsum's tree; bit-identical in the AVX2 library). At M = 1 it streams the weight at ~2x torch's GEMV
-# (36-46 vs 17-19 GB/s, AMD EPYC with AVX-512) and from M = 8 on it runs 1.5-2x torch's fp32 GEMM there
-# (benchmarks/bench_linear_rows.py --dtype float32). The price: fp32 results are no longer HF transformers'
-# bits (torch sums K in another order); they agree to fp32 rounding (~1e-6 relative per linear; tests hold
-# logits to 1e-4 relative and greedy tokens identical).
+# order, vsum's tree; bit-identical in the AVX2 library). On the 2-core AMD EPYC (AVX-512) it takes 0.4-0.9x
+# torch's time at M = 1 (GEMV) and 0.4-0.8x at M = 8-2048 (GEMM) on the default and 1B models' shapes, the 1B
+# down projection (K = 5632) excepted: 0.8-0.96x (benchmarks/bench_linear_rows.py --dtype float32; session 13
+# in benchmarks/README.md). Not yet measured on the Intel machines (MKL). The price: fp32 results
+# are no longer HF transformers' bits (torch sums K in another order). They agree to fp32 rounding (max error
+# / max |y| ~2e-7 against an fp64 product at K = 576-1536, torch's ~4e-7); tests hold logprobs to HF's within
+# 1e-4 (1e-5 in test_logprobs_exact) and greedy tokens identical.
 SMALL_M_MAX = 2 if _AMX_OK else 1 << 30  # bf16 without AMX: every M (steps hold far fewer tokens)
 AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pagellm's kernels
