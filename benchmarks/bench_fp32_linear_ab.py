@@ -6,9 +6,10 @@ linear_small_m (ops/linear_dispatch.py), interleaved in one process (issue 22).
 
 Two engines of the default model in fp32 (bench_step_profile.make_llm); the "F.linear" one has the unquantized
 LinearMethod's linear swapped for one that sends fp32 to F.linear whenever it runs (eager steps and step-graph
-captures; every graph the timed runs replay is captured in its warm-up). Each round times, per engine, a
-33-token and a 1-token greedy request on the same 256-token prompt: (t33 - t1) / 32 = ms per decode step, the
-prefill cancelling out. Alternating the arms every few seconds makes a shared machine's load hit both alike.
+captures; every graph the timed runs replay is captured in its warm-up). Each round runs, per engine, one
+greedy request of 32 new tokens after a 256-token prompt through LLMEngine.step and times every decode step (the
+prefill step untimed): per arm, the median step over all rounds (robust to another process preempting a step)
+and the mean. Alternating the arms every second or so makes a shared machine's load hit both alike.
 """
 
 from __future__ import annotations
@@ -38,25 +39,35 @@ def main() -> None:
     arms = {"F.linear": fp32_on_torch, "linear_small_m": linear_dispatch.linear}
     prompt = list(range(100, 356))
 
-    def run(name: str, llm, n: int) -> float:
+    def run(name: str, llm, n: int) -> list[float]:
+        """Decode step times (s) of one request of n new tokens."""
         unquantized.linear = arms[name]  # this arm's linear for any eager step or graph capture
+        eng = llm.llm_engine
+        eng.reset_prefix_cache()
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-        t = time.perf_counter()
-        llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
-        return time.perf_counter() - t
+        eng.add_request(f"{name}-{time.perf_counter_ns()}", {"prompt_token_ids": prompt}, sp)
+        eng.step()  # prefill + first token
+        steps = []
+        while eng.has_unfinished_requests():
+            t = time.perf_counter()
+            eng.step()
+            steps.append(time.perf_counter() - t)
+        return steps
 
     llms = {name: B.make_llm("default", "float32", 512) for name in arms}
     for name, llm in llms.items():
         run(name, llm, 40)  # captures every block-table width the timed runs meet
-    ms: dict[str, list[float]] = {name: [] for name in arms}
+    steps: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(args.rounds):
         for name, llm in llms.items():
-            ms[name].append((run(name, llm, 33) - run(name, llm, 1)) / 32 * 1e3)
-        print(f"round {r}: " + ", ".join(f"{n} {v[-1]:.2f} ms" for n, v in ms.items()), flush=True)
+            steps[name] += run(name, llm, 33)
+        print(f"round {r}: " + ", ".join(f"{n} {statistics.median(v[-32:]) * 1e3:.2f} ms" for n, v in steps.items()),
+              flush=True)
     unquantized.linear = linear_dispatch.linear
-    before, after = (statistics.median(ms[n]) for n in arms)
-    print(f"fp32 decode ms/step, median of {args.rounds}: F.linear {before:.2f}, linear_small_m {after:.2f} "
-          f"({before / after:.2f}x; ~{WEIGHT_MB / after:.1f} GB/s of weights + KV)")
+    (b_med, a_med), (b_mean, a_mean) = ([f(steps[n]) * 1e3 for n in arms] for f in (statistics.median, statistics.mean))
+    print(f"fp32 decode step, median (mean) over {args.rounds} rounds: F.linear {b_med:.2f} ({b_mean:.2f}) ms, "
+          f"linear_small_m {a_med:.2f} ({a_mean:.2f}) ms: {b_med / a_med:.2f}x; {WEIGHT_MB:.0f} MB / median step = "
+          f"{WEIGHT_MB / a_med:.1f} GB/s")
 
 
 if __name__ == "__main__":
