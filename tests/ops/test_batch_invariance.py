@@ -1,4 +1,4 @@
-"""Batch invariance of the CPU ops a bf16 decoder layer runs: a row's output bits do not depend on how many
+"""Batch invariance of the CPU ops a bf16 or fp32 decoder layer runs: a row's output bits do not depend on how many
 other rows share the call or where the row sits (what makes speculative verify rows of 1 + k tokens, and a
 sequence inside any batch, give exactly the bits of a plain single-token decode).
 
@@ -81,14 +81,18 @@ def _one_call_no_bias(rows, w):
     return out
 
 
-def test_bf16_linear_dispatch_is_batch_invariant():
-    if linear_dispatch._AMX_OK:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_dispatch_is_batch_invariant(dtype):
+    if linear_dispatch._AMX_OK and dtype is torch.bfloat16:
         pytest.skip("with AMX, rows 3-256 take AMX tiles whose rounding differs from linear_small_m's (still to do)")
-    w = _rand(48, 320, seed=3, scale=0.1)
-    x = _rand(300, 320, seed=4)
-    alone = _rows_alone(lambda r: linear_dispatch.linear(r, w), x)
-    for m in (5, 17, 64, 300):  # verify rows, a batch of them, a prefill chunk
-        assert torch.equal(linear_dispatch.linear(x[:m], w), alone[:m])
+    w, b = _rand(48, 320, dtype=dtype, seed=3, scale=0.1), _rand(48, dtype=dtype, seed=5)
+    x = _rand(300, 320, dtype=dtype, seed=4)
+    for bias in (None, b):
+        alone = _rows_alone(lambda r: linear_dispatch.linear(r, w, bias), x)
+        for m in (5, 17, 64, 300):  # verify rows, a batch of them, a prefill chunk
+            assert torch.equal(linear_dispatch.linear(x[:m], w, bias), alone[:m])
+        # a [batch, seq, hidden] input (the 3-D path) gives the same rows
+        assert torch.equal(linear_dispatch.linear(x[:60].view(4, 15, 320), w, bias).view(60, 48), alone[:60])
 
 
 def test_norm_rotary_silu_rows_do_not_depend_on_m():

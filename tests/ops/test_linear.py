@@ -1,6 +1,6 @@
 """linear_small_m (out = x @ weight^T + bias, weight-streaming kernel for small M) and linear_amx (bf16 on AMX
 tiles) against the reference, plus opcheck and bad-argument errors; and the layer routing (bf16 by row count ->
-small-M kernel / AMX kernel / F.linear, fp32 -> exactly F.linear)."""
+small-M kernel / AMX kernel / F.linear, fp32 -> the small-M kernel at every M, autograd -> exactly F.linear)."""
 
 from __future__ import annotations
 
@@ -49,6 +49,13 @@ def test_linear_small_m_bf16(M, K, N):
 @pytest.mark.parametrize("K,N", [(576, 33), (1000, 1537), (31, 70)])
 def test_linear_small_m_bf16_many_rows(M, K, N):
     _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 1, x_strided=M % 2 == 1)
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 64, 67, 131, 300])  # decode rows, 4-row tiles, 64-row blocks
+@pytest.mark.parametrize("K,N", [(576, 33), (1000, 1537), (31, 70), (1536, 5)])
+def test_linear_small_m_fp32_every_m(M, K, N):
+    """fp32 linears of every M run this kernel (linear_dispatch): odd sizes, K tails, strided x, bias."""
+    _check(M, K, N, torch.float32, with_bias=(M + N) % 2 == 0, x_strided=M % 2 == 1)
 
 
 @pytest.mark.parametrize("M,K,N", [(1, 576, 4099), (5, 1000, 4099), (2, 31, 9), (1, 7, 3)])
@@ -160,8 +167,15 @@ def test_layer_routing():
     with torch.no_grad():
         lin.weight.copy_(_rand(40, 96, dtype=torch.float32))
         lin.bias.copy_(_rand(40, dtype=torch.float32, seed=3))
-    x = _rand(1, 1, 96, dtype=torch.float32)
-    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))  # fp32: exactly F.linear
+    for shape in ((1, 1, 96), (3, 5, 96), (131, 96)):  # fp32: linear_small_m at every M, close to F.linear
+        x = _rand(*shape, dtype=torch.float32)
+        y = lin(x)
+        own = torch.empty(x.numel() // 96, 40)
+        OP.linear_small_m(own, x.reshape(-1, 96), lin.weight, lin.bias)
+        assert y.shape == shape[:-1] + (40,) and torch.equal(y.reshape(-1, 40), own)
+        assert_close(y, F.linear(x, lin.weight, lin.bias), scale=2.0)
+    xg = _rand(4, 96, dtype=torch.float32).requires_grad_()
+    assert torch.equal(lin(xg), F.linear(xg, lin.weight, lin.bias))  # autograd: exactly F.linear
     lin = lin.to(torch.bfloat16)
     edges = (1, SMALL_M_MAX, SMALL_M_MAX + 1, SMALL_M_MAX + 3, AMX_MAX_M, AMX_MAX_M + 1)
     for m in (m for m in edges if 0 < m <= 4096):  # without AMX, SMALL_M_MAX is 'every M'

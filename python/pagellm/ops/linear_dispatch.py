@@ -1,4 +1,4 @@
-"""Which kernel a dense (unquantized) linear runs on: pagellm's own CPU kernels for few bf16 rows, else
+"""Which kernel a dense (unquantized) linear runs on: pagellm's own CPU kernels for bf16 and fp32 rows, else
 F.linear. Used by the unquantized LinearMethod and the LM head."""
 
 from __future__ import annotations
@@ -29,37 +29,48 @@ except Exception:  # pragma: no cover - depends on the build
 # L2) it is within ~10 % of oneDNN's bf16 GEMM at M = 32-512 and 2-8x faster at M <= 16 (session 9, Xeon
 # without AMX, 2048 x 2048 and 8192 x 2048 weights). With AMX, rows 3-256 take AMX tiles, whose rounding
 # differs from linear_small_m's: bf16 batch invariance there is still to do.
-SMALL_M_MAX = 2 if _AMX_OK else 1 << 30  # without AMX: every M (steps hold far fewer tokens)
+#
+# fp32 (session 13): every fp32 CPU row goes through linear_small_m, whatever M and whatever the CPU (AMX has
+# no fp32 tiles), for the same batch invariance (its fp32 FMA tiles: one 16-lane accumulator per output, K in
+# order, vsum's tree; bit-identical in the AVX2 library). On the 2-core AMD EPYC (AVX-512) it takes 0.4-0.9x
+# torch's time at M = 1 (GEMV) and 0.4-0.8x at M = 8-2048 (GEMM) on the default and 1B models' shapes, the 1B
+# down projection (K = 5632) excepted: 0.8-0.96x (benchmarks/bench_linear_rows.py --dtype float32; session 13
+# in benchmarks/README.md). Not yet measured on the Intel machines (MKL). The price: fp32 results
+# are no longer HF transformers' bits (torch sums K in another order). They agree to fp32 rounding (max error
+# / max |y| ~2e-7 against an fp64 product at K = 576-1536, torch's ~4e-7); tests hold logprobs to HF's within
+# 1e-4 (1e-5 in test_logprobs_exact) and greedy tokens identical.
+SMALL_M_MAX = 2 if _AMX_OK else 1 << 30  # bf16 without AMX: every M (steps hold far fewer tokens)
 AMX_MAX_M = 256 if _AMX_OK else 0
-_OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # rows up to this go to one of pagellm's kernels
+_OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pagellm's kernels
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except bf16 CPU inputs with few rows go through pagellm's own kernels (see above).
+    """F.linear, except bf16 and fp32 CPU inputs go through pagellm's own kernels (see above).
 
-    fp32 (and every other case) is exactly F.linear, so fp32 results stay bit-identical to HF.
-    """
+    Everything else (other dtypes or devices, autograd, mixed dtypes) is exactly F.linear."""
     # Checked cheapest first: this runs ~4 times per layer per decode step.
+    dtype = x.dtype
     if (
         _SMALL_M_OK
-        and x.dtype is torch.bfloat16
-        and weight.dtype is torch.bfloat16
+        and (dtype is torch.bfloat16 or dtype is torch.float32)
+        and weight.dtype is dtype
         and x.is_cpu
         and weight.is_cpu
         and x.dim() >= 1
-        and (bias is None or bias.dtype is torch.bfloat16)
+        and (bias is None or bias.dtype is dtype)
     ):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
         no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
-        if 0 < m <= _OWN_MAX_M and no_grad:
-            op = _linear_small_m if m <= SMALL_M_MAX else _linear_amx
+        fp32 = dtype is torch.float32
+        if 0 < m and (fp32 or m <= _OWN_MAX_M) and no_grad:
+            op = _linear_small_m if fp32 or m <= SMALL_M_MAX else _linear_amx
             n = weight.shape[0]
             if x.dim() == 2:  # the decode case; every torch call costs microseconds here
-                out = torch.empty((m, n), dtype=x.dtype)
+                out = torch.empty((m, n), dtype=dtype)
                 op(out, x, weight, bias)
                 return out
-            out = torch.empty(x.shape[:-1] + (n,), dtype=x.dtype)
+            out = torch.empty(x.shape[:-1] + (n,), dtype=dtype)
             op(out.view(m, n), x.reshape(m, k), weight, bias)
             return out
     return F.linear(x, weight, bias)

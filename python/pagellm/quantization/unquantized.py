@@ -14,7 +14,7 @@ from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, new
 
 class UnquantizedLinearMethod(LinearMethodBase):
     """weight [out, in] (+ bias [out]) in `params_dtype`; apply = `pagellm.layers.linear.linear`, which picks
-    pagellm's bf16 small-M / AMX kernels or F.linear (fp32 is exactly F.linear)."""
+    pagellm's CPU kernels (linear_small_m for fp32 and bf16, AMX tiles for some bf16 row counts) or F.linear."""
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
                        params_dtype: torch.dtype, bias: bool, **extra: Any) -> None:
