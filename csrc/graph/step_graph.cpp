@@ -68,7 +68,50 @@ void StepGraph::finalize(std::vector<int64_t> output_slots) {
   }
   output_slots_ = std::move(output_slots);
   values_.assign(static_cast<size_t>(num_slots_), at::Tensor());
+  mark_reusable_empties();
   finalized_ = true;
+}
+
+void StepGraph::mark_reusable_empties() {
+  std::vector<bool> is_output(static_cast<size_t>(num_slots_), false);
+  for (int64_t s : output_slots_) is_output[static_cast<size_t>(s)] = true;
+  for (Node& node : nodes_) {
+    const auto& name = node.op.schema().operator_name();
+    if (name.name != "aten::empty" || name.overload_name != "memory_format" || node.outputs.size() != 1) continue;
+    if (is_output[static_cast<size_t>(node.outputs[0].slot)]) continue;
+    bool constant = true;
+    for (const ArgSource& a : node.args) constant = constant && a.kind == ArgSource::Kind::kConstant;
+    if (constant) node.reuse_empty = true;  // its size is known after the first call (run_node)
+  }
+}
+
+void StepGraph::run_node(Node& node, torch::jit::Stack& stack) {
+  // An empty tensor's contents are unspecified, so last replay's tensor serves again, provided no tensor
+  // outside this graph shares its storage (a view of it returned to the caller, say).
+  const at::Tensor& kept = node.kept;
+  if (kept.defined() && kept.use_count() == 1 && kept.storage().use_count() == 1) {
+    values_[static_cast<size_t>(node.outputs[0].slot)] = kept;
+    return;
+  }
+  stack.clear();
+  for (const ArgSource& a : node.args) push(a, stack);
+  node.op.callBoxed(stack);
+  for (const OutputTarget& o : node.outputs) {
+    c10::IValue& ret = stack[static_cast<size_t>(o.index)];
+    values_[static_cast<size_t>(o.slot)] = o.element < 0 ? ret.toTensor() : ret.toTensorList().get(o.element);
+  }
+  if (node.reuse_empty && !node.kept.defined()) {
+    const at::Tensor& t = values_[static_cast<size_t>(node.outputs[0].slot)];
+    const int64_t nbytes = static_cast<int64_t>(t.nbytes());
+    if (kept_bytes_ + nbytes <= kKeptEmptyBytes) {
+      node.kept = t;
+      kept_bytes_ += nbytes;
+    } else {
+      node.reuse_empty = false;
+    }
+  } else if (node.reuse_empty) {
+    node.kept = values_[static_cast<size_t>(node.outputs[0].slot)];  // the old one is still referenced elsewhere
+  }
 }
 
 void StepGraph::push(const ArgSource& a, torch::jit::Stack& stack) const {
@@ -107,14 +150,8 @@ std::vector<at::Tensor> StepGraph::run(const std::vector<at::Tensor>& inputs) {
   }
   std::copy(inputs.begin(), inputs.end(), values_.begin());
   torch::jit::Stack stack;
-  for (const Node& node : nodes_) {
-    stack.clear();
-    for (const ArgSource& a : node.args) push(a, stack);
-    node.op.callBoxed(stack);
-    for (const OutputTarget& o : node.outputs) {
-      c10::IValue& ret = stack[static_cast<size_t>(o.index)];
-      values_[static_cast<size_t>(o.slot)] = o.element < 0 ? ret.toTensor() : ret.toTensorList().get(o.element);
-    }
+  for (Node& node : nodes_) {
+    run_node(node, stack);
     for (int64_t s : node.release) values_[static_cast<size_t>(s)].reset();
   }
   std::vector<at::Tensor> out;

@@ -41,6 +41,8 @@ struct Node {
   std::vector<ArgSource> args;
   std::vector<OutputTarget> outputs;
   std::vector<int64_t> release;  // slots whose last use is this node
+  bool reuse_empty = false;      // an all-constant aten::empty whose result may be kept between replays
+  at::Tensor kept;               // that result, from the last replay
 };
 
 class StepGraph {
@@ -63,6 +65,14 @@ class StepGraph {
   int64_t num_slots() const { return num_slots_; }
 
  private:
+  // Bytes of `aten::empty` results a graph keeps between replays (a batch-1 step's intermediates are a few
+  // KiB each; the dispatcher call to allocate one cost about as much as a small kernel's whole call).
+  static constexpr int64_t kKeptEmptyBytes = int64_t{1} << 20;
+
+  // Marks the all-constant aten::empty nodes whose result is no graph output, up to kKeptEmptyBytes.
+  void mark_reusable_empties();
+  // Runs one node: a kept empty tensor nobody else references is reused, anything else is called.
+  void run_node(Node& node, torch::jit::Stack& stack);
   // Pushes one argument's value onto the stack.
   void push(const ArgSource& a, torch::jit::Stack& stack) const;
 
@@ -72,6 +82,7 @@ class StepGraph {
   std::vector<Node> nodes_;
   std::vector<int64_t> output_slots_;
   std::vector<at::Tensor> values_;
+  int64_t kept_bytes_ = 0;  // bytes held in Node::kept
 };
 
 }  // namespace pagellm::graph

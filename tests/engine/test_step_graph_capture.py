@@ -47,6 +47,37 @@ def test_replay_equals_eager_on_new_inputs(n):
         assert torch.equal(graph.run(new)[0], mixed_ops(new))
 
 
+def out_buffers(ins: list[torch.Tensor]) -> torch.Tensor:
+    """Kernel-style out= calls into torch.empty buffers (which a replay may keep between replays); the result
+    is a view of one of them, so the caller shares its storage."""
+    x = ins[0]
+    h = torch.empty((x.shape[0], 8), dtype=x.dtype)
+    torch.mul(x, 2.0, out=h)
+    g = torch.empty((x.shape[0], 8), dtype=x.dtype)
+    torch.add(h, 1.0, out=g)
+    torch.mul(g, h, out=g)
+    return g.view(-1)[: 3 * x.shape[0]].view(x.shape[0], 3)
+
+
+@pytest.mark.parametrize("held_by_caller", [False, True])
+def test_kept_empty_buffers_are_never_shared_with_a_held_result(held_by_caller):
+    """Replays reuse their small torch.empty intermediates; a result the caller still holds (here a view of
+    an empty made by the replay, sharing its storage) must not be overwritten by the next replay."""
+    x = torch.randn(4, 8)
+    rec, out = record(out_buffers, [x], [])
+    assert [c.name for c in rec.recording.calls].count("aten::empty") == 2
+    graph = build_step_graph(rec.recording, [rec.slot(out)])
+    held = []
+    for seed in range(4):
+        new = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+        got = graph.run([new])[0]
+        assert torch.equal(got, out_buffers([new]))
+        if held_by_caller:
+            held.append((got, got.clone()))
+    for got, copy in held:  # earlier results untouched by later replays
+        assert torch.equal(got, copy)
+
+
 def test_weights_updated_in_place_are_seen_by_the_replay():
     w = torch.randn(4, 4)
     fn = lambda ins: ins[0] @ w  # noqa: E731

@@ -80,6 +80,28 @@ TEST_F(ThreadPoolTest, ChunksAtMostThreadsTimesChunksPerThread) {
   EXPECT_LE(c.threads.size(), 3u);
 }
 
+// A range holding at least one grain per thread splits into the same number of equal chunks per
+// thread (the slowest thread sets the region's time); shorter ranges keep chunks of at least grain.
+TEST_F(ThreadPoolTest, ChunksSplitEvenlyAcrossThreads) {
+  configure_thread_pool({2, false, 50, 4});
+  auto lengths = [](const Calls& c) {
+    std::vector<int64_t> v;
+    for (auto [b, e] : c.ranges) v.push_back(e - b);
+    std::sort(v.begin(), v.end());
+    return v;
+  };
+  // SmolLM2-135M's o_proj at linear_small_m's grain (144 tiles of 4 rows, grain 56): two chunks, not three
+  EXPECT_EQ(lengths(check_cover(0, 144, 56)), (std::vector<int64_t>{72, 72}));
+  // its down_proj (grain 21): six chunks of 24, not seven of 21
+  EXPECT_EQ(lengths(check_cover(0, 144, 21)), (std::vector<int64_t>(6, 24)));
+  // at most chunks_per_thread each
+  EXPECT_EQ(lengths(check_cover(0, 800, 10)), (std::vector<int64_t>(8, 100)));
+  // less than a grain per thread: chunks of at least grain, as before
+  EXPECT_EQ(lengths(check_cover(0, 100, 56)), (std::vector<int64_t>{44, 56}));
+  configure_thread_pool({3, false, 50, 4});
+  EXPECT_EQ(lengths(check_cover(0, 7, 2)), (std::vector<int64_t>{2, 2, 3}));
+}
+
 TEST_F(ThreadPoolTest, WorkersShareTheWork) {
   configure_thread_pool({2, false, 1000, 4});
   // Chunks that take a while: the worker must claim some of them.

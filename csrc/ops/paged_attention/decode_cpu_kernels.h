@@ -367,7 +367,11 @@ template <typename T, typename C>
 void decode_reduce(const PagedAttnArgs<T, C>& a, const std::vector<int64_t>& part_off, const float* partials) {
   const int64_t G = a.group(), D = a.head_dim, H = a.num_kv_heads;
   const int64_t item_floats = G * (D + 2);
-  pagellm::cpu::parallel_for(0, a.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+  // ~>= 16K partial floats per task: a batch-1 merge (a few KiB) runs inline, since a parallel region of
+  // its own cost more than the merge.
+  const int64_t parts_per_seq = std::max<int64_t>(1, part_off[a.num_seqs] / std::max<int64_t>(1, a.num_seqs));
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (item_floats * parts_per_seq));
+  pagellm::cpu::parallel_for(0, a.num_seqs * H, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(D);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t s = u / H, h = u % H;
