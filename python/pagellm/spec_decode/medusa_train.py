@@ -32,6 +32,8 @@ a KJV prompt): the gap is the held-out set (greedy KJV continuations, often loop
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import subprocess
 import time
@@ -42,7 +44,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
+from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head
 
 DATA_SOURCES = ("kjv", "pydoc", "self", "chat")
 MEDUSA_DECAY = 0.8  # Medusa's medusa_decay_coefficient: later heads weigh less
@@ -66,6 +68,7 @@ class MedusaTrainConfig:
     warmup_steps: int = 20
     data: str = "self"  # self-distillation: drafts are judged against the model's outputs, not the text's
     draft_vocab_size: int = 0  # > 0: drafting scores only the most frequent tokens of the training labels
+    eval_every: int = 50  # > 0: evaluate every N steps, keep the heads of the best held-out score (0: the last)
     seed: int = 0
 
     def check(self) -> None:
@@ -77,6 +80,8 @@ class MedusaTrainConfig:
         min_len = self.num_heads + 3 + (SELF_PROMPT_LEN if self.data == "self" else 0)
         if self.seq_len < min_len:
             raise ValueError(f"seq_len={self.seq_len} is too short for {self.num_heads} heads")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.draft_vocab_size < 0 or (self.draft_vocab_size and not self.share_lm_head):
@@ -198,41 +203,82 @@ def ragged_positions(lengths: list[int], starts: list[int], num_heads: int) -> t
 
 
 def medusa_loss(logits: torch.Tensor, labels: torch.Tensor, decay: float = MEDUSA_DECAY) -> torch.Tensor:
-    """logits [M, K, V], labels [M, K] -> sum_k decay^k * mean CE of head k."""
+    """logits [M, K, V], labels [M, K] -> sum_k decay^k * mean CE of head k (labels -100: not counted)."""
     k = logits.shape[1]
-    return sum(decay**i * F.cross_entropy(logits[:, i].float(), labels[:, i]) for i in range(k))
+    return sum(decay**i * F.cross_entropy(logits[:, i].float(), labels[:, i], ignore_index=-100) for i in range(k))
+
+
+def label_indices(labels: torch.Tensor, vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+    """Token-id labels -> indices into an LM head that scores only `vocab` (None: the whole vocabulary, as is);
+    a label outside it becomes -100 (no loss: a draft vocabulary can never draft it)."""
+    if vocab is None:
+        return labels
+    index_of = torch.full((vocab_size,), -100, dtype=torch.long)
+    index_of[vocab] = torch.arange(vocab.numel())
+    return index_of[labels]
+
+
+@torch.no_grad()
+def head_predictions(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor,
+                     vocab: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, H] hidden states -> [M, K] each head's top-1 token id, as the proposer drafts it: `lm_head` scores
+    `vocab` (None: every token) and its indices map back to token ids."""
+    top = heads(hidden, lm_head).argmax(-1)
+    return top if vocab is None else vocab[top]
 
 
 @torch.no_grad()
 def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
-             positions: torch.Tensor | None = None) -> dict[str, float]:
-    """Top-1 accuracy per head (and the base LM head's next-token accuracy) on every usable position."""
+             positions: torch.Tensor | None = None, vocab: torch.Tensor | None = None,
+             base_lm_head: Callable | None = None) -> dict[str, float]:
+    """Top-1 accuracy per head (and the base LM head's next-token accuracy) on every usable position.
+    `lm_head` scores `vocab` (see head_predictions): pass the serving LM head and the serving dtype's hidden
+    states and these are the heads' served draft rates (a label outside `vocab` counts as a miss).
+    `base_lm_head`: the target's full LM head (default lm_head)."""
     flat, labels = head_targets(token_ids, heads.num_heads, positions)
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
+    base_lm_head = base_lm_head or lm_head
     correct = torch.zeros(heads.num_heads)
     base_correct = 0
     for i in range(0, len(flat), 512):
-        correct += (heads(h[i : i + 512], lm_head).argmax(-1) == labels[i : i + 512]).sum(0).float()
+        correct += (head_predictions(heads, lm_head, h[i : i + 512], vocab) == labels[i : i + 512]).sum(0).float()
         next_tok = token_ids.reshape(-1)[flat[i : i + 512] + 1]
-        base_correct += int((lm_head(h[i : i + 512]).argmax(-1) == next_tok).sum())
-    acc = {f"head{k + 1}": float(c) / len(flat) for k, c in enumerate(correct)}
-    return {"base": base_correct / len(flat), **acc}
+        base_correct += int((base_lm_head(h[i : i + 512]).argmax(-1) == next_tok).sum())
+    acc = {f"head{k + 1}": float(c) / max(1, len(flat)) for k, c in enumerate(correct)}
+    return {"base": base_correct / max(1, len(flat)), **acc}
+
+
+def heads_score(acc: dict[str, float]) -> float:
+    """Expected drafts accepted per chain step if the heads erred independently: acc1 + acc1*acc2 + ... (the
+    held-out score the trainer keeps the best heads by)."""
+    score, run, k = 0.0, 1.0, 1
+    while f"head{k}" in acc:
+        run *= acc[f"head{k}"]
+        score += run
+        k += 1
+    return score
 
 
 def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
                 config: MedusaTrainConfig, progress: Callable[[str], None] | None = None,
-                positions: torch.Tensor | None = None) -> list[float]:
+                positions: torch.Tensor | None = None, vocab: torch.Tensor | None = None,
+                evaluate_fn: Callable[[], dict[str, float]] | None = None) -> list[float]:
     """AdamW on the heads only, `config.steps` batches of random usable positions. hidden [N, T, H] fp32
-    (precomputed), token_ids [N, T] (`positions`: see head_targets). Returns the loss of every step."""
+    (precomputed), token_ids [N, T] (`positions`: see head_targets). `lm_head` scores `vocab` (None: the whole
+    vocabulary; see label_indices). `evaluate_fn` (held-out accuracies, see evaluate): called every
+    config.eval_every steps and at the end; the heads keep the weights of its best heads_score (a few hundred
+    steps over a few hundred answers overfit: train top-1 0.6 while held-out peaks and falls).
+    Returns the loss of every step."""
     flat, labels = head_targets(token_ids, heads.num_heads, positions)
+    labels = label_indices(labels, vocab, heads.vocab_size)
     h_all = hidden.reshape(-1, hidden.shape[-1])
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
     gen = torch.Generator().manual_seed(config.seed)
-    losses = []
-    heads.train()
+    losses, best = [], (float("-inf"), None, 0)
     for step in range(config.steps):
+        heads.train()
         pick = torch.randint(len(flat), (min(config.batch_size, len(flat)),), generator=gen)
         loss = medusa_loss(heads(h_all[flat[pick]], lm_head), labels[pick])
         opt.zero_grad(set_to_none=True)
@@ -242,6 +288,16 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
         losses.append(loss.item())
         if progress and (step % 50 == 0 or step == config.steps - 1):
             progress(f"step {step + 1}/{config.steps} loss {losses[-1]:.3f}")
+        if evaluate_fn and config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
+            heads.eval()
+            score = heads_score(evaluate_fn())
+            if score > best[0]:
+                best = (score, {k: v.detach().clone() for k, v in heads.state_dict().items()}, step + 1)
+            if progress:
+                progress(f"step {step + 1}: held-out score {score:.3f} (best {best[0]:.3f} at step {best[2]})")
+    if best[1] is not None:
+        heads.load_state_dict(best[1])
+        heads.training_info["best_step"] = best[2]
     heads.eval()
     return losses
 
@@ -301,9 +357,12 @@ def chat_training_data(base, tokenizer, config: MedusaTrainConfig, held_out: boo
 
 def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
                  progress: Callable[[str], None] | None = None,
-                 answer_fn: AnswerFn | None = None) -> tuple[Path, dict[str, float]]:
-    """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies.
-    `answer_fn`: see chat_training_data (`--data chat` only)."""
+                 answer_fn: AnswerFn | None = None,
+                 data_cache: str | Path | None = None) -> tuple[Path, dict[str, float]]:
+    """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies
+    (the served way: draft vocabulary, bf16 hidden states and LM-head rows). `answer_fn`: see
+    chat_training_data (`--data chat` only). `data_cache`: a directory keeping the token ids and hidden states
+    (per model and data settings), so that another run with other training settings skips the answers."""
     config = config or MedusaTrainConfig()
     config.check()
     say = progress or (lambda _msg: None)
@@ -311,33 +370,77 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     t0 = time.perf_counter()
     files, base = load_base(model)
     hf = files.hf_config
-    data = {}
-    for held_out in (False, True):
-        if config.data == "chat":
-            data[held_out] = chat_training_data(base, files.tokenizer, config, held_out, say, answer_fn)
-            continue
-        ids = torch.tensor(build_windows(files.tokenizer, config, held_out), dtype=torch.long)
-        if config.data == "self":
-            say(f"self-distillation: continuing {len(ids)} prompts to {config.seq_len} tokens")
-            ids = greedy_continuations(base, ids, config.seq_len)
-        data[held_out] = (ids, final_hidden_states(base, ids), None)
+    data = _cached_data(data_cache, model, config,
+                        lambda: {held_out: _training_data(base, files.tokenizer, config, held_out, say, answer_fn)
+                                 for held_out in (False, True)})
     say(f"hidden states of {data[False][0].numel()} train / {data[True][0].numel()} held-out tokens "
         f"in {time.perf_counter() - t0:.0f}s")
     heads = MedusaHeads(int(hf.hidden_size), int(hf.vocab_size), config.num_heads, config.num_layers,
                         config.share_lm_head, base_model=str(files.source), base_model_hash=base_model_hash(hf))
-    lm_head = frozen_lm_head(base)
+    weight = base.get_output_embeddings().weight.detach().float()
     if not config.share_lm_head:
-        heads.init_lm_heads_from(base.get_output_embeddings().weight.detach().float())
+        heads.init_lm_heads_from(weight)
     (train_ids, train_hidden, train_pos), (eval_ids, eval_hidden, eval_pos) = data[False], data[True]
-    before = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
-    losses = train_heads(heads, lm_head, train_hidden, train_ids, config, progress=say, positions=train_pos)
-    acc = evaluate(heads, lm_head, eval_hidden, eval_ids, eval_pos)
-    if config.draft_vocab_size:
-        heads.set_draft_vocab(frequent_tokens(head_targets(train_ids, config.num_heads, train_pos)[1],
-                                              min(config.draft_vocab_size, int(hf.vocab_size))))
-        acc["draft_vocab_coverage"] = vocab_coverage(head_targets(eval_ids, config.num_heads, eval_pos)[1],
-                                                     heads.draft_vocab)
+    train_hidden = train_hidden.to(torch.bfloat16).float()  # what the engine hands the heads: bf16 states
+    vocab = None
+    if config.draft_vocab_size:  # chosen first: the heads train over the rows the proposer will score
+        vocab = frequent_tokens(head_targets(train_ids, config.num_heads, train_pos)[1],
+                                min(config.draft_vocab_size, int(hf.vocab_size)))
+        heads.set_draft_vocab(vocab)
+        vocab = heads.draft_vocab
+    train_lm_head = (lambda x: F.linear(x, weight[vocab])) if vocab is not None else frozen_lm_head(base)
+    served = served_evaluation(heads, weight, eval_hidden, eval_ids, eval_pos)
+    before = served()
+    losses = train_heads(heads, train_lm_head, train_hidden, train_ids, config, progress=say, positions=train_pos,
+                         vocab=vocab, evaluate_fn=served)
+    acc = served()
+    if vocab is not None:
+        acc["draft_vocab_coverage"] = vocab_coverage(head_targets(eval_ids, config.num_heads, eval_pos)[1], vocab)
     heads.training_info = {**asdict(config), "final_loss": losses[-1], "held_out_top1": acc,
-                           "held_out_top1_untrained": before, "seconds": round(time.perf_counter() - t0, 1)}
-    say("held-out top-1: " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
+                           "held_out_top1_untrained": before, "best_step": heads.training_info.get("best_step"),
+                           "seconds": round(time.perf_counter() - t0, 1)}
+    say("held-out top-1 (served way): " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     return heads.save(output), acc
+
+
+def _training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool, say: Callable[[str], None],
+                   answer_fn: AnswerFn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(token ids, hidden states, trained positions or None) of the training or held-out set."""
+    if config.data == "chat":
+        return chat_training_data(base, tokenizer, config, held_out, say, answer_fn)
+    ids = torch.tensor(build_windows(tokenizer, config, held_out), dtype=torch.long)
+    if config.data == "self":
+        say(f"self-distillation: continuing {len(ids)} prompts to {config.seq_len} tokens")
+        ids = greedy_continuations(base, ids, config.seq_len)
+    return ids, final_hidden_states(base, ids), None
+
+
+def _cached_data(cache: str | Path | None, model: str | None, config: MedusaTrainConfig, compute: Callable) -> dict:
+    """compute() once per (model, data settings) when a cache directory is given."""
+    if cache is None:
+        return compute()
+    keys = ("data", "seq_len", "num_train_seqs", "num_eval_seqs", "num_heads", "seed")
+    key = hashlib.sha256(json.dumps([str(model), *(getattr(config, k) for k in keys)]).encode()).hexdigest()[:16]
+    path = Path(cache).expanduser() / f"medusa-data-{key}.pt"
+    if path.is_file():
+        return torch.load(path)
+    data = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path)
+    return data
+
+
+def served_lm_head(heads: MedusaHeads, lm_weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The LM head the proposer drafts with: a draft vocabulary's bf16 rows (draft_vocab_lm_head), else fp32."""
+    if heads.draft_vocab is not None:
+        return draft_vocab_lm_head(lm_weight, heads.draft_vocab)
+    return lambda x: F.linear(x, lm_weight)
+
+
+def served_evaluation(heads: MedusaHeads, lm_weight: torch.Tensor, hidden: torch.Tensor, token_ids: torch.Tensor,
+                      positions: torch.Tensor | None) -> Callable[[], dict[str, float]]:
+    """() -> held-out accuracies computed as the engine drafts: hidden states rounded to bf16 (the engine serves
+    in bf16), the proposer's LM head (served_lm_head) mapped back to token ids, the heads in fp32."""
+    hidden = hidden.to(torch.bfloat16).float()
+    lm_head, full = served_lm_head(heads, lm_weight), (lambda x: F.linear(x, lm_weight))
+    return lambda: evaluate(heads, lm_head, hidden, token_ids, positions, vocab=heads.draft_vocab, base_lm_head=full)
