@@ -1,4 +1,4 @@
-"""`pagellm train-medusa --data chat` (spec_decode/medusa_chat_data.py, medusa_train.chat_training_data): the
+"""`pagellm train-medusa --data chat` (spec_decode/medusa_chat_data.py, medusa_train_data.chat_training_data): the
 questions, the model's own answers (batched with left padding = each prompt answered alone), the trained
 positions of ragged turns laid end to end, and a short end-to-end training run on a tiny random Llama."""
 
@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from pagellm.spec_decode.medusa_chat_data import HELD_OUT_TOPICS, TOPICS, chat_prompt_ids, chat_questions
-from pagellm.spec_decode.medusa_train import (
-    MedusaTrainConfig,
+from pagellm.spec_decode.medusa_train import MedusaTrainConfig, head_targets, train_medusa
+from pagellm.spec_decode.medusa_train_data import (
     chat_answers,
     chat_training_data,
     final_hidden_states,
-    head_targets,
     ragged_positions,
-    train_medusa,
 )
 
 

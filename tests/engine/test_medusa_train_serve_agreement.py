@@ -23,14 +23,13 @@ from pagellm.spec_decode.medusa_heads import MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import (  # noqa: E402
     MedusaTrainConfig,
     evaluate,
-    final_hidden_states,
     frequent_tokens,
-    greedy_continuations,
     head_predictions,
     head_targets,
     served_lm_head,
     train_heads,
 )
+from pagellm.spec_decode.medusa_train_data import final_hidden_states, greedy_continuations  # noqa: E402
 
 HIDDEN, NUM_HEADS, NEW_TOKENS = 64, 3, 40
 

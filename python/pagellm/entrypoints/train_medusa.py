@@ -49,7 +49,7 @@ def engine_answers(model: str | None, dtype: str):
 
 
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.spec_decode.medusa_train import DATA_SOURCES, MedusaTrainConfig  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, MedusaTrainConfig  # noqa: PLC0415
 
     d = MedusaTrainConfig()
     p = subparsers.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on a frozen model",
