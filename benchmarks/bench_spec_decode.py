@@ -57,6 +57,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
                                     **args.draft_options},
     "medusa": lambda k, args: {"method": "medusa", "num_speculative_tokens": k,
                                "model": args.medusa_heads},  # pagellm train-medusa
+    # another set of heads (--medusa-heads-b): two trainings A/B in one run
+    "medusa_b": lambda k, args: {**METHODS["medusa"](k, args), "model": args.medusa_heads_b},
     # the heads' top-k candidate tree (medusa_tree.py, --medusa-tree) for greedy rows, verified in one step; k >= depth
     "medusa_tree": lambda k, args: {**METHODS["medusa"](k, args), "tree": args.medusa_tree},
 }
@@ -244,6 +246,7 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--tree-nodes", type=int, default=8, help="ngram_tree: the tree's most nodes (at least k)")
     ap.add_argument("--medusa-heads", default="/tmp/medusa-smollm2", help="heads from `pagellm train-medusa --output`")
+    ap.add_argument("--medusa-heads-b", default=None, help="medusa_b: a second heads directory (A/B of trainings)")
     ap.add_argument("--medusa-tree", default="default",
                     help="medusa_tree: a named tree (default: 12 nodes, depth 3) or a JSON list of top-k paths")
     ap.add_argument("--draft-options", type=json.loads, default={},
