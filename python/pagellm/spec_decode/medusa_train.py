@@ -113,14 +113,32 @@ def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_
     flat, labels = head_targets(token_ids, heads.num_heads, positions)
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
     base_lm_head = base_lm_head or lm_head
-    correct = torch.zeros(heads.num_heads)
-    base_correct = 0
+    hits, base_correct = [], 0
     for i in range(0, len(flat), 512):
-        correct += (head_predictions(heads, lm_head, h[i : i + 512], vocab) == labels[i : i + 512]).sum(0).float()
+        hits.append(head_predictions(heads, lm_head, h[i : i + 512], vocab) == labels[i : i + 512])
         next_tok = token_ids.reshape(-1)[flat[i : i + 512] + 1]
         base_correct += int((base_lm_head(h[i : i + 512]).argmax(-1) == next_tok).sum())
-    acc = {f"head{k + 1}": float(c) / max(1, len(flat)) for k, c in enumerate(correct)}
-    return {"base": base_correct / max(1, len(flat)), **acc}
+    hits_all = torch.cat(hits) if hits else torch.zeros(0, heads.num_heads, dtype=torch.bool)
+    acc = {f"head{k + 1}": float(c) / max(1, len(flat)) for k, c in enumerate(hits_all.sum(0).float())}
+    return {"base": base_correct / max(1, len(flat)), **acc, **chain_walk(flat, hits_all)}
+
+
+def chain_walk(flat: torch.Tensor, hits: torch.Tensor) -> dict[str, float]:
+    """What the engine sees drafting chains of K along these texts (greedy, every step drafting): from each
+    turn's first position t it accepts the longest run of correct heads a and moves to t + 1 + a, so accepted
+    runs skip the easy positions and the per-step rates are below the per-position accuracies. flat [M] sorted
+    positions (a gap: another turn), hits [M, K] head k right at that position. Returns the first draft's
+    acceptance per step (`chain_head1`) and the benchmark's mean accepted length (`chain_accepted_len`: 1 +
+    accepted drafts per step)."""
+    runs = torch.cumprod(hits.long(), dim=1).sum(1).tolist()  # accepted drafts if the engine stood at each position
+    starts = [0] + (torch.nonzero(flat[1:] - flat[:-1] > 1).flatten() + 1).tolist() if len(flat) else []
+    steps = accepted = first = 0
+    for s, e in zip(starts, starts[1:] + [len(runs)]):  # one turn: positions flat[s] .. flat[e - 1], consecutive
+        i = s
+        while i < e:
+            steps, accepted, first = steps + 1, accepted + runs[i], first + (runs[i] > 0)
+            i += 1 + runs[i]
+    return {"chain_head1": first / max(1, steps), "chain_accepted_len": 1 + accepted / max(1, steps)}
 
 
 def heads_score(acc: dict[str, float]) -> float:
