@@ -80,8 +80,10 @@ def test_chat_training_data_lays_turns_end_to_end(hf_base, tiny_tokenizer):
 def test_train_medusa_on_chat_turns_writes_heads(tmp_path, tiny_llama_dir):
     config = MedusaTrainConfig(data="chat", seq_len=12, num_train_seqs=6, num_eval_seqs=2, steps=5, num_heads=2)
     out, acc = train_medusa(tmp_path / "heads", str(tiny_llama_dir), config)
-    assert (out / "medusa_config.json").is_file() and set(acc) == {"base", "head1", "head2"}
-    assert all(0.0 <= v <= 1.0 for v in acc.values())
+    assert (out / "medusa_config.json").is_file()
+    assert set(acc) == {"base", "head1", "head2", "chain_head1", "chain_accepted_len"}
+    assert all(0.0 <= acc[k] <= 1.0 for k in ("base", "head1", "head2", "chain_head1"))
+    assert 1.0 <= acc["chain_accepted_len"] <= 1.0 + config.num_heads
 
 
 def test_engine_answers_equal_hf_greedy_answers(hf_base, tiny_tokenizer, tiny_llama_dir):
