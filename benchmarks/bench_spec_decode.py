@@ -4,7 +4,7 @@ method and number of draft tokens k, against no speculation, in one interleaved 
 
     python benchmarks/bench_spec_decode.py                                # none + ngram k=2,4; batch 1 and 8
     python benchmarks/bench_spec_decode.py --methods none,ngram --ks 3 --batches 1 --rounds 1 --output-len 16
-    python benchmarks/bench_spec_decode.py --methods none,medusa --ks 3 --workloads chat --medusa-heads DIR
+    python benchmarks/bench_spec_decode.py --methods none,medusa,medusa_tree --ks 3 --workloads chat --medusa-heads DIR
     python benchmarks/bench_spec_decode.py --methods none,ngram,ngram_tree --ks 3,6 --tree-nodes 8 --batches 1
 
 Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
@@ -57,6 +57,10 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
                                     **args.draft_options},
     "medusa": lambda k, args: {"method": "medusa", "num_speculative_tokens": k,
                                "model": args.medusa_heads},  # pagellm train-medusa
+    # another set of heads (--medusa-heads-b): two trainings A/B in one run
+    "medusa_b": lambda k, args: {**METHODS["medusa"](k, args), "model": args.medusa_heads_b},
+    # the heads' top-k candidate tree (medusa_tree.py, --medusa-tree) for greedy rows, verified in one step; k >= depth
+    "medusa_tree": lambda k, args: {**METHODS["medusa"](k, args), "tree": args.medusa_tree},
 }
 
 KJV_PASSAGES = ("Gen1:1-1:13", "Gen2:1-2:9", "Ex20:1-20:17", "Ruth1:1-1:14", "Ps23:1-23:6", "Ps1:1-1:6",
@@ -245,6 +249,9 @@ def main() -> None:
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
     ap.add_argument("--tree-nodes", type=int, default=8, help="ngram_tree: the tree's most nodes (at least k)")
     ap.add_argument("--medusa-heads", default="/tmp/medusa-smollm2", help="heads from `pagellm train-medusa --output`")
+    ap.add_argument("--medusa-heads-b", default=None, help="medusa_b: a second heads directory (A/B of trainings)")
+    ap.add_argument("--medusa-tree", default="default",
+                    help="medusa_tree: a named tree (default: 12 nodes, depth 3) or a JSON list of top-k paths")
     ap.add_argument("--draft-options", type=json.loads, default={},
                     help='draft_model: extra speculative_config keys as JSON, e.g. \'{"num_layers": 20}\'')
     ap.add_argument("--adaptive", choices=["on", "off"], default="on",
@@ -258,6 +265,8 @@ def main() -> None:
                     help="import pagellm from this python/ dir (another checkout's package with its built _C): the "
                          "'before' arm of a before/after pair of runs")
     args = ap.parse_args()
+    if args.medusa_tree.lstrip().startswith("["):
+        args.medusa_tree = json.loads(args.medusa_tree)
     if args.pagellm_src:
         import bench_step_profile
 

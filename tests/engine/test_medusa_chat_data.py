@@ -1,4 +1,4 @@
-"""`pagellm train-medusa --data chat` (spec_decode/medusa_chat_data.py, medusa_train.chat_training_data): the
+"""`pagellm train-medusa --data chat` (spec_decode/medusa_chat_data.py, medusa_train_data.chat_training_data): the
 questions, the model's own answers (batched with left padding = each prompt answered alone), the trained
 positions of ragged turns laid end to end, and a short end-to-end training run on a tiny random Llama."""
 
@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from pagellm.spec_decode.medusa_chat_data import HELD_OUT_TOPICS, TOPICS, chat_prompt_ids, chat_questions
-from pagellm.spec_decode.medusa_train import (
-    MedusaTrainConfig,
+from pagellm.spec_decode.medusa_train import MedusaTrainConfig, head_targets, train_medusa
+from pagellm.spec_decode.medusa_train_data import (
     chat_answers,
     chat_training_data,
     final_hidden_states,
-    head_targets,
     ragged_positions,
-    train_medusa,
 )
 
 
@@ -82,8 +80,10 @@ def test_chat_training_data_lays_turns_end_to_end(hf_base, tiny_tokenizer):
 def test_train_medusa_on_chat_turns_writes_heads(tmp_path, tiny_llama_dir):
     config = MedusaTrainConfig(data="chat", seq_len=12, num_train_seqs=6, num_eval_seqs=2, steps=5, num_heads=2)
     out, acc = train_medusa(tmp_path / "heads", str(tiny_llama_dir), config)
-    assert (out / "medusa_config.json").is_file() and set(acc) == {"base", "head1", "head2"}
-    assert all(0.0 <= v <= 1.0 for v in acc.values())
+    assert (out / "medusa_config.json").is_file()
+    assert set(acc) == {"base", "head1", "head2", "chain_head1", "chain_accepted_len"}
+    assert all(0.0 <= acc[k] <= 1.0 for k in ("base", "head1", "head2", "chain_head1"))
+    assert 1.0 <= acc["chain_accepted_len"] <= 1.0 + config.num_heads
 
 
 def test_engine_answers_equal_hf_greedy_answers(hf_base, tiny_tokenizer, tiny_llama_dir):

@@ -29,13 +29,12 @@ from pagellm.spec_decode.medusa import MedusaProposer, MedusaTreeProposer  # noq
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import (  # noqa: E402
     MedusaTrainConfig,
-    final_hidden_states,
     frozen_lm_head,
-    greedy_continuations,
     head_targets,
     medusa_loss,
     train_heads,
 )
+from pagellm.spec_decode.medusa_train_data import final_hidden_states, greedy_continuations  # noqa: E402
 
 HIDDEN = 64  # conftest.write_tiny_llama's default
 

@@ -21,11 +21,11 @@ def run(a: argparse.Namespace) -> int:
     config = MedusaTrainConfig(num_heads=a.num_heads, num_layers=a.num_layers, share_lm_head=not a.own_lm_heads,
                                steps=a.steps, seq_len=a.seq_len, num_train_seqs=a.num_train_seqs, lr=a.lr,
                                batch_size=a.batch_size, data=a.data, seed=a.seed,
-                               draft_vocab_size=a.draft_vocab_size)
+                               draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
     out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True),
-                          answer_fn=answer_fn)
+                          answer_fn=answer_fn, data_cache=a.data_cache)
     print(f"[medusa] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 
@@ -49,7 +49,7 @@ def engine_answers(model: str | None, dtype: str):
 
 
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.spec_decode.medusa_train import DATA_SOURCES, MedusaTrainConfig  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, MedusaTrainConfig  # noqa: PLC0415
 
     d = MedusaTrainConfig()
     p = subparsers.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on a frozen model",
@@ -74,5 +74,10 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="> 0: draft only the N most frequent tokens of the training labels (a [N, H] LM head "
                         "product per step instead of the whole vocabulary's)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="evaluate on the held-out set every N steps and keep the best heads (0: keep the last)")
+    p.add_argument("--data-cache", default=None,
+                   help="directory keeping the answers' token ids and hidden states: a rerun with other training "
+                        "settings (steps, lr, draft vocabulary) skips generating them")
     p.set_defaults(func=run)
     return p

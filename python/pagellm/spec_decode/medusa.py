@@ -34,7 +34,7 @@ import torch
 from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
-from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash
+from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head  # noqa: F401 (re-export)
 from pagellm.spec_decode.medusa_tree import MedusaTree, tree_from_options
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
@@ -212,13 +212,6 @@ def target_lm_head(context: ProposerContext) -> Callable[[torch.Tensor], torch.T
         return lambda x: model.compute_logits(x.to(dtype)).float()
     weight = load_lm_head_weight(context.model_files)
     return lambda x: x @ weight.t()
-
-
-def draft_vocab_lm_head(weight: torch.Tensor, draft_vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """[M, H] -> [M, S]: the LM head's rows of the draft vocabulary only, kept in bf16 (drafts need the order
-    of the top few logits, not their last bits; half the bytes of fp32)."""
-    rows = weight[draft_vocab].to(torch.bfloat16).contiguous()
-    return lambda x: (x.to(torch.bfloat16) @ rows.t()).float()
 
 
 def load_lm_head_weight(model_files) -> torch.Tensor:

@@ -210,6 +210,13 @@ def _constructor_args(config: Mapping[str, Any], tensors: Mapping[str, torch.Ten
             "base_model": config.get("base_model_name_or_path"), "base_model_hash": config.get("base_model_hash")}
 
 
+def draft_vocab_lm_head(weight: torch.Tensor, draft_vocab: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """[M, H] -> [M, S]: the LM head's rows of the draft vocabulary only, kept in bf16 (drafts need the order
+    of the top few logits, not their last bits; half the bytes of fp32)."""
+    rows = weight[draft_vocab].to(torch.bfloat16).contiguous()
+    return lambda x: (x.to(torch.bfloat16) @ rows.t()).float()
+
+
 def base_model_hash(hf_config) -> str:
     """A short fingerprint of a base model's architecture (sizes, vocabulary, rope): heads trained on
     one model warn when loaded for another."""
