@@ -3,7 +3,7 @@
 
     python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
     python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
-    python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6   # int8 by activation scheme
+    python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6,int8-g64:6   # int8 by activation scheme
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
@@ -110,14 +110,16 @@ def random_1b_model(path: Path = RANDOM_1B_DIR, seed: int = 0) -> Path:
     return path
 
 
-def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme: str | None = None) -> str:
+def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme: str | None = None,
+                        extra: dict | None = None) -> str:
     """A directory that reads like `model` (its files linked) but whose config.json asks for int8 with this
     outlier threshold and activation scheme (None: the default; the int8 format takes both from the
-    checkpoint's quantization_config)."""
+    checkpoint's quantization_config); `extra`: more quantization_config keys (group_size, weight_scales, ...)."""
     from pagellm.model_loader import open_model
 
     src = Path(open_model(model).path)
-    dst = root / f"{src.name}-int8-{threshold:g}-{scheme or 'default'}"
+    tail = "".join(f"-{k}={v}" for k, v in sorted((extra or {}).items()))
+    dst = root / f"{src.name}-int8-{threshold:g}-{scheme or 'default'}{tail}"
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (dst / f.name).exists():
@@ -126,6 +128,7 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme:
     cfg["quantization_config"] = {"quant_method": "int8", "threshold": threshold}
     if scheme is not None:
         cfg["quantization_config"]["activation_scheme"] = scheme
+    cfg["quantization_config"].update(extra or {})
     (dst / "config.json").write_text(json.dumps(cfg))
     return str(dst)
 
@@ -190,9 +193,24 @@ def awq_rtn_checkpoint(model: str | None, cache: Path, group: int | None = None)
 INT8_SCHEMES = {"int8-absmax": "absmax", "int8-zp": "zeropoint"}  # method name -> Int8Config activation_scheme
 
 
+def int8_variant(name: str) -> tuple[str, dict] | None:
+    """(activation_scheme, more quantization_config keys) of "int8-absmax" / "int8-zp" (one activation scale per
+    token) or "int8-g<G>" (per-token groups of G elements), else None."""
+    parts = name.split("-")
+    if parts[0] != "int8" or len(parts) != 2:
+        return None
+    if parts[1].startswith("g") and parts[1][1:].isdigit():
+        scheme, extra = "group", {"group_size": int(parts[1][1:])}
+    elif f"int8-{parts[1]}" in INT8_SCHEMES:
+        scheme, extra = INT8_SCHEMES[f"int8-{parts[1]}"], {}
+    else:
+        return None
+    return scheme, extra
+
+
 def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
     """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "int8-absmax[:T]" /
-    "int8-zp[:T]": int8 with that activation scheme (threshold T, default 6); "awq[:G]": the AWQ checkpoint
+    "int8-zp[:T]" / "int8-g64[:T]": int8 with that activation scheme (threshold T, default 6; `int8_variant`); "awq[:G]": the AWQ checkpoint
     `awq_checkpoint` makes (group size G, default automatic); "awq-rtn[:G]": round-to-nearest; else
     quantization=method."""
     from pagellm import LLM
@@ -201,8 +219,9 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
     name, _, option = method.partition(":")
     if name == "int8" and option:
         model, quantization = with_int8_threshold(model, float(option), tmp_root), None
-    if name in INT8_SCHEMES:
-        model = with_int8_threshold(model, float(option or 6.0), tmp_root, INT8_SCHEMES[name])
+    if int8_variant(name) is not None:
+        scheme, extra = int8_variant(name)
+        model = with_int8_threshold(model, float(option or 6.0), tmp_root, scheme, extra)
         quantization = None
     if name == "awq":
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
