@@ -135,7 +135,8 @@ def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir, ti
     assert all(m.activation_scheme == "absmax" and not m.zero_point for m in methods)
     default = build_model(open_model(tiny_llama_dir), quantization="int8")
     methods = [m.linear_method for m in default.modules() if isinstance(m, Linear)]
-    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "zeropoint" for m in methods)
+    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "group" and m.group_size == 64
+                           for m in methods)
 
 
 def test_checkpoint_quantization_config_sets_the_activation_scheme(zero_point_dir, group_dir):

@@ -11,21 +11,19 @@ step graph like any other (and a token's output depends on the other tokens of i
 LM head and embeddings stay in the model dtype, as do the linears named in `skip_modules` (bitsandbytes'
 llm_int8_skip_modules).
 
-Activation scheme (`activation_scheme`): "zeropoint" (the default) quantizes each token's non-outlier values
+Activation scheme (`activation_scheme`): "group" (the default) quantizes each token's non-outlier values by
+their absmax per group of `group_size` (64) consecutive elements of K (vLLM's per-token-group activation
+quantization; one fp32 scale per group, each group's int32 sum scaled into an fp32 accumulator); "absmax" is
+bitsandbytes' symmetric int8 rule with one scale per token, s = absmax / 127; "zeropoint" quantizes each token
 asymmetrically, uint8 codes over [min(x, 0), max(x, 0)] with an integer zero point (the paper's zero-point
-vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact);
-"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127; "group" is that rule with one scale per group of
-`group_size` (64) consecutive elements of K in each token (vLLM's per-token-group activation quantization), each
-group's int32 sum scaled into an fp32 accumulator. Zero point is the default because it halves
-the method's perplexity cost for ~2 % of decode time (1.1B Llama shape: TPOT 0.63x bf16 vs absmax's 0.62x; the
-int8 linears ~8 % slower at M = 1, from summing the weight rows in the same pass). Measured on the default model
-(SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations,
-threshold 6.0): absmax +2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch
-(bench_int8_ablation.py --groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float
-activations alone +0.67 % (in bf16, 4000 words: +1.80 % / +2.67 %, weights alone +0.53 %, and absmax scales per
-64-element block of K +0.67 %). The absmax op matches its reference on that model's activations to 1e-5 of the
-output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or skip_modules trade speed
-or memory for accuracy.
+vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact).
+Measured on the default model (SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes
+(bench_quant_ppl.py, bf16 activations, threshold 6.0) over bf16: group 64 +0.43 % (threshold 0: +1.04 %; group
+128: +1.12 %), zero point +1.34 % (+0.93 % at threshold 4), absmax +2.43 %; int8 weights alone cost +0.53 %
+(bench_int8_ablation.py, bf16), so the groups leave little activation loss. Their cost is compute, not bytes:
+a group's int32 lanes are converted and multiplied into fp32 once per 64 elements (benchmarks/README.md,
+session 13, has the decode-time ratios). 6.0 stays the default threshold (bitsandbytes, vLLM); a lower
+threshold or skip_modules trade speed or memory for accuracy.
 
 Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
 straight into its rows (the scale is per output row, so every shard of a merged layer quantizes on its
@@ -55,7 +53,7 @@ DEFAULT_THRESHOLD = 6.0
 _QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
 
 ACTIVATION_SCHEMES = ("absmax", "zeropoint", "group")
-DEFAULT_ACTIVATION_SCHEME = "zeropoint"  # see the module docstring
+DEFAULT_ACTIVATION_SCHEME = "group"  # see the module docstring
 
 DEFAULT_GROUP_SIZE = 64  # "group": activation elements of K per scale
 
