@@ -3,6 +3,7 @@
 
     python benchmarks/bench_int8_linear.py                   # the ~1B Llama shapes, M = 1, every scheme
     python benchmarks/bench_int8_linear.py --m 1,4 --schemes absmax,group64 --repeats 15
+    python benchmarks/bench_int8_linear.py --threads 1 --clock cpu      # thread CPU time: robust on a busy machine
 
 Schemes: "absmax" / "zeropoint" (one activation scale per row), "group<G>" (one per G elements of K), each with
 the default outlier threshold 6 on activations below it (no outlier columns: the common decode case; "--outliers"
@@ -43,11 +44,16 @@ def copies_of(make, nbytes: int, stream_bytes: int) -> list:
     return [make(seed) for seed in range(max(2, -(-stream_bytes // nbytes)))]
 
 
-def per_call_s(fn, copies: list, calls: int) -> float:
-    t = time.perf_counter()
+# "cpu": this thread's CPU time (with --threads 1: time spent descheduled by other processes is not counted,
+# memory stalls are)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def per_call_s(fn, copies: list, calls: int, clock=time.perf_counter) -> float:
+    t = clock()
     for c in range(calls):
         fn(copies[c % len(copies)])
-    return (time.perf_counter() - t) / calls
+    return (clock() - t) / calls
 
 
 def bench_shape(n: int, k: int, m: int, schemes: list[str], args) -> dict:
@@ -70,7 +76,7 @@ def bench_shape(n: int, k: int, m: int, schemes: list[str], args) -> dict:
     times: dict[str, list[float]] = {name: [] for name in run}
     for _ in range(args.repeats):
         for name, (fn, copies) in run.items():
-            times[name].append(per_call_s(fn, copies, args.calls))
+            times[name].append(per_call_s(fn, copies, args.calls, CLOCKS[args.clock]))
     med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     ratio_bf16 = {name: statistics.median(a / b for a, b in zip(times[name], times["bf16"])) for name in schemes}
     ratio_absmax = {name: statistics.median(a / b for a, b in zip(times[name], times[schemes[0]])) for name in schemes}
@@ -86,8 +92,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=20, help="calls of each variant per round")
     ap.add_argument("--stream-mib", type=int, default=96, help="weight copies per format, at least this many MiB")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: thread CPU time, needs --threads 1")
     ap.add_argument("--tag", default="1b")
     args = ap.parse_args()
+    if args.clock == "cpu" and args.threads != 1:
+        ap.error("--clock cpu times the calling thread only: pass --threads 1")
     threads = C.setup_threads(args.threads)
     schemes = args.schemes.split(",")
     rows = []
@@ -101,7 +110,7 @@ def main() -> None:
     md = C.md_table(header, [[r["shape"], r["m"], r["ms"]["bf16"]] + [r["ms"][s] for s in schemes]
                              + [r["vs_bf16"][s] for s in schemes] + [r["vs_first"][s] for s in schemes[1:]]
                              for r in rows])
-    md = (f"int8_linear by activation scheme vs linear_small_m, bf16 x, {threads} threads, "
+    md = (f"int8_linear by activation scheme vs linear_small_m, bf16 x, {threads} threads, {args.clock} clock, "
           f"{'one outlier column' if args.outliers else 'no outlier columns'}, medians of {args.repeats} "
           f"interleaved rounds (ratios: medians of the per-round ratios)\n\n" + md)
     print(md)
