@@ -114,7 +114,7 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme:
                         extra: dict | None = None) -> str:
     """A directory that reads like `model` (its files linked) but whose config.json asks for int8 with this
     outlier threshold and activation scheme (None: the default; the int8 format takes both from the
-    checkpoint's quantization_config); `extra`: more quantization_config keys (group_size, weight_scales, ...)."""
+    checkpoint's quantization_config); `extra`: more quantization_config keys (e.g. group_size)."""
     from pagellm.model_loader import open_model
 
     src = Path(open_model(model).path)
