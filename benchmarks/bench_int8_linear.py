@@ -3,7 +3,7 @@
 
     python benchmarks/bench_int8_linear.py                   # the ~1B Llama shapes, M = 1, every scheme
     python benchmarks/bench_int8_linear.py --m 1,4 --schemes absmax,group64 --repeats 15
-    python benchmarks/bench_int8_linear.py --threads 1 --clock cpu      # thread CPU time: robust on a busy machine
+    PAGELLM_NUM_THREADS=1 python benchmarks/bench_int8_linear.py --threads 1 --clock cpu   # robust on a busy machine
 
 Schemes: "absmax" / "zeropoint" (one activation scale per row), "group<G>" (one per G elements of K), each with
 the default outlier threshold 6 on activations below it (no outlier columns: the common decode case; "--outliers"
@@ -16,6 +16,7 @@ to absmax within the same rounds. Writes benchmarks/results/int8_linear_<tag>.{m
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -95,8 +96,11 @@ def main() -> None:
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: thread CPU time, needs --threads 1")
     ap.add_argument("--tag", default="1b")
     args = ap.parse_args()
-    if args.clock == "cpu" and args.threads != 1:
-        ap.error("--clock cpu times the calling thread only: pass --threads 1")
+    if args.clock == "cpu" and (args.threads != 1 or os.environ.get("PAGELLM_NUM_THREADS") != "1"):
+        ap.error("--clock cpu times the calling thread only: pass --threads 1 with PAGELLM_NUM_THREADS=1")
+    if os.environ.get("PAGELLM_NUM_THREADS"):  # the kernels' own pool (threading_config.py)
+        from pagellm.threading_config import ThreadingConfig, apply_threading
+        apply_threading(ThreadingConfig.from_env())
     threads = C.setup_threads(args.threads)
     schemes = args.schemes.split(",")
     rows = []
