@@ -58,49 +58,73 @@ inline void group_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, in
 }
 
 #ifdef PAGELLM_INT8_X86
+// One 64-byte step of a group tile: NR weight vectors (offset into vpdpbusd's unsigned operand) against MR
+// activation vectors, into the current group's int32 lanes.
+template <int MR, int NR>
+PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void group_step_vnni(const __m512i* w_raw, const int8_t* q,
+                                                                                int64_t ldq, __m512i (&iacc)[MR][NR]) {
+  __m512i wv[NR];
+#pragma GCC unroll 4
+  for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(w_raw[j], _mm512_set1_epi8(static_cast<char>(0x80)));
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const __m512i xv = _mm512_loadu_si512(q + i * ldq);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
+  }
+}
+
+// The end of group g: its int32 lanes times s_ig into the fp32 lanes; then the next group's lanes start at its
+// corrections (when there is one).
+template <int MR, int NR>
+PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void group_flush_vnni(
+    const float* scale, const int32_t* corr, int64_t G, int64_t g, __m512i (&iacc)[MR][NR], __m512 (&facc)[MR][NR]) {
+#pragma GCC unroll 4
+  for (int i = 0; i < MR; ++i) {
+    const __m512 s = _mm512_set1_ps(scale[i * G + g]);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][j]), s, facc[i][j]);
+    if (g + 1 < G) {
+      const __m512i c = _mm512_loadu_si512(corr + (i * G + g + 1) * kGroupLanes);
+#pragma GCC unroll 4
+      for (int j = 0; j < NR; ++j) iacc[i][j] = c;
+    }
+  }
+}
+
+// One loop over K in 64-byte steps (as dot_tile_vnni), a group flushed at its last step: the accumulators stay
+// in registers whatever the group size.
 template <int MR, int NR>
 PAGELLM_TARGET_VNNI void group_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
                                          const float* scale, const int32_t* corr, int64_t G, int64_t gs, int64_t K,
                                          float* acc_out) {
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 facc[MR][NR];
+  __m512i iacc[MR][NR];
 #pragma GCC unroll 4
-  for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < MR; ++i) {
+    const __m512i c = _mm512_loadu_si512(corr + i * G * kGroupLanes);
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) facc[i][j] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m512i iacc[MR][NR];
+    for (int j = 0; j < NR; ++j) facc[i][j] = _mm512_setzero_ps(), iacc[i][j] = c;
+  }
+  const int64_t steps_per_group = gs / 64;
+  int64_t g = 0, step = 0, k = 0;
+  __m512i w_raw[NR];
+  for (; k + 64 <= K; k += 64) {
 #pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const __m512i c = _mm512_loadu_si512(corr + (i * G + g) * kGroupLanes);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) iacc[i][j] = c;
-    }
-    const int64_t k1 = std::min(K, (g + 1) * gs);
-    for (int64_t k = g * gs; k < k1; k += 64) {
-      __m512i wv[NR];
-      if (k + 64 <= K) {
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(_mm512_loadu_si512(w + j * ldw + k), flip);
-      } else {  // masked load (never past the row); q is zero there, so the lanes add 0
-        const __mmask64 mask = (~0ULL) >> (64 - (K - k));
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) wv[j] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + j * ldw + k), flip);
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < MR; ++i) {
-        const __m512i xv = _mm512_loadu_si512(q + i * ldq + k);
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) iacc[i][j] = _mm512_dpbusd_epi32(iacc[i][j], wv[j], xv);
-      }
-    }
-#pragma GCC unroll 4
-    for (int i = 0; i < MR; ++i) {
-      const __m512 s = _mm512_set1_ps(scale[i * G + g]);
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) facc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][j]), s, facc[i][j]);
+    for (int j = 0; j < NR; ++j) w_raw[j] = _mm512_loadu_si512(w + j * ldw + k);
+    group_step_vnni<MR, NR>(w_raw, q + k, ldq, iacc);
+    if (++step == steps_per_group) {
+      group_flush_vnni<MR, NR>(scale, corr, G, g++, iacc, facc);
+      step = 0;
     }
   }
+  if (k < K) {  // masked weight load (never past the row); q is zero there, so the lanes add 0
+    const __mmask64 mask = (~0ULL) >> (64 - (K - k));
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) w_raw[j] = _mm512_maskz_loadu_epi8(mask, w + j * ldw + k);
+    group_step_vnni<MR, NR>(w_raw, q + k, ldq, iacc);
+  }
+  if (g < G) group_flush_vnni<MR, NR>(scale, corr, G, g, iacc, facc);  // a last group shorter than gs
   float lanes[kGroupLanes];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
