@@ -191,8 +191,8 @@ def ablations(group: str, fakes: dict) -> list[tuple[str, dict[tuple[int, str], 
                 for i in layers]
     if group == "block":
         return [(f"{s}, threshold {t:g}, weights {r}", every(scheme=s, threshold=t, weight_rule=r))
-                for s, t, r in (("block64", 6.0, "absmax"), ("block64", 0.0, "absmax"), ("block128", 6.0, "absmax"),
-                                ("block64", 6.0, "mse"))]
+                for s, t, r in (("block64", 6.0, "absmax"), ("block64", 6.0, "awmse"), ("block64", 0.0, "absmax"),
+                                ("block128", 6.0, "absmax"))]
     raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer, scheme, weights, wproj, wlayer, block")
 
 
