@@ -4,6 +4,8 @@
     python benchmarks/bench_int8_ablation.py --max-words 1500 --groups main       # knobs of the method
     python benchmarks/bench_int8_ablation.py --max-words 1500 --groups proj,layer  # which linears cost most
     python benchmarks/bench_int8_ablation.py --max-words 5000 --groups scheme      # absmax vs zero-point vs blocks
+    python benchmarks/bench_int8_ablation.py --max-words 4000 --groups weights,block   # weight scale rules, groups
+    python benchmarks/bench_int8_ablation.py --max-words 1000 --groups wproj,wlayer   # where int8 weights cost
 
 HF transformers' LlamaForCausalLM of the default model (bf16, or --dtype float32) with every decoder linear
 replaced by `FakeInt8Linear`: LLM.int8() as `pagellm.ops.reference.int8_linear` computes it (row-absmax int8
@@ -14,6 +16,9 @@ weights, row-absmax int8 activations, outlier columns of x over the whole batch 
               "row": only the elements over the threshold, per token
   act_quant   False: activations stay float (weight-only int8)
   weight_quant False: weights stay float (activation-only int8)
+  weight_rule how each weight row's scale is chosen: "absmax" (the op's loader), "mse" (the clip r * absmax of
+              least squared rounding error, r from 1 down to 0.6), "awmse" (the same error weighted per input
+              column by the mean x^2 of `pagellm quantize`'s calibration text, --calib-samples x 512 tokens)
   scheme      how a token's activations become int8: "absmax" (symmetric, s = absmax / 127: bitsandbytes),
               "zeropoint" (asymmetric, s = (max - min) / 255 over a range widened to hold 0, integer zero point
               z = round(-min / s), q = clamp(round(x / s) + z, 0, 255): the paper's zero-point vector-wise),
@@ -34,7 +39,8 @@ import bench_quant_ppl as B
 import torch
 from torch import nn
 
-DEFAULTS = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True, scheme="absmax")
+DEFAULTS = dict(on=True, threshold=6.0, outliers="batch", act_quant=True, weight_quant=True, scheme="absmax",
+                weight_rule="absmax")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -46,7 +52,8 @@ class FakeInt8Linear(nn.Module):
 
         super().__init__()
         self.weight = linear.weight.detach().float()
-        self.weight_dq = dequantize_weight_rows(*quantize_weight_rows(self.weight))
+        self.weight_dq = {"absmax": dequantize_weight_rows(*quantize_weight_rows(self.weight))}
+        self.x_sq, self.x_count = None, 0  # sum of x^2 per input column over calibration tokens (record mode)
         self.switches = dict(DEFAULTS)
         self.switches.update(switches)
 
@@ -54,8 +61,12 @@ class FakeInt8Linear(nn.Module):
         sw = self.switches
         xf = x.reshape(-1, x.shape[-1]).float()
         if not sw["on"]:
+            if sw.get("record"):
+                sq = xf.square().sum(0)
+                self.x_sq = sq if self.x_sq is None else self.x_sq + sq
+                self.x_count += xf.shape[0]
             return (xf @ self.weight.t()).to(x.dtype).reshape(*x.shape[:-1], -1)
-        w = self.weight_dq if sw["weight_quant"] else self.weight
+        w = self.dequantized(sw["weight_rule"]) if sw["weight_quant"] else self.weight
         if sw["threshold"] <= 0:
             outlier = torch.zeros_like(xf, dtype=torch.bool)
         elif sw["outliers"] == "batch":
@@ -67,6 +78,33 @@ class FakeInt8Linear(nn.Module):
             x_in = fake_quantize_rows(x_in, sw["scheme"])
         y = x_in @ w.t() + torch.where(outlier, xf, 0.0) @ w.t()
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    def dequantized(self, rule: str) -> torch.Tensor:
+        """The weight int8-quantized per output row by `rule` ("absmax", "mse": clip search on the rounding
+        error, "awmse": the same weighted by the calibration text's mean x^2 per input column), dequantized."""
+        if rule not in self.weight_dq:
+            cw = None if rule == "mse" else self.x_sq / max(1, self.x_count)
+            scale = clip_search_scales(self.weight, cw)
+            q = torch.round(self.weight / scale[:, None]).clamp_(-127, 127)
+            self.weight_dq[rule] = q * scale[:, None]
+        return self.weight_dq[rule]
+
+
+def clip_search_scales(w: torch.Tensor, col_weight: torch.Tensor | None, num_ratios: int = 20,
+                       min_ratio: float = 0.6) -> torch.Tensor:
+    """Per row, the int8 scale r * absmax / 127 (r on a grid from 1 down to min_ratio) of least squared rounding
+    error, each input column's error weighted by col_weight (None: unweighted)."""
+    absmax = w.abs().amax(dim=1)
+    best, best_err = absmax / 127.0, None
+    for i in range(num_ratios):
+        s = absmax * (1.0 - (1.0 - min_ratio) * i / (num_ratios - 1)) / 127.0
+        err = (torch.round(w / s[:, None]).clamp_(-127, 127) * s[:, None] - w).square_()
+        e = (err if col_weight is None else err * col_weight[None, :]).sum(dim=1)
+        if best_err is not None:
+            better = e < best_err
+            best, e = torch.where(better, s, best), torch.where(better, e, best_err)
+        best_err = e
+    return best
 
 
 def fake_quantize_rows(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -143,13 +181,36 @@ def ablations(group: str, fakes: dict) -> list[tuple[str, dict[tuple[int, str], 
         rows = [(t, scheme) for t in (6.0, 0.0, 4.0) for scheme in ("absmax", "zeropoint")] + [(6.0, "block64")]
         return [(f"{scheme}, " + (f"threshold {t:g}" if t else "no outliers"), every(scheme=scheme, threshold=t))
                 for t, scheme in rows] + [("weights int8 only", every(act_quant=False))]
-    raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer, scheme")
+    if group == "weights":
+        return [(f"weights int8 only, {r}", every(act_quant=False, weight_rule=r)) for r in ("absmax", "mse", "awmse")]
+    if group == "wproj":
+        return [(f"weights int8 only, only {p}", {k: dict(act_quant=False, on=k[1] == p) for k in fakes})
+                for p in PROJECTIONS]
+    if group == "wlayer":
+        return [(f"weights int8 only, only layer {i}", {k: dict(act_quant=False, on=k[0] == i) for k in fakes})
+                for i in layers]
+    if group == "block":
+        return [(f"{s}, threshold {t:g}, weights {r}", every(scheme=s, threshold=t, weight_rule=r))
+                for s, t, r in (("block64", 6.0, "absmax"), ("block64", 6.0, "awmse"), ("block64", 0.0, "absmax"),
+                                ("block128", 6.0, "absmax"))]
+    raise ValueError(f"unknown group {group!r}; allowed: main, proj, layer, scheme, weights, wproj, wlayer, block")
+
+
+@torch.no_grad()
+def calibrate(model, tok, num_samples: int) -> None:
+    """The float model over `pagellm quantize`'s calibration text (never the scored excerpt), recording the
+    per-column mean x^2 of every decoder linear's input."""
+    from pagellm.quantization.calibration_data import calibration_samples
+
+    for sample in calibration_samples(tok, num_samples, 512, seed=0):
+        model(torch.tensor([sample]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-words", type=int, default=1500)
     ap.add_argument("--groups", default="main", help="comma-separated: main, proj, layer, scheme")
+    ap.add_argument("--calib-samples", type=int, default=32, help="x 512 tokens of calibration_data (awmse)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -165,6 +226,10 @@ def main() -> None:
     fakes = wrap_linears(model)
     for sw in fakes.values():
         sw.switches["on"] = False
+        sw.switches["record"] = True
+    calibrate(model, tok, args.calib_samples)
+    for sw in fakes.values():
+        sw.switches["record"] = False
     base = word_perplexity(model, windows, words)
     print(f"{source}, {words} words, {args.dtype}; float model: word ppl {base:.3f}\n")
     print("| ablation | word ppl | vs float |\n|---|---:|---:|")

@@ -3,7 +3,7 @@
 
     python benchmarks/bench_quant_ppl.py                               # default model (SmolLM2-135M): bf16 vs int8
     python benchmarks/bench_quant_ppl.py --methods bf16,int8,int8:2,gguf   # int8:T = int8 with outlier threshold T
-    python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6   # int8 by activation scheme
+    python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6,int8-g64:6   # int8 by activation scheme
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
@@ -27,6 +27,7 @@ Writes benchmarks/results/quant_ppl_<tag>.{md,json}.
 from __future__ import annotations
 
 import argparse
+import os
 import gc
 import json
 import math
@@ -110,14 +111,16 @@ def random_1b_model(path: Path = RANDOM_1B_DIR, seed: int = 0) -> Path:
     return path
 
 
-def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme: str | None = None) -> str:
+def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme: str | None = None,
+                        extra: dict | None = None) -> str:
     """A directory that reads like `model` (its files linked) but whose config.json asks for int8 with this
     outlier threshold and activation scheme (None: the default; the int8 format takes both from the
-    checkpoint's quantization_config)."""
+    checkpoint's quantization_config); `extra`: more quantization_config keys (e.g. group_size)."""
     from pagellm.model_loader import open_model
 
     src = Path(open_model(model).path)
-    dst = root / f"{src.name}-int8-{threshold:g}-{scheme or 'default'}"
+    tail = "".join(f"-{k}={v}" for k, v in sorted((extra or {}).items()))
+    dst = root / f"{src.name}-int8-{threshold:g}-{scheme or 'default'}{tail}"
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
         if f.name != "config.json" and not (dst / f.name).exists():
@@ -126,6 +129,7 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme:
     cfg["quantization_config"] = {"quant_method": "int8", "threshold": threshold}
     if scheme is not None:
         cfg["quantization_config"]["activation_scheme"] = scheme
+    cfg["quantization_config"].update(extra or {})
     (dst / "config.json").write_text(json.dumps(cfg))
     return str(dst)
 
@@ -190,9 +194,24 @@ def awq_rtn_checkpoint(model: str | None, cache: Path, group: int | None = None)
 INT8_SCHEMES = {"int8-absmax": "absmax", "int8-zp": "zeropoint"}  # method name -> Int8Config activation_scheme
 
 
+def int8_variant(name: str) -> tuple[str, dict] | None:
+    """(activation_scheme, more quantization_config keys) of "int8-absmax" / "int8-zp" (one activation scale per
+    token) or "int8-g<G>" (per-token groups of G elements), else None."""
+    parts = name.split("-")
+    if parts[0] != "int8" or len(parts) != 2:
+        return None
+    if parts[1].startswith("g") and parts[1][1:].isdigit():
+        scheme, extra = "group", {"group_size": int(parts[1][1:])}
+    elif f"int8-{parts[1]}" in INT8_SCHEMES:
+        scheme, extra = INT8_SCHEMES[f"int8-{parts[1]}"], {}
+    else:
+        return None
+    return scheme, extra
+
+
 def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
     """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "int8-absmax[:T]" /
-    "int8-zp[:T]": int8 with that activation scheme (threshold T, default 6); "awq[:G]": the AWQ checkpoint
+    "int8-zp[:T]" / "int8-g64[:T]": int8 with that activation scheme (threshold T, default 6; `int8_variant`); "awq[:G]": the AWQ checkpoint
     `awq_checkpoint` makes (group size G, default automatic); "awq-rtn[:G]": round-to-nearest; else
     quantization=method."""
     from pagellm import LLM
@@ -201,8 +220,9 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
     name, _, option = method.partition(":")
     if name == "int8" and option:
         model, quantization = with_int8_threshold(model, float(option), tmp_root), None
-    if name in INT8_SCHEMES:
-        model = with_int8_threshold(model, float(option or 6.0), tmp_root, INT8_SCHEMES[name])
+    if int8_variant(name) is not None:
+        scheme, extra = int8_variant(name)
+        model = with_int8_threshold(model, float(option or 6.0), tmp_root, scheme, extra)
         quantization = None
     if name == "awq":
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
@@ -244,7 +264,12 @@ def word_perplexity(llm, token_ids: list[int], num_words: int, window: int, cont
     return {"tokens_scored": n, "words": num_words, "nll_per_token": nll / n, "word_ppl": math.exp(nll / num_words)}
 
 
-def decode_tpot_ms(llm, prompt: list[int], n_out: int, rid: str) -> float:
+# "cpu": the calling thread's CPU time (with --threads 1 the kernels run on it: time spent descheduled by other
+# processes is not counted, memory stalls are), for TPOT ratios on a busy machine
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def decode_tpot_ms(llm, prompt: list[int], n_out: int, rid: str, clock=time.perf_counter) -> float:
     from pagellm import SamplingParams
 
     eng = llm.llm_engine
@@ -254,7 +279,7 @@ def decode_tpot_ms(llm, prompt: list[int], n_out: int, rid: str) -> float:
     while eng.has_unfinished_requests():
         for o in eng.step():
             n = len(o.outputs[0].token_ids)
-            times.extend([time.perf_counter()] * (n - seen))
+            times.extend([clock()] * (n - seen))
             seen = n
     return (times[-1] - times[0]) / (n_out - 1) * 1e3
 
@@ -291,7 +316,8 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
         decode_tpot_ms(llm, prompt, args.tpot_tokens, f"warmup-{m}")
     for r in range(args.repeats):
         for m, llm in llms.items():
-            results[m]["tpot_runs_ms"].append(decode_tpot_ms(llm, prompt, args.tpot_tokens, f"tpot-{m}-{r}"))
+            results[m]["tpot_runs_ms"].append(decode_tpot_ms(llm, prompt, args.tpot_tokens, f"tpot-{m}-{r}",
+                                                               CLOCKS[args.clock]))
     for res in results.values():
         res["tpot_ms"] = statistics.median(res["tpot_runs_ms"])
     return list(results.values())
@@ -313,11 +339,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--quick", action="store_true", help="800 words, 16 decode tokens, 1 repeat")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: thread CPU time, needs --threads 1")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--awq-cache", default=str(AWQ_CACHE_DIR), help="where the awq method's checkpoint is kept")
     ap.add_argument("--awq-num-samples", type=int, default=32, help="awq calibration samples")
     ap.add_argument("--awq-seq-len", type=int, default=256, help="awq calibration tokens per sample")
     args = ap.parse_args()
+    if args.clock == "cpu" and (args.threads != 1 or os.environ.get("PAGELLM_NUM_THREADS") != "1"):
+        ap.error("--clock cpu times the calling thread only: pass --threads 1 with PAGELLM_NUM_THREADS=1")
     if args.quick:
         args.max_words, args.tpot_tokens, args.repeats = 800, 16, 1
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

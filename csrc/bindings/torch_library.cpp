@@ -98,10 +98,12 @@ TORCH_LIBRARY(pagellm, m) {
   // out[M, N] = x[M, K] @ (weight_int8[N, K] * weight_scale[N, None])^T (+ bias[N]): columns of x with
   // |x| > threshold in any row in fp32, the rest quantized per row to int8 (int32 dot products); threshold 0 =
   // no outlier columns. zero_point: rows quantized asymmetrically to uint8 with an integer zero point instead of
-  // by their absmax (K < 65536). x, out, bias: float32 / bfloat16 / float16; weight_scale float32.
+  // by their absmax (K < 65536). group_size > 0 (a multiple of 64, zero_point False): one absmax scale per group
+  // of group_size elements of K per row (per-token-group), each group's int32 sum scaled and summed in fp32.
+  // x, out, bias: float32 / bfloat16 / float16; weight_scale float32.
   m.def(
       "int8_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor weight_scale, Tensor? bias, "
-      "float threshold=6.0, bool zero_point=False) -> ()");
+      "float threshold=6.0, bool zero_point=False, int group_size=0) -> ()");
 
   // ---- quant: GGUF blocks (csrc/ops/quant/gguf_blocks.h) ----
   // out[M, N] = x[M, K] @ dequant(qweight)^T (+ bias[N]), K = in_features (a multiple of 32); qweight uint8

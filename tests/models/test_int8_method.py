@@ -7,8 +7,8 @@
 - against the unquantized float32 model: prompt logprobs (teacher-forced) within 0.15 of each other
   everywhere and 0.03 on average (measured on this model: 0.04 and 0.009);
 - decode steps replayed from step graphs give bit-identical tokens and logprobs to enforce_eager=True.
-Variants: the default (threshold 6, zero-point activations), a low threshold with absmax activations, and a low
-threshold with zero-point activations.
+Variants: the default (threshold 6), a low threshold with absmax activations, a low threshold with zero-point
+activations, and per-token groups of 64 at a low threshold.
 """
 
 from __future__ import annotations
@@ -60,10 +60,25 @@ def zero_point_dir(tiny_llama_dir, tmp_path_factory):
     return path
 
 
-def _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir):
+@pytest.fixture(scope="module")
+def group_dir(tiny_llama_dir, tmp_path_factory):
+    """The tiny float32 Llama whose config asks for int8 with per-token groups of 64 and a low threshold."""
+    path = tmp_path_factory.mktemp("int8-group") / "llama"
+    shutil.copytree(tiny_llama_dir, path)
+    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
+                                             "activation_scheme": "group", "group_size": 64})
+    return path
+
+
+VARIANTS = ["default_threshold", "low_threshold", "zero_point", "group"]
+
+
+def _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, group_dir=None):
     """(model dir, LLM kwargs) of one int8 configuration under test."""
     if which == "default_threshold":
         return tiny_llama_dir, {"quantization": "int8"}
+    if which == "group":
+        return group_dir, {}
     return (low_threshold_dir if which == "low_threshold" else zero_point_dir), {}
 
 
@@ -120,13 +135,18 @@ def test_checkpoint_quantization_config_sets_the_threshold(low_threshold_dir, ti
     assert all(m.activation_scheme == "absmax" and not m.zero_point for m in methods)
     default = build_model(open_model(tiny_llama_dir), quantization="int8")
     methods = [m.linear_method for m in default.modules() if isinstance(m, Linear)]
-    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "zeropoint" for m in methods)
+    assert methods and all(m.activation_scheme == DEFAULT_ACTIVATION_SCHEME == "group" and m.group_size == 64
+                           for m in methods)
 
 
-def test_checkpoint_quantization_config_sets_the_activation_scheme(zero_point_dir):
+def test_checkpoint_quantization_config_sets_the_activation_scheme(zero_point_dir, group_dir):
     model = build_model(open_model(zero_point_dir))
     methods = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
     assert methods and all(m.activation_scheme == "zeropoint" and m.zero_point for m in methods)
+    model = build_model(open_model(group_dir))
+    methods = [m.linear_method for m in model.modules() if isinstance(m, Linear)]
+    assert methods and all(m.activation_scheme == "group" and m.group_size == 64 and not m.zero_point
+                           for m in methods)
 
 
 def test_skip_modules_keep_those_linears_in_the_model_dtype(tiny_llama_dir, tmp_path):
@@ -150,8 +170,11 @@ def test_bad_input_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ValueError, match="threshold"):
         Int8Config.from_config({"quant_method": "int8", "threshold": -1})
     for bad in ("zero_point", "ABSMAX", None, 1):
-        with pytest.raises(ValueError, match=r"activation_scheme must be one of \['absmax', 'zeropoint'\]"):
+        with pytest.raises(ValueError, match=r"activation_scheme must be one of \['absmax', 'zeropoint', 'group'\]"):
             Int8Config.from_config({"quant_method": "int8", "activation_scheme": bad})
+    for bad in (0, 32, 100, -64, 64.0, True, "64"):
+        with pytest.raises(ValueError, match="group_size must be a positive multiple of 64"):
+            Int8Config.from_config({"quant_method": "int8", "activation_scheme": "group", "group_size": bad})
     with pytest.raises(ValueError, match=r"unknown keys \['bits'\].*allowed"):
         Int8Config.from_config({"quant_method": "int8", "bits": 4})
     path = tmp_path / "model"
@@ -164,10 +187,10 @@ def test_bad_input_is_refused(tiny_llama_dir, tmp_path):
 
 
 # ---- end to end -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
+@pytest.mark.parametrize("which", VARIANTS)
 def test_matches_the_reference_op_on_the_same_weights(which, tiny_llama_dir, low_threshold_dir, zero_point_dir,
-                                                      prompts):
-    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
+                                                      group_dir, prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, group_dir)
     tokens, lps, prompt_lps, llm = _generate(path, prompts, **kw)
     ref_tokens, ref_lps, ref_prompt_lps, _ = _generate(path, prompts, use_reference=True, enforce_eager=True, **kw)
     assert tokens == ref_tokens
@@ -192,9 +215,9 @@ def _linear_inputs(llm, prompt) -> list[torch.Tensor]:
     return seen
 
 
-@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
-def test_close_to_the_unquantized_model(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, prompts):
-    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
+@pytest.mark.parametrize("which", VARIANTS)
+def test_close_to_the_unquantized_model(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, group_dir, prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, group_dir)
     tokens, _, prompt_lps, _ = _generate(path, prompts, **kw)
     _, _, fp32_prompt_lps, _ = _generate(tiny_llama_dir, prompts)
     diff = (_flat(prompt_lps) - _flat(fp32_prompt_lps)).abs()
@@ -202,10 +225,10 @@ def test_close_to_the_unquantized_model(which, tiny_llama_dir, low_threshold_dir
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("which", ["default_threshold", "low_threshold", "zero_point"])
+@pytest.mark.parametrize("which", VARIANTS)
 def test_step_graph_replay_is_bit_identical_to_eager(which, dtype, tiny_llama_dir, low_threshold_dir, zero_point_dir,
-                                                     prompts):
-    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir)
+                                                     group_dir, prompts):
+    path, kw = _variant(which, tiny_llama_dir, low_threshold_dir, zero_point_dir, group_dir)
     eager = _generate(path, prompts, dtype=dtype, enforce_eager=True, **kw)
     replay = _generate(path, prompts, dtype=dtype, **kw)
     graphs = replay[3].llm_engine.runner.step_graphs

@@ -11,6 +11,9 @@ Tolerances:
   - every ISA path (AVX-512 VNNI, AVX2, plain C++) gives bit-identical output (same integers, same epilogue).
 Every test of the arithmetic runs for both activation schemes: absmax int8 rows and zero_point uint8 rows
 (s_m = (max - min) / 255 over the row's range widened to hold 0, so the per-element error bound has s_m / 2 too).
+Per-token groups (group_size 64 / 128: one absmax scale per group of K) sum each group's int32 products times
+its scale in fp32, in another order than the reference: rtol 1e-5 (fp32) / one output ulp against it; the
+ISA paths agree bit for bit (same lane order, int8_group_tiles.h).
 """
 
 from __future__ import annotations
@@ -50,22 +53,22 @@ def make_inputs(M, K, N, dtype, *, outliers: bool, bias: bool, device="cpu", see
     return x.to(dtype).to(device), w.to(device), q.to(device), scale.to(device), b
 
 
-def run_op(x, q, scale, b, threshold=THRESHOLD, zero_point=False):
+def run_op(x, q, scale, b, threshold=THRESHOLD, zero_point=False, group_size=0):
     out = poison(torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device))
-    ops.int8_linear(out, x, q, scale, b, threshold, zero_point)
+    ops.int8_linear(out, x, q, scale, b, threshold, zero_point, group_size)
     return out
 
 
-def run_reference(x, q, scale, b, threshold=THRESHOLD, zero_point=False):
+def run_reference(x, q, scale, b, threshold=THRESHOLD, zero_point=False, group_size=0):
     out = torch.empty(x.shape[0], q.shape[0], dtype=x.dtype, device=x.device)
-    reference.int8_linear(out, x, q, scale, b, threshold, zero_point)
+    reference.int8_linear(out, x, q, scale, b, threshold, zero_point, group_size)
     return out
 
 
 ZP_IDS = ["absmax", "zeropoint"]
 
 
-def error_bound(x, q, scale, threshold, zero_point=False):
+def error_bound(x, q, scale, threshold, zero_point=False, group_size=0):
     """Worst-case |int8 result - x @ w^T| per element (see the module docstring), for the unquantized w."""
     xf = x.float().cpu()
     q, scale = q.cpu(), scale.cpu()
@@ -77,6 +80,10 @@ def error_bound(x, q, scale, threshold, zero_point=False):
         s = x_in.abs().amax(1) / 127.0
     w_dq = dequantize_weight_rows(q, scale).abs()
     weight_term = (scale[None, :] / 2) * xf.abs().sum(1, keepdim=True)
+    if group_size:  # the scale of each element's group: sum_k s_m,g(k) / 2 |w_dq[n, k]| over the int8 columns
+        s_k = torch.cat([x_in[:, k0:k0 + group_size].abs().amax(1, keepdim=True).expand(-1, min(group_size,
+                         xf.shape[1] - k0)) for k0 in range(0, xf.shape[1], group_size)], dim=1) / 127.0
+        return weight_term + (s_k * (~outlier).float()) @ w_dq.T / 2
     return weight_term + (s[:, None] / 2) * (w_dq @ (~outlier).float())[None, :]
 
 
@@ -108,6 +115,44 @@ def test_odd_shapes_match_reference(K, N, zero_point, device):
     torch.testing.assert_close(run_op(x, q, scale, b, **zp), run_reference(x, q, scale, b, **zp), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(run_op(x, q, scale, None, 0.0, **zp), run_reference(x, q, scale, None, 0.0, **zp),
                                rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("group_size", [64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("outliers", [False, True], ids=["plain", "outliers"])
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+def test_groups_match_reference(M, outliers, bias, dtype, group_size, device):
+    K, N = 331, 45  # a short last group; N not a multiple of the register tile
+    x, _, q, scale, b = make_inputs(M, K, N, dtype, outliers=outliers, bias=bias, device=device, seed=M)
+    x = (x.float() * (1 + 4 * (torch.arange(K, device=device) // 64 % 2))).clamp(-5.9, 5.9).to(dtype)
+    if outliers:
+        x[:, list(OUTLIER_COLS)] = x[:, list(OUTLIER_COLS)] * 0 + 9.0
+    gs = dict(group_size=group_size)
+    out, ref = run_op(x, q, scale, b, **gs), run_reference(x, q, scale, b, **gs)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=OUT_RTOL[dtype], atol=1e-5)
+
+
+@pytest.mark.parametrize("K,N", [(1, 1), (63, 7), (64, 5), (65, 9), (389, 67), (1000, 3)])
+def test_groups_odd_shapes_match_reference(K, N, device):
+    x, _, q, scale, b = make_inputs(5, K, N, torch.float32, outliers=K > 41, bias=True, device=device, seed=K)
+    for threshold, bias in ((THRESHOLD, b), (0.0, None)):
+        torch.testing.assert_close(run_op(x, q, scale, bias, threshold, group_size=64),
+                                   run_reference(x, q, scale, bias, threshold, group_size=64), rtol=1e-5, atol=1e-5)
+
+
+def test_groups_beat_one_scale_per_row(device):
+    """A row whose magnitude differs between parts of K (as a hidden state's channels do): one scale per group
+    of 64 keeps the small part's precision, one scale per row does not; both stay within their bounds."""
+    x, w, q, scale, _ = make_inputs(16, 256, 64, torch.float32, outliers=False, bias=False, device=device)
+    x[:, :64] *= 25.0  # one loud group (no outlier columns: threshold 0)
+    exact = F.linear(x, w)
+    err = {gs: (run_op(x, q, scale, None, 0.0, group_size=gs) - exact).norm() / exact.norm() for gs in (0, 64)}
+    assert err[64] < 0.7 * err[0], err
+    for gs in (0, 64):
+        excess = (run_op(x, q, scale, None, 0.0, group_size=gs) - exact).abs() - error_bound(
+            x, q, scale, 0.0, group_size=gs) * (1 + 1e-4) - 1e-5
+        assert excess.max() <= 0, (gs, excess.max())
 
 
 def test_float16_and_strided_input(device):
@@ -145,15 +190,17 @@ def test_outlier_decomposition_beats_plain_int8(device):
 
 
 # ---------------------------------------------------------------- against the unquantized fp32 product
-@pytest.mark.parametrize("zero_point", [False, True], ids=ZP_IDS)
+@pytest.mark.parametrize("zero_point", [False, True, "group"], ids=ZP_IDS + ["group64"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threshold", [0.0, THRESHOLD])
 @pytest.mark.parametrize("M", [1, 3, 17, 64])
 def test_within_quantization_error_of_fp32_matmul(M, threshold, dtype, zero_point, device):
     x, w, q, scale, b = make_inputs(M, 131, 45, dtype, outliers=True, bias=True, device=device, seed=M + 7)
     exact = F.linear(x.float(), w.float(), b.float()).cpu()
-    out = run_op(x, q, scale, b, threshold, zero_point).float().cpu()
-    bound = error_bound(x, q, scale, threshold, zero_point) * (1 + 1e-4) + 1e-5 + exact.abs() * OUT_RTOL[dtype]
+    group_size = 64 if zero_point == "group" else 0
+    zero_point = zero_point is True
+    out = run_op(x, q, scale, b, threshold, zero_point, group_size).float().cpu()
+    bound = error_bound(x, q, scale, threshold, zero_point, group_size) * (1 + 1e-4) + 1e-5 + exact.abs() * OUT_RTOL[dtype]
     excess = (out - exact).abs() - bound
     assert excess.max() <= 0, f"error exceeds the quantization bound by {excess.max():.3g}"
 
@@ -213,6 +260,8 @@ for M, K, N, outliers, bias, dtype in [(1, 131, 45, False, False, torch.float32)
     x, _, q, scale, b = make_inputs(M, K, N, dtype, outliers=outliers, bias=bias, seed=K)
     for zero_point in (False, True):
         outs.append(run_op(x + 0.3 * zero_point, q, scale, b, zero_point=zero_point))
+    for group_size in (64, 128):
+        outs.append(run_op(x * (1 + (torch.arange(K) % 128 < 64)), q, scale, b, group_size=group_size))
 torch.save(outs, sys.argv[1])
 """
 
@@ -274,6 +323,10 @@ def test_wrapper_errors():
         (ValueError, "zero_point int8_linear needs K < 65536",
          lambda: ops.int8_linear(torch.empty(1, 1), torch.zeros(1, 1 << 16), torch.zeros(1, 1 << 16, dtype=torch.int8),
                                  torch.ones(1), None, 6.0, True)),
+        (ValueError, "group_size must be 0", lambda: ops.int8_linear(out, x, q, scale, None, 6.0, False, 32)),
+        (ValueError, "group_size must be 0", lambda: ops.int8_linear(out, x, q, scale, None, 6.0, False, -64)),
+        (TypeError, "group_size must be an int", lambda: ops.int8_linear(out, x, q, scale, None, 6.0, False, 64.0)),
+        (ValueError, "zero_point must be False", lambda: ops.int8_linear(out, x, q, scale, None, 6.0, True, 64)),
         (ValueError, "weight shape", lambda: ops.int8_linear(out, x, q[:, :7], scale)),
         (ValueError, "weight_scale shape", lambda: ops.int8_linear(out, x, q, scale[:3])),
         (ValueError, "bias shape", lambda: ops.int8_linear(out, x, q, scale, torch.zeros(5))),
@@ -294,6 +347,8 @@ def test_cpp_errors_name_the_argument():
         ("bias must have shape", lambda: op(torch.empty(2, 4), x, q, scale, torch.zeros(3), 6.0)),
         ("out must have shape", lambda: op(torch.empty(3, 4), x, q, scale, None, 6.0)),
         ("threshold must be >= 0", lambda: op(torch.empty(2, 4), x, q, scale, None, -0.5)),
+        ("group_size must be 0", lambda: op(torch.empty(2, 4), x, q, scale, None, 6.0, False, 96)),
+        ("zero_point must be false", lambda: op(torch.empty(2, 4), x, q, scale, None, 6.0, True, 64)),
         ("too large for int32", lambda: op(torch.empty(1, 1), torch.zeros(1, 1 << 17), torch.zeros(1, 1 << 17,
                                                                                                    dtype=torch.int8),
                                             torch.ones(1), None, 6.0)),

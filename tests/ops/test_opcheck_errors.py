@@ -58,6 +58,8 @@ def _cases():
                           torch.rand(24) / 100, torch.randn(24), 6.0)
     yield "int8_linear", (torch.empty(5, 24), x_outlier, torch.randint(-127, 128, (24, 128), dtype=torch.int8),
                           torch.rand(24) / 100, None, 6.0, True)  # zero-point activation rows
+    yield "int8_linear", (torch.empty(5, 24), x_outlier, torch.randint(-127, 128, (24, 128), dtype=torch.int8),
+                          torch.rand(24) / 100, torch.randn(24), 6.0, False, 64)  # per-token groups of 64
     q4_1 = torch.randint(0, 256, (24, 4, 20), dtype=torch.uint8)  # 24 rows of 4 Q4_1 blocks: d, m (fp16), 16 qs
     q4_1[..., :4] = torch.full((24, 4, 2), 0.01, dtype=torch.float16).view(torch.uint8)
     yield "gguf_linear", (torch.empty(5, 24), x, q4_1.view(24, 80), 3, 128, torch.randn(24))

@@ -18,7 +18,7 @@ struct Int8LinearShape {
 // out [M, N] (x's dtype, last dim contiguous) = x [M, K] @ (weight [N, K] int8 * weight_scale [N] fp32)^T + bias [N].
 inline Int8LinearShape check_int8_linear_args(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                               const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias,
-                                              double threshold, bool zero_point) {
+                                              double threshold, bool zero_point, int64_t group_size) {
   check_float(x, "x");
   check_same_dtype(out, x, "out", "x");
   check_dtype(weight, at::kChar, "weight");
@@ -39,6 +39,9 @@ inline Int8LinearShape check_int8_linear_args(const at::Tensor& out, const at::T
     check_same_dtype(*bias, x, "bias", "x");
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must have shape [", N, "], got ", bias->sizes());
   }
+  TORCH_CHECK(group_size == 0 || (group_size > 0 && group_size % 64 == 0), "group_size must be 0 (one activation "
+              "scale per row) or a positive multiple of 64, got ", group_size);
+  TORCH_CHECK(group_size == 0 || !zero_point, "group_size > 0 takes absmax groups: zero_point must be false");
   TORCH_CHECK(threshold >= 0.0, "threshold must be >= 0 (0 = no outlier columns), got ", threshold);
   check_last_contiguous(out, "out");
   return {M, N, K, has_bias};

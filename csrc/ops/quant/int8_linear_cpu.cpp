@@ -1,5 +1,6 @@
 // CPU glue for int8_linear (LLM.int8(), int8_cpu_kernels.h): out[M, N] = x[M, K] @ dequant(weight[N, K])^T
-// with outlier columns of x in fp32, the rest as int8 (absmax) or uint8 (zero point) x int8 -> int32 (+ bias[N]).
+// with outlier columns of x in fp32, the rest as int8 (absmax per row or per group of K) or uint8 (zero point)
+// x int8 -> int32 (+ bias[N]).
 //
 // The dot-product ISA is chosen once, at the first call, from CPUID (and the OS's saved register state):
 // AVX-512 VNNI, else AVX2, else plain C++. PAGELLM_INT8_KERNEL=avx512_vnni|avx2|scalar forces one (the tests
@@ -79,18 +80,18 @@ Isa selected_isa() {
 
 void check_int8_linear(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                        const at::Tensor& weight_scale, const std::optional<at::Tensor>& bias, double threshold,
-                       bool zero_point) {
+                       bool zero_point, int64_t group_size) {
   check_cpu(out, "out");
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   check_cpu(weight_scale, "weight_scale");
   if (bias.has_value() && bias->defined()) check_cpu(*bias, "bias");
-  ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold, zero_point);
+  ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold, zero_point, group_size);
 }
 
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                 const std::optional<at::Tensor>& bias, double threshold, bool zero_point) {
-  check_int8_linear(out, x, weight, weight_scale, bias, threshold, zero_point);
+                 const std::optional<at::Tensor>& bias, double threshold, bool zero_point, int64_t group_size) {
+  check_int8_linear(out, x, weight, weight_scale, bias, threshold, zero_point, group_size);
   const Isa isa = selected_isa();
   const bool has_bias = bias.has_value() && bias->defined();
   if (out.numel() == 0) return;
@@ -110,7 +111,7 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                      sc.data_ptr<float>(),
                                      has_bias ? bc.data_ptr<scalar_t>() : nullptr,
                                      out.data_ptr<scalar_t>(), out.stride(0),
-                                     static_cast<float>(threshold), zero_point};
+                                     static_cast<float>(threshold), zero_point, group_size};
     int8_linear_kernel(a, isa);
   });
 }

@@ -11,7 +11,7 @@ namespace pagellm::cuda {
 namespace {
 
 void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
-                 const std::optional<at::Tensor>& bias, double threshold, bool zero_point) {
+                 const std::optional<at::Tensor>& bias, double threshold, bool zero_point, int64_t group_size) {
   check_cuda(x, "x");
   check_cuda(out, "out");
   check_same_device(out, x, "out", "x");
@@ -25,7 +25,7 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   }
   const DType dt = to_dtype(x, "x");
   const auto [M, N, K, has_bias] =
-      ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold, zero_point);
+      ::pagellm::int8::check_int8_linear_args(out, x, weight, weight_scale, bias, threshold, zero_point, group_size);
   TORCH_CHECK(M <= 65535, "x: at most 65535 rows per call, got ", M);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
@@ -41,11 +41,13 @@ void int8_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
   const int64_t ldq = (K + 15) / 16 * 16;
   at::Tensor mask = at::empty({ldq}, x.options().dtype(at::kByte));
   at::Tensor q = at::empty({M, ldq}, x.options().dtype(at::kChar));
-  at::Tensor row_scale = at::empty({M}, x.options().dtype(at::kFloat));
+  const int64_t num_groups = group_size > 0 ? (K + group_size - 1) / group_size : 1;
+  at::Tensor row_scale = at::empty({M, num_groups}, x.options().dtype(at::kFloat));
   at::Tensor row_zero = at::empty({M}, x.options().dtype(at::kInt));
   Int8LinearCudaArgs a{out.data_ptr(), xc.data_ptr(), wc.data_ptr<int8_t>(), sc.data_ptr<float>(),
                        has_bias ? bc.data_ptr() : nullptr, M, N, K, xc.stride(0), wc.stride(0), out.stride(0),
-                       static_cast<float>(threshold), zero_point, mask.data_ptr<uint8_t>(), q.data_ptr<int8_t>(),
+                       static_cast<float>(threshold), zero_point, group_size, num_groups, mask.data_ptr<uint8_t>(),
+                       q.data_ptr<int8_t>(),
                        row_scale.data_ptr<float>(), row_zero.data_ptr<int32_t>(), ldq};
   check_launch(launch_int8_linear(a, dt, current_stream()), "int8_linear");
 }

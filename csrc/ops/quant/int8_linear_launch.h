@@ -9,8 +9,8 @@
 namespace pagellm::cuda {
 
 // Row strides in elements; every row contiguous. Scratch buffers are the caller's (device memory):
-// outlier_mask [ldq] uint8, q [M, ldq] int8, row_scale [M] float32, row_zero [M] int32, with ldq = K rounded up to
-// a multiple of 16.
+// outlier_mask [ldq] uint8, q [M, ldq] int8, row_scale [M, num_groups] float32, row_zero [M] int32, with ldq = K
+// rounded up to a multiple of 16.
 struct Int8LinearCudaArgs {
   void* out;             // [M, N] (dtype)
   const void* x;         // [M, K] (dtype)
@@ -20,6 +20,8 @@ struct Int8LinearCudaArgs {
   int64_t M, N, K, ldx, ldw, ldo;
   float threshold;  // > 0: outlier threshold; 0: none
   bool zero_point;  // rows as uint8 with a zero point (K < 65536) instead of absmax int8
+  int64_t group_size;  // > 0: absmax int8 per group of group_size elements of K (zero_point false)
+  int64_t num_groups;  // ceil(K / group_size), or 1
   uint8_t* outlier_mask;
   int8_t* q;
   float* row_scale;

@@ -80,13 +80,16 @@ def awq_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
 
 
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False) -> None:
+                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False,
+                group_size: int = 0) -> None:
     """LLM.int8(): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N] float32)^T (+ bias [N]).
 
     Columns of x with |x| > threshold in any row run in fp32 against the dequantized weight; the rest are
     quantized per row to 8 bits and multiplied with the int8 weight into int32: by the row's absmax to int8
     (zero_point False, bitsandbytes' rule) or, zero_point True, asymmetrically over the row's [min, max] to uint8
-    with an integer zero point (K < 65536). threshold 0 = no outlier columns. x, out, bias: float32 / bfloat16 /
+    with an integer zero point (K < 65536); group_size > 0 (a multiple of 64, zero_point False): by the absmax of
+    each group of group_size elements of K (vLLM's per-token-group rule), each group's int32 sum scaled in fp32.
+    threshold 0 = no outlier columns. x, out, bias: float32 / bfloat16 /
     float16. Reference: `reference.int8_linear`."""
     _float(x, "x")
     _tensor(out, "out")
@@ -100,6 +103,12 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         raise ValueError(f"threshold must be a number >= 0 (0 = no outlier columns), got {threshold!r}")
     if not isinstance(zero_point, bool):
         raise TypeError(f"zero_point must be a bool, got {zero_point!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"group_size must be an int, got {group_size!r}")
+    if group_size < 0 or group_size % 64:
+        raise ValueError(f"group_size must be 0 (one scale per row) or a positive multiple of 64, got {group_size}")
+    if group_size and zero_point:
+        raise ValueError("group_size > 0 quantizes groups by their absmax: zero_point must be False")
     _ndim(x, 2, "x")
     _ndim(weight, 2, "weight")
     if weight.shape[1] != x.shape[1]:
@@ -113,4 +122,4 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     if zero_point and x.shape[1] >= ZERO_POINT_MAX_K:
         raise ValueError(f"zero_point int8_linear needs K < {ZERO_POINT_MAX_K} (exact int32 sums), "
                          f"got K = {x.shape[1]}")
-    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold), zero_point)
+    torch.ops.pagellm.int8_linear(out, x, weight, weight_scale, bias, float(threshold), zero_point, group_size)

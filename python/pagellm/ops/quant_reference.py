@@ -111,7 +111,8 @@ def awq_linear(out: torch.Tensor, x: torch.Tensor, qweight: torch.Tensor, scales
 
 
 def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False) -> None:
+                bias: torch.Tensor | None = None, threshold: float = 6.0, zero_point: bool = False,
+                group_size: int = 0) -> None:
     """LLM.int8() (Dettmers et al. 2022): out [M, N] = x [M, K] @ (weight [N, K] int8 * weight_scale [N])^T (+ bias).
 
     Columns of x with |x| > threshold in any row (threshold 0: none) are multiplied in fp32 by the dequantized
@@ -121,8 +122,11 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
       zero point (the paper's zero-point vector-wise): over the row's range widened to hold 0, lo_m = min(min x, 0),
         hi_m = max(max x, 0): s_m = (hi_m - lo_m) / 255, z_m = round_half_even(-lo_m * (255 / (hi_m - lo_m))),
         q = clamp(round_half_even(x * (255 / (hi_m - lo_m))) + z_m, 0, 255) (a zeroed column is exactly z_m);
+      per token group (group_size > 0, absmax, vLLM's per-token-group rule): one scale per group g of
+        group_size consecutive elements of K (the last group may be shorter), s_mg = absmax_mg / 127;
     and multiplied as sum (q - z_m) * weight -> int32 (exact; here in float64, exact below 2^53), rescaled by
-    s_m * weight_scale[n]. Every scale is one IEEE-rounded fp32 operation, as in the kernels. Rounded once into
+    s_m * weight_scale[n]; per group, the int32 sum of each group times s_mg, summed in fp32, times
+    weight_scale[n]. Every scale is one IEEE-rounded fp32 operation, as in the kernels. Rounded once into
     out. Shape branches only (no data read into Python): replayable in a step graph."""
     if out.numel() == 0:
         return
@@ -134,7 +138,9 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
     x_in = torch.where(outlier, 0.0, xf)
     empty = torch.zeros(x.shape[0], device=x.device)
     # a tensor / tensor division is IEEE-rounded, as in the kernels (127.0 / t is reciprocal(t) * 127 in torch)
-    if zero_point:
+    if group_size > 0:
+        y = _int8_groups(x_in, weight, group_size) * weight_scale[None, :]
+    elif zero_point:
         lo = x_in.amin(dim=1).clamp(max=0.0) if x.shape[1] else empty  # [M]
         hi = x_in.amax(dim=1).clamp(min=0.0) if x.shape[1] else empty
         span = hi - lo
@@ -147,9 +153,24 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
         q = torch.round(x_in * inv[:, None]).clamp(-127, 127)
         row_scale = absmax / 127.0
-    acc = (q.double() @ weight.double().T).float()
-    y = acc * (row_scale[:, None] * weight_scale[None, :])
+    if group_size <= 0:
+        acc = (q.double() @ weight.double().T).float()
+        y = acc * (row_scale[:, None] * weight_scale[None, :])
     y = y + torch.where(outlier, xf, 0.0) @ (weight.float() * weight_scale[:, None]).T
     if bias is not None:
         y = y + bias.float()
     out.copy_(y)
+
+
+def _int8_groups(x_in: torch.Tensor, weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """sum_g s_mg * (sum_{k in g} q[m, k] w[n, k]) in fp32 [M, N], x_in [M, K] fp32 quantized by absmax per
+    (row, group of group_size elements of K); the groups' int32 sums exact (float64)."""
+    y = torch.zeros(x_in.shape[0], weight.shape[0], device=x_in.device)
+    for k0 in range(0, x_in.shape[1], group_size):
+        xg = x_in[:, k0:k0 + group_size]
+        absmax = xg.abs().amax(dim=1)
+        inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
+        q = torch.round(xg * inv[:, None]).clamp(-127, 127)
+        acc = (q.double() @ weight[:, k0:k0 + group_size].double().T).float()
+        y = y + acc * (absmax / 127.0)[:, None]
+    return y

@@ -11,19 +11,19 @@ step graph like any other (and a token's output depends on the other tokens of i
 LM head and embeddings stay in the model dtype, as do the linears named in `skip_modules` (bitsandbytes'
 llm_int8_skip_modules).
 
-Activation scheme (`activation_scheme`): "zeropoint" (the default) quantizes each token's non-outlier values
+Activation scheme (`activation_scheme`): "group" (the default) quantizes each token's non-outlier values by
+their absmax per group of `group_size` (64) consecutive elements of K (vLLM's per-token-group activation
+quantization; one fp32 scale per group, each group's int32 sum scaled into an fp32 accumulator); "absmax" is
+bitsandbytes' symmetric int8 rule with one scale per token, s = absmax / 127; "zeropoint" quantizes each token
 asymmetrically, uint8 codes over [min(x, 0), max(x, 0)] with an integer zero point (the paper's zero-point
-vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact);
-"absmax" is bitsandbytes' symmetric int8 rule, s = absmax / 127. Zero point is the default because it halves
-the method's perplexity cost for ~2 % of decode time (1.1B Llama shape: TPOT 0.63x bf16 vs absmax's 0.62x; the
-int8 linears ~8 % slower at M = 1, from summing the weight rows in the same pass). Measured on the default model
-(SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes (bench_quant_ppl.py, bf16 activations,
-threshold 6.0): absmax +2.43 %, zero point +1.34 % (+0.93 % at threshold 4) over bf16; in plain fp32 torch
-(bench_int8_ablation.py --groups scheme, 5580 words): absmax +2.45 %, zero point +1.01 %, int8 weights with float
-activations alone +0.67 % (in bf16, 4000 words: +1.80 % / +2.67 %, weights alone +0.53 %, and absmax scales per
-64-element block of K +0.67 %). The absmax op matches its reference on that model's activations to 1e-5 of the
-output norm. 6.0 stays the default threshold (bitsandbytes, vLLM); a lower threshold or skip_modules trade speed
-or memory for accuracy.
+vector-wise quantization; the zero point is folded into the int32 sums through the weight row sums, exact).
+Measured on the default model (SmolLM2-135M), word perplexity of 4000 words of KJV Ecclesiastes
+(bench_quant_ppl.py, bf16 activations, threshold 6.0) over bf16: group 64 +0.43 % (threshold 0: +1.04 %; group
+128: +1.12 %), zero point +1.34 % (+0.93 % at threshold 4), absmax +2.43 %; int8 weights alone cost +0.53 %
+(bench_int8_ablation.py, bf16), so the groups leave little activation loss. Their cost is compute, not bytes:
+a group's int32 lanes are converted and multiplied into fp32 once per 64 elements (benchmarks/README.md,
+session 13, has the decode-time ratios). 6.0 stays the default threshold (bitsandbytes, vLLM); a lower
+threshold or skip_modules trade speed or memory for accuracy.
 
 Loading: the checkpoint's float tensors arrive through `weight`'s shard loader, which quantizes each one
 straight into its rows (the scale is per output row, so every shard of a merged layer quantizes on its
@@ -52,11 +52,15 @@ INT8_METHOD = "int8"
 DEFAULT_THRESHOLD = 6.0
 _QUANTIZE_CHUNK_BYTES = 64 << 20  # float32 staging per quantization step
 
-ACTIVATION_SCHEMES = ("absmax", "zeropoint")
-DEFAULT_ACTIVATION_SCHEME = "zeropoint"  # see the module docstring
+ACTIVATION_SCHEMES = ("absmax", "zeropoint", "group")
+DEFAULT_ACTIVATION_SCHEME = "group"  # see the module docstring
 
-# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold, zero_point) -> None
-Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool], None]
+DEFAULT_GROUP_SIZE = 64  # "group": activation elements of K per scale
+
+# (out [M, N], x [M, K], weight int8 [N, K], weight_scale fp32 [N], bias [N] | None, threshold, zero_point,
+#  group_size) -> None
+Int8Op = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None", float, bool, int],
+                  None]
 
 
 def quantize_weight_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +91,12 @@ def check_activation_scheme(scheme: Any) -> str:
     if scheme not in ACTIVATION_SCHEMES:
         raise ValueError(f"int8 activation_scheme must be one of {list(ACTIVATION_SCHEMES)}, got {scheme!r}")
     return scheme
+
+
+def check_group_size(group_size: Any) -> int:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or group_size % 64:
+        raise ValueError(f"int8 group_size must be a positive multiple of 64 (64, 128, ...), got {group_size!r}")
+    return group_size
 
 
 def check_skip_modules(names: Any) -> tuple[str, ...]:
@@ -120,10 +130,11 @@ class Int8LinearMethod(LinearMethodBase):
     by `pagellm.ops.reference.int8_linear` to compare against the reference on the same weights."""
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, op: Int8Op | None = None,
-                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self.threshold = check_threshold(threshold)
         self.activation_scheme = check_activation_scheme(activation_scheme)
         self.zero_point = activation_scheme == "zeropoint"
+        self.group_size = check_group_size(group_size) if activation_scheme == "group" else 0
         self.op = op
 
     def create_weights(self, layer: nn.Module, input_size: int, output_partition_sizes: list[int], output_size: int,
@@ -144,11 +155,11 @@ class Int8LinearMethod(LinearMethodBase):
         n = layer.weight.shape[0]
         if x.dim() == 2:  # the decode case: as few torch calls as possible
             out = torch.empty((x.shape[0], n), dtype=x.dtype, device=x.device)
-            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
+            op(out, x, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point, self.group_size)
             return out
         x2 = x.reshape(-1, x.shape[-1])
         out = torch.empty((x2.shape[0], n), dtype=x.dtype, device=x.device)
-        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point)
+        op(out, x2, layer.weight, layer.weight_scale, bias, self.threshold, self.zero_point, self.group_size)
         return out.view(x.shape[:-1] + (n,))
 
 
@@ -186,19 +197,21 @@ class Int8Config(QuantizationConfig):
     "model.layers.0" all of layer 0's linears. Names are pagellm's modules, where q/k/v are one "qkv_proj"
     and gate/up one "gate_up_proj" (a merged layer is quantized or skipped whole).
     `activation_scheme`: how each token's non-outlier activations become 8-bit in `int8_linear`, "absmax"
-    (symmetric int8, bitsandbytes' rule) or "zeropoint" (asymmetric uint8 over the token's range with an
-    integer zero point, the paper's zero-point vector-wise quantization). See the module docstring for the
+    (symmetric int8, bitsandbytes' rule), "zeropoint" (asymmetric uint8 over the token's range with an
+    integer zero point, the paper's zero-point vector-wise quantization) or "group" (absmax per group of
+    `group_size` elements of K, a multiple of 64; vLLM's per-token-group rule). See the module docstring for the
     measurements behind the default.
     From a checkpoint's quantization_config: {"quant_method": "int8", "threshold": 6.0, "skip_modules": [],
-    "activation_scheme": "absmax"} (all optional)."""
+    "activation_scheme": "group", "group_size": 64} (all optional)."""
 
-    _KEYS = ("quant_method", "threshold", "skip_modules", "activation_scheme")
+    _KEYS = ("quant_method", "threshold", "skip_modules", "activation_scheme", "group_size")
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, skip_modules: list[str] | tuple[str, ...] = (),
-                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME) -> None:
+                 activation_scheme: str = DEFAULT_ACTIVATION_SCHEME, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         self.threshold = check_threshold(threshold)
         self.skip_modules = check_skip_modules(skip_modules)
         self.activation_scheme = check_activation_scheme(activation_scheme)
+        self.group_size = check_group_size(group_size)
 
     @classmethod
     def get_name(cls) -> str:
@@ -210,7 +223,8 @@ class Int8Config(QuantizationConfig):
         if unknown:
             raise ValueError(f"int8 quantization_config: unknown keys {unknown}; allowed: {list(cls._KEYS)}")
         return cls(config.get("threshold", DEFAULT_THRESHOLD), config.get("skip_modules", ()),
-                   config.get("activation_scheme", DEFAULT_ACTIVATION_SCHEME))
+                   config.get("activation_scheme", DEFAULT_ACTIVATION_SCHEME),
+                   config.get("group_size", DEFAULT_GROUP_SIZE))
 
     def is_skipped(self, prefix: str) -> bool:
         return any(f".{name}." in f".{prefix}." for name in self.skip_modules)
@@ -218,7 +232,7 @@ class Int8Config(QuantizationConfig):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase:
         if self.is_skipped(prefix):
             return UnquantizedLinearMethod()
-        return Int8LinearMethod(self.threshold, activation_scheme=self.activation_scheme)
+        return Int8LinearMethod(self.threshold, activation_scheme=self.activation_scheme, group_size=self.group_size)
 
 
 __all__ = [

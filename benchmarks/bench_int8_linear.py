@@ -1,0 +1,125 @@
+#!/usr/bin/env python
+"""int8_linear's activation schemes against each other and against linear_small_m (bf16 weight) on decode shapes.
+
+    python benchmarks/bench_int8_linear.py                   # the ~1B Llama shapes, M = 1, every scheme
+    python benchmarks/bench_int8_linear.py --m 1,4 --schemes absmax,group64 --repeats 15
+    PAGELLM_NUM_THREADS=1 python benchmarks/bench_int8_linear.py --threads 1 --clock cpu   # robust on a busy machine
+
+Schemes: "absmax" / "zeropoint" (one activation scale per row), "group<G>" (one per G elements of K), each with
+the default outlier threshold 6 on activations below it (no outlier columns: the common decode case; "--outliers"
+plants one column over it). Every op cycles over enough weight copies (>= --stream-mib each) that a call finds
+none of its weight in the caches, as in a decode step. A round times --calls calls of each variant in turn
+(interleaved); the table gives the per-call median over --repeats rounds, and each scheme's ratio to bf16 and
+to absmax within the same rounds. Writes benchmarks/results/int8_linear_<tag>.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import common as C
+import torch
+
+from pagellm import ops
+
+# (name, N, K) of a ~1B Llama decoder layer (TinyLlama-1.1B: hidden 2048, q + kv 2560, MLP 5632 merged gate/up)
+SHAPES_1B = [("qkv 2560x2048", 2560, 2048), ("o 2048x2048", 2048, 2048), ("gate_up 11264x2048", 11264, 2048),
+             ("down 2048x5632", 2048, 5632)]
+
+
+def scheme_args(name: str) -> tuple[bool, int]:
+    """(zero_point, group_size) of a scheme name."""
+    if name == "absmax":
+        return False, 0
+    if name == "zeropoint":
+        return True, 0
+    if name.startswith("group") and name[5:].isdigit():
+        return False, int(name[5:])
+    raise ValueError(f"unknown scheme {name!r}: absmax, zeropoint or group<G>")
+
+
+def copies_of(make, nbytes: int, stream_bytes: int) -> list:
+    return [make(seed) for seed in range(max(2, -(-stream_bytes // nbytes)))]
+
+
+# "cpu": this thread's CPU time (with --threads 1: time spent descheduled by other processes is not counted,
+# memory stalls are)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+
+
+def per_call_s(fn, copies: list, calls: int, clock=time.perf_counter) -> float:
+    t = clock()
+    for c in range(calls):
+        fn(copies[c % len(copies)])
+    return (clock() - t) / calls
+
+
+def bench_shape(n: int, k: int, m: int, schemes: list[str], args) -> dict:
+    stream = args.stream_mib << 20
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(m, k, generator=g) * 1.5).clamp(-5.5, 5.5).bfloat16()
+    if args.outliers:
+        x[:, 7] = 9.0
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    bf16 = copies_of(lambda s: torch.randn(n, k, generator=torch.Generator().manual_seed(s)).bfloat16(), 2 * n * k,
+                     stream)
+    int8 = copies_of(lambda s: (torch.randint(-127, 128, (n, k), generator=torch.Generator().manual_seed(s),
+                                              dtype=torch.int8), torch.rand(n) / 100), n * k, stream)
+    run = {"bf16": (lambda w: ops.linear_small_m(out, x, w), bf16)}
+    for name in schemes:
+        zp, gs = scheme_args(name)
+        run[name] = (lambda w, zp=zp, gs=gs: ops.int8_linear(out, x, w[0], w[1], None, 6.0, zp, gs), int8)
+    for fn, copies in run.values():  # warm-up: page faults, the thread pool
+        per_call_s(fn, copies, len(copies))
+    times: dict[str, list[float]] = {name: [] for name in run}
+    for _ in range(args.repeats):
+        for name, (fn, copies) in run.items():
+            times[name].append(per_call_s(fn, copies, args.calls, CLOCKS[args.clock]))
+    med = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    ratio_bf16 = {name: statistics.median(a / b for a, b in zip(times[name], times["bf16"])) for name in schemes}
+    ratio_absmax = {name: statistics.median(a / b for a, b in zip(times[name], times[schemes[0]])) for name in schemes}
+    return {"n": n, "k": k, "m": m, "ms": med, "vs_bf16": ratio_bf16, "vs_first": ratio_absmax}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="1", help="comma-separated activation rows")
+    ap.add_argument("--schemes", default="absmax,zeropoint,group64,group128", help="the first is the ratio base")
+    ap.add_argument("--outliers", action="store_true", help="one activation column over the threshold")
+    ap.add_argument("--repeats", type=int, default=9, help="rounds (medians over these)")
+    ap.add_argument("--calls", type=int, default=20, help="calls of each variant per round")
+    ap.add_argument("--stream-mib", type=int, default=96, help="weight copies per format, at least this many MiB")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="cpu: thread CPU time, needs --threads 1")
+    ap.add_argument("--tag", default="1b")
+    args = ap.parse_args()
+    if args.clock == "cpu" and (args.threads != 1 or os.environ.get("PAGELLM_NUM_THREADS") != "1"):
+        ap.error("--clock cpu times the calling thread only: pass --threads 1 with PAGELLM_NUM_THREADS=1")
+    if os.environ.get("PAGELLM_NUM_THREADS"):  # the kernels' own pool (threading_config.py)
+        from pagellm.threading_config import ThreadingConfig, apply_threading
+        apply_threading(ThreadingConfig.from_env())
+    threads = C.setup_threads(args.threads)
+    schemes = args.schemes.split(",")
+    rows = []
+    for m in (int(v) for v in args.m.split(",")):
+        for name, n, k in SHAPES_1B:
+            r = bench_shape(n, k, m, schemes, args)
+            rows.append({"shape": name, **r})
+            print(f"{name} M={m}: " + ", ".join(f"{s} {r['ms'][s]:.3f} ms" for s in ["bf16"] + schemes), flush=True)
+    header = ["shape (N x K)", "M", "bf16 ms"] + [f"{s} ms" for s in schemes] + [f"{s} / bf16" for s in schemes] + [
+        f"{s} / {schemes[0]}" for s in schemes[1:]]
+    md = C.md_table(header, [[r["shape"], r["m"], r["ms"]["bf16"]] + [r["ms"][s] for s in schemes]
+                             + [r["vs_bf16"][s] for s in schemes] + [r["vs_first"][s] for s in schemes[1:]]
+                             for r in rows])
+    md = (f"int8_linear by activation scheme vs linear_small_m, bf16 x, {threads} threads, {args.clock} clock, "
+          f"{'one outlier column' if args.outliers else 'no outlier columns'}, medians of {args.repeats} "
+          f"interleaved rounds (ratios: medians of the per-round ratios)\n\n" + md)
+    print(md)
+    C.save_results(f"int8_linear_{args.tag}", md, {"args": vars(args), "rows": rows, "env": C.env_info()})
+
+
+if __name__ == "__main__":
+    main()
