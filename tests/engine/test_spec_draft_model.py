@@ -120,6 +120,10 @@ def test_self_draft_with_prefix_cache_and_preemption(tiny_llama_dir, vocab):
     assert proposer.runner.block_manager.prefix_cache_hits > 0  # the shared 8-token prefix, in the draft too
     _assert_all_blocks_free(eng)
     _assert_draft_blocks_free(proposer)
+    # LLM.reset_prefix_cache forgets the draft's cached prefixes as well as the target's
+    assert proposer.runner.block_manager.num_cached_blocks > 0 and eng.scheduler.num_cached_blocks > 0
+    assert llm.reset_prefix_cache()
+    assert proposer.runner.block_manager.num_cached_blocks == 0 and eng.scheduler.num_cached_blocks == 0
 
 
 def test_full_draft_cache_drafts_for_the_sequences_that_fit(tiny_llama_dir, vocab):

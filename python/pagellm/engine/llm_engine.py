@@ -210,6 +210,10 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         return len(self.output_processor.requests)
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix: the target's, and a draft model's own (so that it, too, recomputes)."""
+        reset_draft = getattr(self.proposer, "reset_prefix_cache", None)  # BaseProposer's; duck-typed ones may lack it
+        if reset_draft is not None:
+            reset_draft()
         return bool(self.scheduler.reset_prefix_cache())
 
     # ------------------------------------------------------------------ the step

@@ -89,6 +89,10 @@ class BaseProposer(ABC):
     def release(self, seq_ids: Iterable[str]) -> None:
         """The sequences are gone (finished, aborted): drop any state kept for them. Default: nothing."""
 
+    def reset_prefix_cache(self) -> None:
+        """The engine's prefix cache was reset (`LLMEngine.reset_prefix_cache`): forget any prefix cache of the
+        proposer's own (a draft model's KV blocks). Default: nothing."""
+
 
 def check_proposals(requests: Sequence[DraftRequest], proposals: Mapping[str, Sequence[int]],
                     num_speculative_tokens: int, vocab_size: int) -> dict[str, list[int]]:

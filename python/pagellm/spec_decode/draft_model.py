@@ -137,6 +137,10 @@ class DraftModelProposer(BaseProposer):
             if self._seqs.pop(sid, None) is not None:
                 self.runner.block_manager.free(sid)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the draft's cached prefix hashes, as the target's are dropped (blocks in use stay allocated)."""
+        self.runner.block_manager.reset_prefix_cache()
+
     def reset_state(self) -> None:
         """Forget every cached draft position and captured step (after the weights or the cache changed
         underneath, e.g. an in-place weight update of a self-draft's shared modules)."""
