@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
-from test_draft_tokens import _assert_all_blocks_free, _generate, _greedy, _make_llm  # noqa: E402
-from test_spec_bf16_invariance import _top_logits  # noqa: E402
+from test_draft_tokens import _assert_all_blocks_free, _generate, _make_llm  # noqa: E402
+from test_spec_bf16_invariance import _params as _raw_logit_params, _top_logits  # noqa: E402
 from test_spec_ngram import _repetitive_prompts  # noqa: E402
 
 from pagellm import SamplingParams  # noqa: E402
@@ -21,8 +21,7 @@ MAX_TOKENS = 24
 
 
 def _params():
-    """Greedy, with each position's top-5 raw logits: compared as exact floats, far more sensitive than tokens."""
-    return _greedy(MAX_TOKENS, logprobs=5, logprobs_mode="raw_logits")
+    return _raw_logit_params(MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from pagellm import SamplingParams  # noqa: E402
 MAX_TOKENS = 32
 
 
-def _params():
+def _params(max_tokens: int = MAX_TOKENS):
     """Greedy, with each position's top-5 raw logits: compared as exact floats, far more sensitive than tokens."""
-    return _greedy(MAX_TOKENS, logprobs=5, logprobs_mode="raw_logits")
+    return _greedy(max_tokens, logprobs=5, logprobs_mode="raw_logits")
 
 
 @pytest.fixture(scope="module")

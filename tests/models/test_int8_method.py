@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,34 +41,30 @@ def _write_config(path, **changes) -> None:
     (path / "config.json").write_text(json.dumps(cfg))
 
 
+def _int8_dir(tiny_llama_dir, tmp_path_factory, name: str, **config) -> Path:
+    """A copy of the tiny float32 Llama whose config asks for int8 with a low threshold and these options."""
+    path = tmp_path_factory.mktemp(name) / "llama"
+    shutil.copytree(tiny_llama_dir, path)
+    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD, **config})
+    return path
+
+
 @pytest.fixture(scope="module")
 def low_threshold_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny float32 Llama whose config asks for int8 with a low outlier threshold and absmax activations."""
-    path = tmp_path_factory.mktemp("int8-low") / "llama"
-    shutil.copytree(tiny_llama_dir, path)
-    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
-                                             "activation_scheme": "absmax"})
-    return path
+    """int8 with a low outlier threshold and absmax activations."""
+    return _int8_dir(tiny_llama_dir, tmp_path_factory, "int8-low", activation_scheme="absmax")
 
 
 @pytest.fixture(scope="module")
 def zero_point_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny float32 Llama whose config asks for int8 with zero-point activations and a low threshold."""
-    path = tmp_path_factory.mktemp("int8-zp") / "llama"
-    shutil.copytree(tiny_llama_dir, path)
-    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
-                                             "activation_scheme": "zeropoint"})
-    return path
+    """int8 with zero-point activations and a low threshold."""
+    return _int8_dir(tiny_llama_dir, tmp_path_factory, "int8-zp", activation_scheme="zeropoint")
 
 
 @pytest.fixture(scope="module")
 def group_dir(tiny_llama_dir, tmp_path_factory):
-    """The tiny float32 Llama whose config asks for int8 with per-token groups of 64 and a low threshold."""
-    path = tmp_path_factory.mktemp("int8-group") / "llama"
-    shutil.copytree(tiny_llama_dir, path)
-    _write_config(path, quantization_config={"quant_method": "int8", "threshold": LOW_THRESHOLD,
-                                             "activation_scheme": "group", "group_size": 64})
-    return path
+    """int8 with per-token groups of 64 and a low threshold."""
+    return _int8_dir(tiny_llama_dir, tmp_path_factory, "int8-group", activation_scheme="group", group_size=64)
 
 
 VARIANTS = ["default_threshold", "low_threshold", "zero_point", "group"]
