@@ -26,5 +26,12 @@ endfunction()
 # -Wno-*uninitialized: GCC 12 flags the `__Y = __Y` idiom of its own intrinsics headers inside the
 # target("avx512...") functions of gguf / awq / int8 (hundreds of lines); the avx512 library compiles the
 # same sources with these warnings on.
-pagellm_add_cpu_kernels(avx2 -march=x86-64-v3 -Wno-uninitialized -Wno-maybe-uninitialized)
-pagellm_add_cpu_kernels(avx512 -march=x86-64-v4 -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16)
+# PAGELLM_CPU_ISAS: the libraries to build. Both by default (a wheel runs on any x86-64-v3 CPU); the GPU-machine
+# build (tools/gpu/build.sh) builds only the one its CPU runs, to save minutes of a short lease.
+set(PAGELLM_CPU_ISAS "avx2;avx512" CACHE STRING "CPU kernel libraries to build: avx2, avx512 or both")
+if("avx2" IN_LIST PAGELLM_CPU_ISAS)
+  pagellm_add_cpu_kernels(avx2 -march=x86-64-v3 -Wno-uninitialized -Wno-maybe-uninitialized)
+endif()
+if("avx512" IN_LIST PAGELLM_CPU_ISAS)
+  pagellm_add_cpu_kernels(avx512 -march=x86-64-v4 -mavx512bf16 -mavx512vnni -mamx-tile -mamx-bf16)
+endif()
