@@ -15,6 +15,10 @@ DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
 ]
 
+# The head dims the CUDA attention kernels are instantiated for (attention_head_dim_supported in csrc/ops/
+# paged_attention/attention_launch.h); other head dims raise on CUDA, naming them.
+CUDA_HEAD_DIMS = (64, 80, 96, 112, 128, 256)
+
 # Absolute/relative tolerances per output dtype (both sides compute in fp32; bf16 differs by rounding).
 TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
 

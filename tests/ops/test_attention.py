@@ -9,7 +9,9 @@ import torch
 
 from pagellm import ops
 from pagellm.ops import reference as ref
-from ops.op_helpers import assert_close, poison, random_block_tables, random_caches, requires_ops, strided_heads
+from ops.op_helpers import (
+    CUDA_HEAD_DIMS, assert_close, poison, random_block_tables, random_caches, requires_ops, strided_heads,
+)
 
 pytestmark = requires_ops
 
@@ -68,6 +70,10 @@ def _prefill_case(device, chunks, num_heads, num_kv_heads, head_dim, block_size,
         torch.tensor(seq_lens, dtype=torch.int32, device=device), 1.0 / math.sqrt(head_dim), window, softcap,
     )  # fmt: skip
     out, expected = poison(torch.empty_like(query)), torch.empty_like(query)
+    if device == "cuda" and head_dim not in CUDA_HEAD_DIMS:  # a clear refusal, naming the head dim
+        with pytest.raises(RuntimeError, match=f"head_dim .* got {head_dim}"):
+            ops.paged_attention_prefill(out, query, *args)
+        return
     ops.paged_attention_prefill(out, query, *args)
     ref.paged_attention_prefill(expected, query, *args)
     assert_close(out, expected)

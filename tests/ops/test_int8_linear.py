@@ -151,7 +151,7 @@ def test_groups_beat_one_scale_per_row(device):
     assert err[64] < 0.7 * err[0], err
     for gs in (0, 64):
         excess = (run_op(x, q, scale, None, 0.0, group_size=gs) - exact).abs() - error_bound(
-            x, q, scale, 0.0, group_size=gs) * (1 + 1e-4) - 1e-5
+            x, q, scale, 0.0, group_size=gs).to(x.device) * (1 + 1e-4) - 1e-5
         assert excess.max() <= 0, (gs, excess.max())
 
 

@@ -122,9 +122,12 @@ def _attention_inputs(device, seq_lens, num_kv_heads, head_dim, block_size, cach
     return cache, tables.to(device), torch.tensor(seq_lens, dtype=torch.int32, device=device)
 
 
-def _tol_scale(dtype: torch.dtype) -> float:
-    """The cached rows reach |x| ~ 20 (absmax spread e^+-2): fp32 summation-order differences grow with them."""
-    return 5.0 if dtype == torch.float32 else 1.0
+def _tol_scale(dtype: torch.dtype, device: str = "cpu") -> float:
+    """The cached rows reach |x| ~ 20 (absmax spread e^+-2): fp32 summation-order differences grow with them, and
+    more on CUDA, whose kernels scale each dot product by the key row's scale and take __expf (--use_fast_math)."""
+    if dtype != torch.float32:  # CUDA's tensor-core kernel also rounds the probabilities to T for P @ V
+        return 2.0 if device == "cuda" else 1.0
+    return 10.0 if device == "cuda" else 5.0
 
 
 DECODE_CASES = [
@@ -150,7 +153,7 @@ def test_decode_matches_reference(device, cache_dtype, dtype, seq_lens, num_head
     out, expected = poison(torch.empty_like(query)), torch.empty_like(query)
     ops.paged_attention_decode_quantized(out, query, *args)
     ref.paged_attention_decode_quantized(expected, query, *args)
-    assert_close(out, expected, scale=_tol_scale(dtype))
+    assert_close(out, expected, scale=_tol_scale(dtype, device))
 
 
 PREFILL_CASES = [
@@ -175,8 +178,16 @@ def test_prefill_matches_reference(device, cache_dtype, dtype, chunks, num_heads
     args = (*cache, tables, qsl, lens, 1.0 / math.sqrt(head_dim), window, softcap)
     out, expected = poison(torch.empty_like(query)), torch.empty_like(query)
     ops.paged_attention_prefill_quantized(out, query, *args)
-    ref.paged_attention_prefill_quantized(expected, query, *args)
-    assert_close(out, expected, scale=_tol_scale(dtype))
+    if device == "cuda" and dtype != torch.float32:
+        # The tensor-core kernel dequantizes K/V rows into tiles of the query's dtype (docs/cuda.md), so its
+        # reference is float attention over those rounded rows. That rounding alone moves these outputs past the
+        # bf16 / fp16 tolerance of the fp32-dequantized reference (rows up to |x| ~ 20 make the softmax sharp).
+        kq, vq, ks, vs = cache
+        kf, vf = ((c.float() * s[..., None]).to(dtype) for c, s in ((kq, ks), (vq, vs)))
+        ref.paged_attention_prefill(expected, query, kf, vf, *args[4:])
+    else:
+        ref.paged_attention_prefill_quantized(expected, query, *args)
+    assert_close(out, expected, scale=_tol_scale(dtype, device))
 
 
 @pytest.mark.parametrize("cache_dtype", CACHE_DTYPES)

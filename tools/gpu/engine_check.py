@@ -78,6 +78,8 @@ def main() -> None:
                 toks = [o.outputs[0].token_ids for o in outs]
                 div = [first_divergence(t, r) for t, r in zip(toks, refs[dtype])]
                 alone = llm.generate([{"prompt_token_ids": prompts[4]}], greedy, use_tqdm=False)[0].outputs[0].token_ids
+                graphs = llm.llm_engine.executor.driver_worker.runner.cuda_graphs
+                row.update(cuda_graphs_captured=None if graphs is None else graphs.num_captures)
                 row.update(exact=sum(d == -1 for d in div), of=len(div), first_divergence=div,
                            batch_invariant=list(alone) == list(toks[4]), seconds=round(time.perf_counter() - t0, 1))
                 del llm
@@ -88,10 +90,11 @@ def main() -> None:
             torch.cuda.empty_cache()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "engine.json").write_text(json.dumps(rows, indent=1))
-    print("| dtype | eager | exact / prompts | first divergence | alone == batched | s | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| dtype | eager | CUDA graphs captured | exact / prompts | first divergence | alone == batched | s | error |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['enforce_eager']} | {r.get('exact', '-')} / {r.get('of', '-')} | "
+        print(f"| {r['dtype']} | {r['enforce_eager']} | {r.get('cuda_graphs_captured', '-')} | "
+              f"{r.get('exact', '-')} / {r.get('of', '-')} | "
               f"{r.get('first_divergence', '-')} | {r.get('batch_invariant', '-')} | {r.get('seconds', '-')} | "
               f"{r.get('error', '')[:120]} |")
     ok = all(r.get("exact") == r.get("of") for r in rows if r["dtype"] == "float32")

@@ -31,6 +31,7 @@ import torch
 from pagellm.config import EngineArgs, EngineConfig
 from pagellm.engine import maintenance
 from pagellm.engine.batch_queue import BatchQueueStep
+from pagellm.engine.device_check import check_device_usable
 from pagellm.engine.executor import get_executor_cls
 from pagellm.engine import mp_executor  # noqa: F401 (registers the "mp" executor)
 from pagellm.engine import ray_executor  # noqa: F401 (registers the "ray" executor; imports Ray only when used)
@@ -71,6 +72,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         self.config = config
         mc, cc, sc = config.model_config, config.cache_config, config.scheduler_config
         self.device = torch.device(mc.device)
+        check_device_usable(self.device)  # before anything is loaded
         files = model_files if model_files is not None else open_model(mc.model)
         self.model_files = files
         self.tokenizer = files.tokenizer

@@ -19,6 +19,7 @@ from pagellm.attention.base import AttentionMetadata, BaseAttentionBackend
 from pagellm.attention.cpu_backend import MULTI_QUERY_MAX_LEN
 from pagellm.attention.kv_groups import KVGroupAttention
 from pagellm.attention.tree_verify import TreeVerifyAttention
+from pagellm.engine.cuda_graphs import CudaGraphCaptureError, CudaGraphRunner
 from pagellm.engine.tree_step import tree_step_inputs
 from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
@@ -65,7 +66,10 @@ def _block_table_width(width: int) -> int:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn_backend: BaseAttentionBackend,
-                 kv_caches: KVCaches, device: torch.device, use_step_graph: bool | None = None) -> None:
+                 kv_caches: KVCaches, device: torch.device, use_step_graph: bool | None = None,
+                 max_batch: int | None = None, max_blocks_per_seq: int | None = None) -> None:
+        """`max_batch` / `max_blocks_per_seq`: the largest decode step (rows, block-table columns) CUDA graphs
+        are sized for (engine/cuda_graphs.py); without them, a CUDA runner runs every step eagerly."""
         self.model = model
         # a hybrid KV cache: each layer attends through its group's block table (attention/kv_groups.py)
         self.attn_backend = KVGroupAttention(attn_backend, kv_caches.layer_groups) if kv_caches.num_groups > 1 \
@@ -81,11 +85,18 @@ class ModelRunner:
         if use_step_graph and self.device.type == "cpu" and attn_backend.step_graph_safe and _C_AVAILABLE:
             self.step_graphs = StepGraphCache(iter_tensors([model, kv_caches]),
                                               check=os.environ.get(STEP_GRAPH_CHECK_ENV, "0") == "1")
+        # On CUDA the launches are the cost: pure decode steps replay CUDA graphs (one per batch-size bucket).
+        self.cuda_graphs: CudaGraphRunner | None = None
+        if (use_step_graph and self.device.type == "cuda" and max_batch and max_blocks_per_seq
+                and kv_caches.num_groups == 1):
+            self.cuda_graphs = CudaGraphRunner(self._forward, max_batch, max_blocks_per_seq, self.device)
 
     def invalidate_step_graphs(self) -> None:
         """Forget captured graphs: call after replacing weight or KV-cache tensors (not after in-place copies)."""
         if self.step_graphs is not None:
             self.step_graphs.invalidate(iter_tensors([self.model, self.kv_caches]))
+        if self.cuda_graphs is not None:
+            self.cuda_graphs.invalidate()
 
     def _to_device(self, arr: np.ndarray) -> torch.Tensor:
         """A scheduler-output array (already the right dtype, C-contiguous) as a tensor on the model's device."""
@@ -184,6 +195,7 @@ class ModelRunner:
                 self.kv_caches.copy_blocks(self._to_device(np.ascontiguousarray(cow_copies[groups == g])), int(g))
 
         metadata = self.build_metadata(sched_out)
+        cuda_graph_captured = False
         warmups = self.step_graphs.num_warmup_runs if self.step_graphs is not None else 0
         input_ids, positions = self._to_device(sched_out.input_ids), self._to_device(sched_out.positions)
         token_slots = self._lora_token_slots(sched_out, lora_slots)
@@ -198,13 +210,21 @@ class ModelRunner:
                                            TreeVerifyAttention(self.attn_backend, tree_mask))
         elif token_slots is None and self.step_graphs is not None and _replays_as_decode(metadata):
             hidden = self._decode_with_graph(_rows_as_decode_tokens(metadata), input_ids, positions)
+        elif token_slots is None and self.cuda_graphs is not None and self.cuda_graphs.can_run(metadata):
+            try:
+                hidden, cuda_graph_captured = self.cuda_graphs.run(metadata, input_ids, positions)
+            except CudaGraphCaptureError as e:  # nothing ran: this step and the later ones go eager
+                logger.warning("CUDA graphs off: %s", e)
+                self.cuda_graphs = None
+                hidden = self._forward(metadata, input_ids, positions)
         elif token_slots is not None:  # LoRA steps run eagerly: their hooks read the slots (pagellm.lora.layers)
             with self.lora_state.step(token_slots):
                 hidden = self._forward(metadata, input_ids, positions)
         else:
             hidden = self._forward(metadata, input_ids, positions)
 
-        graph_warmup = self.step_graphs is not None and self.step_graphs.num_warmup_runs != warmups
+        graph_warmup = cuda_graph_captured or (self.step_graphs is not None
+                                               and self.step_graphs.num_warmup_runs != warmups)
         if not get_pp_state().is_last_stage:  # its activations went to the next stage; the last one's output counts
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, graph_warmup=graph_warmup)
         logits_indices = sched_out.logits_indices

@@ -53,7 +53,8 @@ class Worker(WorkerLoRAMixin):
         # step graphs replay pagellm ops only; a tensor- or pipeline-parallel forward has collectives between them
         eager = mc.enforce_eager or get_tp_size() > 1 or get_pp_size() > 1
         self.runner = ModelRunner(self.model, self.attn_backend, self.kv_caches, self.device,
-                                  use_step_graph=False if eager else None)
+                                  use_step_graph=False if eager else None, max_batch=sc.max_num_seqs,
+                                  max_blocks_per_seq=-(-sc.max_model_len // cc.block_size) + 1)
         if config.lora_config is not None:  # hooks on every Linear + the adapter slots (pagellm.lora)
             from pagellm.lora.manager import LoRAModelManager  # noqa: PLC0415
 

@@ -152,7 +152,7 @@ def int8_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, weight
         absmax = x_in.abs().amax(dim=1) if x.shape[1] else empty  # [M]
         inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
         q = torch.round(x_in * inv[:, None]).clamp(-127, 127)
-        row_scale = absmax / 127.0
+        row_scale = absmax / torch.full_like(absmax, 127.0)  # tensor / tensor: IEEE-rounded on CUDA too
     if group_size <= 0:
         acc = (q.double() @ weight.double().T).float()
         y = acc * (row_scale[:, None] * weight_scale[None, :])
@@ -172,5 +172,5 @@ def _int8_groups(x_in: torch.Tensor, weight: torch.Tensor, group_size: int) -> t
         inv = torch.where(absmax > 0, torch.full_like(absmax, 127.0) / absmax, 0.0)
         q = torch.round(xg * inv[:, None]).clamp(-127, 127)
         acc = (q.double() @ weight[:, k0:k0 + group_size].double().T).float()
-        y = y + acc * (absmax / 127.0)[:, None]
+        y = y + acc * (absmax / torch.full_like(absmax, 127.0))[:, None]
     return y
