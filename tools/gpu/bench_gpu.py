@@ -124,6 +124,10 @@ def main() -> None:
             tpot = (t_full - t_one) / (new - 1)
             res[f"{tag}_b1_tpot_ms"] = tpot * 1e3
             res[f"{tag}_b1_mbu"] = weight_bytes / tpot / (res["copy_gbs"] * 1e9)
+            graphs = llm.llm_engine.executor.driver_worker.runner.cuda_graphs
+            if graphs is not None and 1 in graphs.captured_buckets:  # the step's GPU time alone, host loop aside
+                res[f"{tag}_b1_replay_ms"] = cuda_median_ms(lambda: graphs.replay(1), iters=50)
+                res[f"{tag}_b1_replay_mbu"] = weight_bytes / (res[f"{tag}_b1_replay_ms"] / 1e3) / (res["copy_gbs"] * 1e9)
             t64_full, t64_one = timed(lambda: gen(p128, new), rep), timed(lambda: gen(p128, 1), rep)
             res[f"{tag}_b64_tpot_ms"] = (t64_full - t64_one) / (new - 1) * 1e3
             res[f"{tag}_b64_tok_s"] = 64 * new / t64_full
@@ -147,6 +151,9 @@ def main() -> None:
         f = lambda k, fmt="{:.2f}": fmt.format(res[k]) if k in res else "-"  # noqa: E731
         print(f"| pagellm {tag} | {f(tag + '_b1_tpot_ms')} | {f(tag + '_b1_mbu')} | {f(tag + '_b64_tpot_ms')} | "
               f"{f(tag + '_b64_tok_s', '{:.0f}')} | {f(tag + '_prefill_2k_ms')} | {f(tag + '_prefill_mfu')} |")
+    if "graphs_b1_replay_ms" in res:
+        print(f"| batch-1 graph replay alone | {res['graphs_b1_replay_ms']:.3f} | {res['graphs_b1_replay_mbu']:.2f} "
+              f"| - | - | - | - |")
     print(f"| HF eager (SDPA) | {res['hf_b1_tpot_ms']:.2f} | {weight_bytes / res['hf_b1_tpot_ms'] * 1e3 / (res['copy_gbs'] * 1e9):.2f}"
           f" | - | - | {res['hf_prefill_2k_ms']:.2f} | "
           f"{flops_prefill / (res['hf_prefill_2k_ms'] / 1e3) / (res['bf16_tflops'] * 1e12):.2f} |")

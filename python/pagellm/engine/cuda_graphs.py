@@ -91,6 +91,15 @@ class CudaGraphRunner:
         self._graphs.clear()
         self._pool = None
 
+    @property
+    def captured_buckets(self) -> list[int]:
+        return sorted(self._graphs)
+
+    def replay(self, bucket: int) -> None:
+        """Replays bucket's graph on the inputs of the last step that used it (benchmarks: the GPU time of a step
+        without the host loop around it; it rewrites the KV rows that step wrote, with the same values)."""
+        self._graphs[bucket].graph.replay()
+
     def _metadata(self, b: int) -> AttentionMetadata:
         return AttentionMetadata(
             num_reqs=b, num_tokens=b, num_decode_reqs=b, max_query_len=1,
