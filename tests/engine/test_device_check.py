@@ -50,3 +50,14 @@ def test_llm_refuses_before_loading(tiny_llama_dir):
 
     with pytest.raises(ValueError, match="device='cuda'"):
         LLM(str(tiny_llama_dir), device="cuda")
+
+
+def test_weights_that_do_not_fit_are_named_with_numbers(monkeypatch):
+    from pagellm.engine.device_check import weights_do_not_fit
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (3 << 29, 80 << 30))
+    err = weights_do_not_fit(torch.device("cuda:0"), torch.bfloat16,
+                             torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"))
+    assert isinstance(err, ValueError)
+    assert "1.50 GiB of 80.00 GiB free" in str(err) and "Tried to allocate 2.00 GiB" in str(err)
+    assert "torch.bfloat16" in str(err)

@@ -14,6 +14,7 @@ import torch
 from pagellm.config import EngineConfig
 from pagellm.distributed import get_pp_size, get_tp_size
 from pagellm.distributed.pipeline import stage_step
+from pagellm.engine.device_check import weights_do_not_fit
 from pagellm.engine.model_runner import ModelRunner, ModelRunnerOutput
 from pagellm.kv_cache import KVCacheConfig, allocate_kv_caches, make_kv_cache_config
 from pagellm.logger import init_logger
@@ -36,7 +37,10 @@ class Worker(WorkerLoRAMixin):
         self.device = torch.device(mc.device)
         self.threading = apply_threading(ThreadingConfig.from_env()) if self.device.type == "cpu" else None
         self.dtype = mc.torch_dtype(resolve_dtype("auto", model_files.hf_config))
-        self.model = build_model(model_files, self.dtype, self.device, quantization=mc.quantization)
+        try:
+            self.model = build_model(model_files, self.dtype, self.device, quantization=mc.quantization)
+        except torch.OutOfMemoryError as e:  # a clear error with the numbers, not torch's allocator message alone
+            raise weights_do_not_fit(self.device, self.dtype, e) from e
         self.hidden_size = getattr(model_files.hf_config, "hidden_size", None)  # a pipeline stage's activations
         self.model.eval()
         # per-layer specs -> groups -> blocks that fit (a mixed sliding/full model: a hybrid cache, a block table per
