@@ -108,7 +108,8 @@ def ngram_vs_k(prompts, configs: dict[str, dict | None], args) -> list[dict]:
 def render(data: dict) -> str:
     a, e = data["args"], data["env"]
     rows = [[q, f"{v['wall_ms']:.2f}", f"{v['cpu_ms']:.2f}", f"{v['wall_ratio']:.2f}x", f"{v['cpu_ratio']:.2f}x",
-             "-" if int(q) == 1 else f"{(v['wall_ratio'] - 1) / (int(q) - 1):.3f}"] for q, v in data["rows"].items()]
+             "-" if int(q) == 1 else f"{(v['wall_ratio'] - 1) / (int(q) - 1):.3f}",
+             "-" if int(q) == 1 else f"{(v['cpu_ratio'] - 1) / (int(q) - 1):.3f}"] for q, v in data["rows"].items()]
     ks = [[r["config"], f"{r['tok_s']:.1f}", f"{r['tpot_ms']:.2f}", f"{r['ratio']:.2f}x", f"{r['tpot_ratio']:.2f}x",
            f"{r['cpu_ratio']:.2f}x",
            "-" if r["config"] == "none" else f"{r['acceptance']:.2f}",
@@ -120,8 +121,9 @@ def render(data: dict) -> str:
         f"PAGELLM_NUM_THREADS={a['num_threads_env']}; load average {data['load_start']} at start, {data['load_end']} "
         f"at end. Default model bf16, batch 1, copy prompts.", "",
         f"Step cost vs query rows ({a['rounds']} rounds after a warm-up round, {a['steps']} decode steps per row count "
-        "and round, medians; c = (wall ratio - 1) / drafts):", "",
-        C.md_table(["query rows", "step ms (wall)", "step ms (CPU)", "vs 1 row (wall)", "vs 1 row (CPU)", "c"], rows),
+        "and round, medians; c = (ratio - 1) / drafts):", "",
+        C.md_table(["query rows", "step ms (wall)", "step ms (CPU)", "vs 1 row (wall)", "vs 1 row (CPU)", "c (wall)",
+                    "c (CPU)"], rows),
         "", f"ngram vs k ({a['num_prompts']} prompts, {a['output_len']} new tokens, {a['rounds']} interleaved rounds, "
         "medians; tok/s and tokens per CPU second of this process include each request's prefill, TPOT does not):", "",
         C.md_table(["config", "tok/s", "TPOT ms", "tok/s vs none", "TPOT vs none", "tok per CPU s vs none",
@@ -142,7 +144,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-rows", action="store_true")
     ap.add_argument("--tag", default="copy")
+    ap.add_argument("--render", default=None, help="only re-render this results JSON (its .md beside it)")
     args = ap.parse_args()
+    if args.render:
+        data = json.loads(open(args.render).read())
+        C.save_results(f"verify_rows_{data['tag']}", render(data), data)
+        return
     if args.rows[0] != 1:
         ap.error("--rows must start with 1 (the plain step every ratio is taken against)")
     args.num_threads_env = os.environ.get("PAGELLM_NUM_THREADS", "unset (all CPUs)")
