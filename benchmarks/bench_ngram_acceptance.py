@@ -10,7 +10,9 @@ sees prompt + the tokens committed so far, drafts a chain (find_ngram_continuati
 (ngram_candidate_tree), and the step commits the longest draft path equal to the true continuation plus one token
 (what greedy verification commits). Reported: tokens per step, and the decode speed-up under a verify cost model
 (a step of 1 + d tokens costs 1 + c d plain steps, c per --costs; a step without drafts costs 1), which says how
-cheap a draft token must be for a configuration to pay. No timing: the numbers do not depend on the machine's load.
+cheap a draft token must be for a configuration to pay. "fixed" / "match" replay NgramProposer itself (its
+incremental matchers; draft_length "fixed" or "match"); "oracle" drafts, at every step, the longest true
+continuation that follows any earlier occurrence of the last token (what no single-chain lookup can beat). No timing: the numbers do not depend on the machine's load.
 Writes benchmarks/results/ngram_acceptance_<tag>.{md,json}.
 """
 
@@ -23,19 +25,34 @@ import common as C
 import numpy as np
 
 CONFIGS = (("chain", 3, 3), ("chain", 4, 4), ("chain", 6, 6), ("chain", 8, 8), ("tree", 3, 4), ("tree", 3, 6),
-           ("tree", 4, 6), ("tree", 4, 8), ("tree", 6, 10), ("tree", 8, 16))
+           ("tree", 4, 6), ("tree", 4, 8), ("tree", 6, 10), ("tree", 8, 16),
+           # NgramProposer itself (incremental matchers): draft_length "fixed" / "match" (as many as the match agreed)
+           ("fixed", 3, 3), ("fixed", 8, 8), ("fixed", 12, 12), ("match", 3, 3), ("match", 8, 8), ("match", 12, 12),
+           ("match", 16, 16), ("oracle", 0, 0))
 
 
 def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: int, lo: int, hi: int) -> list[int]:
     """Per step of a lossless speculative run: its number of draft tokens and tokens committed (pairs)."""
     from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
 
+    from pagellm.spec_decode import DraftRequest
+    from pagellm.spec_decode.ngram import NgramProposer
+
     steps = []
     for prompt, out in pairs:
         seq, i = list(prompt), 0
+        proposer = NgramProposer(k, lo, hi, draft_length=kind) if kind in ("fixed", "match") else None
         while i < len(out):
             ids = np.asarray(seq, dtype=np.int64)
-            if kind == "chain":
+            if proposer is not None:
+                req = DraftRequest("s", prompt, seq[len(prompt) :], max_num_drafts=k)
+                drafts = proposer.propose([req]).get("s", [])
+                parents = list(range(-1, len(drafts) - 1))
+            elif kind == "oracle":  # the best any single earlier occurrence of the last token could have drafted
+                drafts = max(([seq[e + 1 + j] for j in range(_agreeing(seq, e, out, i))] for e in range(len(seq) - 1)
+                              if seq[e] == seq[-1]), key=len, default=[])
+                parents = list(range(-1, len(drafts) - 1))
+            elif kind == "chain":
                 drafts = find_ngram_continuation(ids, lo, hi, k).tolist()
                 parents = list(range(-1, len(drafts) - 1))
             else:
@@ -49,6 +66,14 @@ def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: i
             seq += out[i : i + n]
             i += n
     return steps
+
+
+def _agreeing(seq: list[int], end: int, out: list[int], i: int) -> int:
+    """How many of the true next tokens out[i:] follow position `end` in seq."""
+    a = 0
+    while i + a < len(out) and end + 1 + a < len(seq) and seq[end + 1 + a] == out[i + a]:
+        a += 1
+    return a
 
 
 def main() -> None:
@@ -77,7 +102,7 @@ def main() -> None:
         speed = [committed / sum(1 + c * d for d, _ in steps) for c in args.costs]
         results.append({"kind": kind, "k": k, "tree_nodes": nodes, "steps": len(steps), "drafted_steps": drafted,
                         "tokens_per_step": committed / len(steps), "speedup": dict(zip(map(str, args.costs), speed))})
-        rows.append([kind, k, nodes if kind == "tree" else "-", f"{committed / len(steps):.2f}",
+        rows.append([kind, k or "-", nodes if kind == "tree" else "-", f"{committed / len(steps):.2f}",
                      f"{drafted / len(steps):.0%}"] + [f"{s:.2f}x" for s in speed])
     tag = args.tag or args.workload
     md = "\n".join([f"# ngram acceptance offline ({tag})", "",

@@ -48,6 +48,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
+    # ngram with k drafts after every match (the rule before session 14's per-request draft length, the default now)
+    "ngram_fixed": lambda k, args: {**METHODS["ngram"](k, args), "draft_length": "fixed"},
     # ngram candidate trees: depth k, at most --tree-nodes nodes (greedy rows), verified in one step
     "ngram_tree": lambda k, args: {**METHODS["ngram"](k, args), "tree_nodes": max(k, args.tree_nodes)},
     # ngram with adaptive k (opt-in): each sequence asks for the drafts (<= k) that pay best; A/B with ngram in one run

@@ -326,3 +326,26 @@ def test_engine_without_adaptive_k_drafts_k(tiny_llama_dir, plain):
     stats = eng.spec_stats
     assert stats.num_spec_rows > 0
     assert stats.num_draft_tokens >= 7 * stats.num_spec_rows  # k = 8, but near max_tokens / max_model_len
+
+
+def test_a_request_is_costed_at_its_own_recent_draft_count():
+    """A proposer whose drafts follow the match (ngram's draft_length "match") drafts fewer than k: the switch costs a
+    request's drafting at its EWMA of drafts per verify, not at k. With k = 12, 1 draft per verify, 1 accepted, a plain
+    step of 10 ms and 2 ms per draft token: 12 drafts would cost 24 ms for a 10 ms token (off); 1 draft costs 2 ms
+    (on). Before its first verify a request is costed at k; an explicit num_drafts still wins."""
+    k, now = 12, [0.0]
+    switch = SpecSwitch(k, clock=lambda: now[0])
+    for _ in range(40):  # the costs get measured from the request's one-draft verifies (and the plain-step probe)
+        if switch.begin_step(["a"], timed=True):
+            switch.record_proposals(1, 0.0, 1)
+            switch.record_verify("a", 1, 1)
+            now[0] += 0.002
+        now[0] += 0.010
+    switch.begin_step(["a", "b"], timed=False)
+    switch.begin_step(["a"], timed=True)
+    assert switch._drafts["a"] == pytest.approx(1.0)
+    assert switch.wants_drafts("a", 1)  # costed at its 1 draft per verify
+    assert not switch.wants_drafts("a", 1, num_drafts=k)  # at k it would not pay
+    assert switch._draft_cost_s(1, k) > 0.010 * (switch.acceptance("a") - 0.1)
+    switch.begin_step(["a", "new"], timed=False)
+    assert "new" not in switch._drafts  # unknown requests are costed at k until their first verify

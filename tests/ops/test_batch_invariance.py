@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
 import pagellm.ops as ops  # noqa: E402
-from pagellm.ops import linear_dispatch  # noqa: E402
+from pagellm.ops import linear_dispatch, reference  # noqa: E402
 
 OP = torch.ops.pagellm
 ROW_COUNTS = (1, 2, 3, 5, 8, 16, 17, 32, 64, 65, 150)
@@ -176,3 +176,61 @@ def test_multi_query_decode_equals_single_token_decodes():
     row = _decode(q, kc, vc, tables[[0] * 5], ctx)
     for i, n in enumerate(ctx):
         assert torch.equal(row[i], _decode(q[i : i + 1], kc, vc, tables[:1], [n])[0])
+
+
+def _row_queries(lens_of_rows, num_heads, seed):
+    """The multi-query decode arguments of rows of 1 + k tokens (one query per token: its row's block table, context
+    up to its own position), as the cpu backend builds them: (row per query, context per query)."""
+    rows, ctx = [], []
+    for r, (end, count) in enumerate(lens_of_rows):
+        rows += [r] * count
+        ctx += list(range(end - count + 1, end + 1))
+    return rows, ctx
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 2, 80), (2, 2, 64), (16, 1, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_verify_rows_equal_single_token_decodes(num_heads, num_kv_heads, head_dim, dtype):
+    """Runs of consecutive queries of one row share their key tiles (decode_runs_cpu_kernels.h): each query must
+    still get the bits of its plain single-token decode: rows of 13 and 17 tokens (longer than one run of 16 heads'
+    worth: split into runs), rows straddling the 256-key partitions and tile edges, a one-token row between them, a
+    one-key context, at G = 3, 4, 1, 16 query heads per kv head."""
+    spec = [(262, 13), (40, 1), (300, 17), (33, 2), (1, 1), (520, 9)]  # (last context, tokens) per row
+    kc, vc, tables = _paged_cache([end for end, _ in spec], num_kv_heads=num_kv_heads, head_dim=head_dim)
+    kc, vc = kc.to(dtype), vc.to(dtype)
+    rows, ctx = _row_queries(spec, num_heads, seed=5)
+    q = _rand(len(ctx), num_heads, head_dim, dtype=dtype, seed=13)
+    out = torch.empty_like(q)
+    OP.paged_attention_decode(out, q, kc, vc, tables[rows], torch.tensor(ctx, dtype=torch.int32), 0.125, -1, 0.0)
+    for i, n in enumerate(ctx):
+        alone = torch.empty_like(q[i : i + 1])
+        OP.paged_attention_decode(alone, q[i : i + 1], kc, vc, tables[rows[i] : rows[i] + 1],
+                                  torch.tensor([n], dtype=torch.int32), 0.125, -1, 0.0)
+        assert torch.equal(out[i], alone[0]), f"query {i} (row {rows[i]}, context {n})"
+    ref = torch.empty_like(q)
+    reference.paged_attention_decode(ref, q, kc, vc, tables[rows], torch.tensor(ctx, dtype=torch.int32), 0.125)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_fused_verify_rows_with_softcap_and_int8_cache():
+    """The fused path with a soft cap and on an int8 cache (per-row scales): bits of the single-token decodes."""
+    spec = [(270, 12), (90, 5)]
+    kc, vc, tables = _paged_cache([end for end, _ in spec], num_kv_heads=3, head_dim=64)
+    rows, ctx = _row_queries(spec, 9, seed=6)
+    q = _rand(len(ctx), 9, 64, seed=14)
+    lens = torch.tensor(ctx, dtype=torch.int32)
+    out = torch.empty_like(q)
+    OP.paged_attention_decode(out, q, kc, vc, tables[rows], lens, 0.125, -1, 30.0)
+    ks = torch.rand(kc.shape[:3], generator=torch.Generator().manual_seed(3)) * 0.02 + 0.001
+    vs = torch.rand(vc.shape[:3], generator=torch.Generator().manual_seed(4)) * 0.02 + 0.001
+    k8 = (kc.float() * 40).clamp(-127, 127).to(torch.int8)
+    v8 = (vc.float() * 40).clamp(-127, 127).to(torch.int8)
+    out8 = torch.empty_like(q)
+    OP.paged_attention_decode_quantized(out8, q, k8, v8, ks, vs, tables[rows], lens, 0.125, -1, 0.0)
+    for i, n in enumerate(ctx):
+        one = torch.tensor([n], dtype=torch.int32)
+        alone, alone8 = torch.empty_like(q[:1]), torch.empty_like(q[:1])
+        OP.paged_attention_decode(alone, q[i : i + 1], kc, vc, tables[rows[i] : rows[i] + 1], one, 0.125, -1, 30.0)
+        OP.paged_attention_decode_quantized(alone8, q[i : i + 1], k8, v8, ks, vs, tables[rows[i] : rows[i] + 1], one,
+                                            0.125, -1, 0.0)
+        assert torch.equal(out[i], alone[0]) and torch.equal(out8[i], alone8[0]), f"query {i}"

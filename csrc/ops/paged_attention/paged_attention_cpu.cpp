@@ -6,6 +6,7 @@
 #include "ops/common/checks.h"
 #include "ops/paged_attention/attention_checks.h"
 #include "ops/paged_attention/decode_cpu_kernels.h"
+#include "ops/paged_attention/decode_runs_cpu_kernels.h"
 #include "ops/paged_attention/mla_checks.h"
 #include "ops/paged_attention/prefill_amx_kernels.h"
 #include "ops/paged_attention/prefill_cpu_kernels.h"
@@ -117,7 +118,7 @@ void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   auto lens = seq_lens.contiguous();
   check_tables(block_tables, lens.data_ptr<int32_t>(), c);
   dispatch_args(out, query, key_cache, value_cache, block_tables, lens.data_ptr<int32_t>(), nullptr, c, scale,
-                window_size, softcap, scales, [](const auto& args) { paged_attention_decode_kernel(args); });
+                window_size, softcap, scales, [](const auto& args) { paged_attention_decode_runs_kernel(args); });
 }
 
 void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,

@@ -21,9 +21,9 @@ from pagellm.attention.registry import register_attention_backend
 from pagellm.attention.torch_backend import PagedBackendBase
 from pagellm.kv_cache import PagedKVCache
 
-# Rows with up to this many new tokens attend through the decode kernel, one query per token. It re-reads
-# the row's context once per token (the prefill kernel reads it once per 32-row query tile), which costs
-# little for verify rows (1 + k <= 16) and short prompts.
+# Rows with up to this many new tokens attend through the decode kernel, one query per token; the kernel
+# recognises a row's consecutive queries and reads each key tile once for all of them
+# (decode_runs_cpu_kernels.h), so verify rows (1 + k <= 16) and short prompts cost little beyond their arithmetic.
 MULTI_QUERY_MAX_LEN = 16
 
 

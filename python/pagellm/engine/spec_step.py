@@ -106,10 +106,12 @@ class SpecDecodeStep:
             # seed promises the same output run after run, whatever the timing the switch measures
             seeded = st.params.seed is not None and not st.params.is_greedy
             # adaptive k: the switch's number of drafts; seeded rows keep k (their random stream), trees their shape
+            # ask None: the switch costs the sequence's recent drafts per verify (trees: their k nodes, as verified)
             k = self.proposer.num_speculative_tokens
+            ask = k if trees else None
             if switch is not None and self.spec_adaptive_k and not seeded and not trees:
-                k = switch.num_drafts(sid, len(ready))
-            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready), k)):
+                k = ask = switch.num_drafts(sid, len(ready))
+            if switch is not None and not seeded and not (may_draft and switch.wants_drafts(sid, len(ready), ask)):
                 continue
             req = DraftRequest.for_sequence(sid, st.prompt_token_ids, seq.output_token_ids, st.params.max_tokens,
                                             self.max_model_len, k)

@@ -4,10 +4,18 @@
                                    "prompt_lookup_min": 1, "prompt_lookup_max": 4})
 
 For each sequence (prompt + output so far) the longest suffix of n tokens, n from prompt_lookup_max
-down to prompt_lookup_min, that also occurred earlier is looked up; the tokens that followed its most
-recent earlier occurrence are the drafts (read on from their start when they reach the end of the
-sequence: a loop goes on). No model, no state between steps: it pays off where outputs copy their
-input (rewriting, summarising, code edits) and costs one numpy scan per sequence elsewhere.
+down to prompt_lookup_min, that also occurred earlier is looked up (the most recent occurrence on a tie); the
+tokens that followed it are the drafts (read on from their start when they reach the end of the sequence: a loop
+goes on). No model: it pays off where outputs copy their input (rewriting, summarising, code edits).
+
+Per-request draft length (`"draft_length": "match"`, the default): a sequence drafts as many tokens as its match
+has agreed with the text, at most num_speculative_tokens: a 1-2 token coincidence drafts 1-2 tokens, a copy run
+that has agreed for 20 tokens drafts k (the match is followed as the text keeps agreeing with it, so its length
+grows past prompt_lookup_max), no match drafts nothing. k can then be set high (8-12) for copy-heavy work without
+paying k rows per verify where matches are short. `"fixed"`: always k drafts after a match (the old rule).
+Matching is incremental (ngram_index.py): each sequence's tokens are indexed once as they are accepted, and a step
+costs the newly accepted tokens plus one lookup among the earlier occurrences of the last token, not a scan of the
+sequence (which made long sequences quadratic).
 
 Candidate trees (`"tree_nodes": N`, N >= num_speculative_tokens): greedy rows get a token tree of up to N
 nodes and depth num_speculative_tokens merged from several earlier occurrences of the suffix, heaviest
@@ -26,26 +34,33 @@ import numpy as np
 
 from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer, DraftRequest
+from pagellm.spec_decode.ngram_index import MatcherCache
 from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
 MAX_PROMPT_LOOKUP = 128  # longest n-gram matched; longer suffixes add nothing a 128-token match lacks
+DRAFT_LENGTHS = ("match", "fixed")
 
 
 @register_proposer("ngram")
 class NgramProposer(BaseProposer):
-    """Prompt-lookup drafts (`find_ngram_continuation`) per sequence; sequences without a match get none."""
+    """Prompt-lookup drafts per sequence (incremental matchers, ngram_index.py), as many as the match has agreed
+    (`draft_length` "match") or always k ("fixed"); sequences without a match get none."""
 
-    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max", "tree_nodes")
+    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max", "tree_nodes", "draft_length")
     # CPU decode is weight-bound at small batches, so scoring 1 + k tokens per row is nearly free there;
     # from a handful of rows on the forward turns compute-bound and rejected drafts cost real time.
     default_disable_by_batch_size = 4
 
-    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4) -> None:
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
+                 draft_length: str = "match") -> None:
         super().__init__(num_speculative_tokens)
-        self.check_options({"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max})
+        self.check_options({"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max,
+                            "draft_length": draft_length})
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
+        self.draft_length = draft_length
+        self._matchers = MatcherCache()
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -56,6 +71,9 @@ class NgramProposer(BaseProposer):
                                  f"got {value!r}")
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        length = options.get("draft_length", "match")
+        if not isinstance(length, str) or length not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config: draft_length must be one of {list(DRAFT_LENGTHS)}, got {length!r}")
         nodes = options.get("tree_nodes")
         if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
                                   or not 1 <= nodes <= MAX_SPECULATIVE_TOKENS):
@@ -74,13 +92,17 @@ class NgramProposer(BaseProposer):
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {}
+        fixed = self.draft_length == "fixed"
         for r in requests:
-            ids = np.asarray(r.token_ids, dtype=np.int64)
-            found = find_ngram_continuation(ids, self.prompt_lookup_min, self.prompt_lookup_max,
-                                            min(self.num_speculative_tokens, r.max_num_drafts))
-            if len(found):
-                drafts[r.seq_id] = found.tolist()
+            m = self._matchers.matcher(r.seq_id, r.prompt_token_ids, r.output_token_ids)
+            end, agreed = m.find(self.prompt_lookup_min, self.prompt_lookup_max, 0 if fixed else r.max_num_drafts)
+            num = min(self.num_speculative_tokens, r.max_num_drafts, self.num_speculative_tokens if fixed else agreed)
+            if end >= 0 and num > 0:
+                drafts[r.seq_id] = m.continuation(end, num).tolist()
         return drafts
+
+    def release(self, seq_ids: Iterable[str]) -> None:
+        self._matchers.release(seq_ids)
 
 
 class NgramTreeProposer(NgramProposer):
@@ -91,8 +113,8 @@ class NgramTreeProposer(NgramProposer):
     proposes_trees = True  # the engine asks draft_parents() and tells set_tree_seq_ids() which rows may take trees
 
     def __init__(self, num_speculative_tokens: int, tree_nodes: int, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4) -> None:
-        super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+                 prompt_lookup_max: int = 4, draft_length: str = "fixed") -> None:
+        super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_length)
         self.check_options({"tree_nodes": tree_nodes})
         if tree_nodes < num_speculative_tokens:
             raise ValueError(f"speculative_config: tree_nodes ({tree_nodes}) must be >= num_speculative_tokens "

@@ -7,7 +7,8 @@ and return on average `accepted` more tokens (an EWMA of its recent verifies). T
 
     (accepted - 0.1) * plain_s(n) / n  >  k * extra_s + proposer_s / num_proposed
 
-and not otherwise, re-probing every `probe_every` steps so that a request whose text turns repetitive gets
+(k: the request's recent mean number of drafts per verify, an EWMA: a proposer whose draft length follows
+the match, ngram's default, often drafts fewer than num_speculative_tokens) and not otherwise, re-probing every `probe_every` steps so that a request whose text turns repetitive gets
 its drafts back (a request whose re-probes keep failing waits up to 8x longer). At batch 1 this is "tokens
 per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k * extra_s / plain_s) above
 1" (less a 0.1-token margin); at larger batches one token is cheaper, so the same drafts
@@ -79,6 +80,7 @@ class SpecSwitch:
         self._accepted: dict[str, float] = {}  # seq_id -> EWMA of accepted drafts per verify
         # seq_id -> EWMAs of (accepted drafts, drafts judged: accepted + the rejected one) per verify: adaptive k
         self._trials: dict[str, tuple[float, float]] = {}
+        self._drafts: dict[str, float] = {}  # seq_id -> EWMA of drafts per verify (what its drafting costs)
         self._steps_off: dict[str, int] = {}  # seq_id -> steps since it last drafted while switched off
         self._num_reprobes: dict[str, int] = {}  # seq_id -> re-probes since it was last on (backs the probes off)
         self._num_timed: dict[int, int] = {}  # num rows -> timed steps seen
@@ -97,7 +99,7 @@ class SpecSwitch:
         self._close_step(now_s)
         n = len(ready_seq_ids)
         live = set(ready_seq_ids)
-        for table in (self._accepted, self._trials, self._steps_off, self._num_reprobes):
+        for table in (self._accepted, self._trials, self._drafts, self._steps_off, self._num_reprobes):
             for sid in [s for s in table if s not in live]:
                 del table[sid]
         self._step = None
@@ -125,9 +127,11 @@ class SpecSwitch:
         return max(range(1, self.k + 1), key=tokens_per_s)  # the smallest n among equals
 
     def wants_drafts(self, seq_id: str, num_rows: int, num_drafts: int | None = None) -> bool:
-        """Whether this sequence should draft (num_drafts of them, default k) in a step of num_rows decode-ready
-        rows."""
-        cost = self._draft_cost_s(num_rows, self.k if num_drafts is None else num_drafts)
+        """Whether this sequence should draft (num_drafts of them; default: its recent mean per verify, k before its
+        first verify) in a step of num_rows decode-ready rows."""
+        if num_drafts is None:
+            num_drafts = self._drafts.get(seq_id, self.k)
+        cost = self._draft_cost_s(num_rows, num_drafts)
         plain = self._plain_s.get(num_rows)
         if cost is None or not plain:
             return True
@@ -165,6 +169,8 @@ class SpecSwitch:
             return
         prev = self.acceptance(seq_id)
         self._accepted[seq_id] = prev + self.decay * (num_accepted - prev)
+        drafts = self._drafts.get(seq_id, float(num_drafts))
+        self._drafts[seq_id] = drafts + self.decay * (num_drafts - drafts)
         judged = num_accepted + (num_accepted < num_drafts)  # the trials up to and including the first rejection
         ok, n = self._trials.get(seq_id, (float(num_accepted), float(judged)))
         self._trials[seq_id] = (ok + self.decay * (num_accepted - ok), n + self.decay * (judged - n))
@@ -174,7 +180,7 @@ class SpecSwitch:
         """The sequence's current EWMA of accepted drafts per verify."""
         return self._accepted.get(seq_id, self._pool_accepted)
 
-    def _draft_cost_s(self, num_rows: int, num_drafts: int) -> float | None:
+    def _draft_cost_s(self, num_rows: int, num_drafts: float) -> float | None:
         """Seconds num_drafts drafts add to a step of num_rows rows (verify + the proposer's share), None until
         measured."""
         extra = self._extra_s.get(num_rows)
