@@ -276,7 +276,7 @@ def _run_with_isa(isa: str, path: Path) -> subprocess.CompletedProcess:
 def test_every_isa_path_is_bit_identical(tmp_path):
     flags = _cpu_flags()
     isas = ["scalar"] + (["avx2"] if "avx2" in flags else []) + (
-        ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else [])
+        ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     if len(isas) < 2:
         pytest.skip(f"this CPU runs only the {isas} path (no AVX2): nothing to compare")
     results = {}

@@ -19,7 +19,7 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define PAGELLM_INT8_X86 1
-#define PAGELLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#define PAGELLM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 #define PAGELLM_TARGET_AVX2 __attribute__((target("avx2")))
 #endif
 
