@@ -91,6 +91,19 @@ def bench_shape(n: int, k: int, m: int, schemes: list[str], args) -> dict:
     return {"n": n, "k": k, "m": m, "ms": med, "vs_bf16": ratio_bf16, "vs_first": ratio_absmax}
 
 
+def copy_gbs(clock, nbytes: int = 256 << 20, iters: int = 5) -> float:
+    """A large tensor.copy_ in GB/s (read + write), median of `iters`, timed by `clock` (common.copy_bandwidth_gbs
+    with the op timings' clock: thread CPU time under --clock cpu, so descheduled time counts for neither)."""
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)
+    ts = []
+    for _ in range(iters):
+        t = clock()
+        dst.copy_(src)
+        ts.append(clock() - t)
+    return 2 * nbytes / statistics.median(ts) / 1e9
+
+
 def bench_breakdown(n: int, k: int, scheme: str, args) -> dict:
     """M = 1 timing variants of one shape (see the module docstring), interleaved per round."""
     stream = args.stream_mib << 20
@@ -128,14 +141,14 @@ def bench_breakdown(n: int, k: int, scheme: str, args) -> dict:
             "gemv_gbs": int8_bytes / gemv / 1e9 if gemv > 0 else float("nan")}
 
 
-def breakdown_table(rows: list[dict], scheme: str, copy_gbs: list[float], threads: int, args) -> str:
+def breakdown_table(rows: list[dict], scheme: str, copy: list[float], threads: int, args) -> str:
     header = ["shape (N x K)", "bf16 ms", f"{scheme} ms", "ratio", "bf16 GB/s", "int8 GB/s", "activations + call ms",
               "GEMV ms", "GEMV GB/s", "per-row absmax ms", "one outlier column ms"]
     body = [[r["shape"], r["ms"]["bf16"], r["ms"]["int8"], r["ratio"], r["bf16_gbs"], r["int8_gbs"],
              r["ms"]["quantize"], r["gemv_ms"], r["gemv_gbs"], r["ms"]["absmax"], r["ms"]["outlier"]] for r in rows]
     return (f"int8_linear {scheme} vs linear_small_m at M = 1, bf16 x, {threads} threads, {args.clock} clock, medians "
             f"of {args.repeats} interleaved rounds of {args.calls} calls (ratio: median of per-round ratios); copy "
-            f"bandwidth (read + write) {copy_gbs[0]:.1f} GB/s before, {copy_gbs[1]:.1f} after; load "
+            f"bandwidth (read + write) {copy[0]:.1f} GB/s before, {copy[1]:.1f} after; load "
             f"{C.loadavg()[0]:.2f}\n\n" + C.md_table(header, body))
 
 
@@ -160,15 +173,15 @@ def main() -> None:
     threads = C.setup_threads(args.threads)
     schemes = args.schemes.split(",")
     if args.breakdown:
-        copy_gbs = [C.copy_bandwidth_gbs()["median_gbs"]]
+        copy = [copy_gbs(CLOCKS[args.clock])]
         rows = []
         for name, n, k in SHAPES_1B:
             rows.append({"shape": name, **bench_breakdown(n, k, schemes[0], args)})
             print(f"{name}: " + ", ".join(f"{v} {t:.3f} ms" for v, t in rows[-1]["ms"].items()), flush=True)
-        copy_gbs.append(C.copy_bandwidth_gbs()["median_gbs"])
-        md = breakdown_table(rows, schemes[0], copy_gbs, threads, args)
+        copy.append(copy_gbs(CLOCKS[args.clock]))
+        md = breakdown_table(rows, schemes[0], copy, threads, args)
         print(md)
-        C.save_results(f"int8_breakdown_{args.tag}", md, {"args": vars(args), "rows": rows, "copy_gbs": copy_gbs,
+        C.save_results(f"int8_breakdown_{args.tag}", md, {"args": vars(args), "rows": rows, "copy_gbs": copy,
                                                           "env": C.env_info()})
         return
     rows = []
