@@ -1,9 +1,7 @@
-"""`pagellm quantize --method awq|int8 --output DIR`: write a 4-bit AWQ checkpoint of a model (AutoAWQ's layout),
-or an int8 one (LLM.int8(): float weight rows clipped by an activation-weighted error search, int8_clip.py).
+"""`pagellm quantize --method awq --output DIR`: write a 4-bit AWQ checkpoint of a model (AutoAWQ's layout).
 
     pagellm quantize --method awq --output /tmp/smollm2-awq                # the default model, ~minutes on 2 cores
     pagellm quantize --method awq --model ./my-llama --output ./my-llama-awq --num-samples 128 --seq-len 512
-    pagellm quantize --method int8 --output /tmp/smollm2-int8             # loads with LLM(DIR): quantization int8
 
 Defaults are sized for a small model on a few CPU cores (32 samples x 256 tokens): the default model
 (SmolLM2-135M, 30 layers) took 4 min 15 s on 2 shared cores (145 CPU-seconds, 1.7 GB peak RSS), about 5 s
@@ -22,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-QUANTIZE_METHODS = ("awq", "int8")
-DEFAULT_DTYPES = {"awq": "float16", "int8": "bfloat16"}
+QUANTIZE_METHODS = ("awq",)
 DEFAULT_NUM_SAMPLES = 32
 DEFAULT_SEQ_LEN = 256
 
@@ -68,75 +65,28 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
     return write_awq_checkpoint(tensors, files.path, out, config.group_size, dtype)
 
 
-def quantize_model_int8(model: str | None, output_dir: str | Path, *, group_size: int | None = None,
-                        num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, clip: bool = True,
-                        dtype: str = "bfloat16", seed: int = 0, overwrite: bool = False,
-                        progress: Callable[[str], None] | None = None) -> Path:
-    """Write `model` (an HF dir, a .gguf, or None for the default model) to `output_dir` as a float checkpoint
-    with an int8 `quantization_config` (activation groups of `group_size`, default 64), every decoder linear's
-    rows clipped by int8_clip's search over the calibration samples (clip False: unclipped). Every argument is
-    checked (ValueError) before any work; returns the output directory."""
-    from pagellm.model_loader import open_model
-    from pagellm.quantization.awq_calibrate import load_float_model
-    from pagellm.quantization.awq_export import check_output_dir
-    from pagellm.quantization.calibration_data import calibration_samples
-    from pagellm.quantization.int8 import DEFAULT_GROUP_SIZE, DEFAULT_THRESHOLD, check_group_size
-    from pagellm.quantization.int8_clip import (
-        INT8_STORE_DTYPES, clipped_state_dict, input_mean_squares, write_int8_checkpoint,
-    )
-
-    if dtype not in INT8_STORE_DTYPES:
-        raise ValueError(f"dtype {dtype!r} not supported; allowed: {', '.join(INT8_STORE_DTYPES)}")
-    group_size = check_group_size(DEFAULT_GROUP_SIZE if group_size is None else group_size)
-    if num_samples < 1 or seq_len < 2:
-        raise ValueError(f"need num_samples >= 1 and seq_len >= 2; got {num_samples}, {seq_len}")
-    out = check_output_dir(output_dir, overwrite)
-    files = open_model(model)
-    if out.resolve() == Path(files.path).resolve():
-        raise ValueError(f"output directory {out} is the model's own directory; choose another")
-    if clip and files.tokenizer is None:
-        raise ValueError(f"{files.path}: no tokenizer files; calibration needs the model's tokenizer")
-    say = progress or (lambda _msg: None)
-    say(f"model {files.source} ({files.hf_config.num_hidden_layers} layers), activation groups of {group_size}, "
-        f"clip search {f'on {num_samples} samples x {seq_len} tokens' if clip else 'off'}")
-    float_model = load_float_model(str(files.path))
-    if clip:
-        samples = calibration_samples(files.tokenizer, num_samples, seq_len, seed)
-        mean_squares = input_mean_squares(float_model, samples)
-    else:
-        mean_squares = None
-    state = clipped_state_dict(float_model, mean_squares, INT8_STORE_DTYPES[dtype], progress=progress)
-    config = {"quant_method": "int8", "threshold": DEFAULT_THRESHOLD, "activation_scheme": "group",
-              "group_size": group_size}
-    return write_int8_checkpoint(state, files.path, out, dtype, config)
-
-
 def run(a: argparse.Namespace) -> int:
     check_method(a.method)
     start = time.perf_counter()
-    quantize = {"awq": quantize_model_awq, "int8": quantize_model_int8}[a.method]
-    out = quantize(a.model, a.output, group_size=a.group_size, num_samples=a.num_samples, seq_len=a.seq_len,
-                   clip=not a.no_clip, dtype=a.dtype or DEFAULT_DTYPES[a.method], seed=a.seed,
-                   overwrite=a.overwrite, progress=lambda msg: print(f"[{a.method}] {msg}", flush=True))
-    print(f"[{a.method}] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    out = quantize_model_awq(a.model, a.output, group_size=a.group_size, num_samples=a.num_samples,
+                             seq_len=a.seq_len, clip=not a.no_clip, dtype=a.dtype, seed=a.seed,
+                             overwrite=a.overwrite, progress=lambda msg: print(f"[awq] {msg}", flush=True))
+    print(f"[awq] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 
 
 def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("quantize", help="write a quantized checkpoint (awq: 4-bit AWQ, AutoAWQ's layout; "
-                              "int8: LLM.int8() with clipped weight rows)",
+    p = subparsers.add_parser("quantize", help="write a quantized checkpoint (awq: 4-bit AWQ, AutoAWQ's layout)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--method", required=True, help=f"one of: {', '.join(QUANTIZE_METHODS)}")
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--output", required=True, help="output directory (must be empty or new unless --overwrite)")
     p.add_argument("--group-size", type=int, default=None,
-                   help="awq: inputs per weight group (default: the largest of 128/64/32 that fits the model); "
-                   "int8: inputs per activation scale group (default 64)")
+                   help="inputs per quantization group (default: the largest of 128/64/32 that fits the model)")
     p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES, help="calibration samples")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
     p.add_argument("--no-clip", action="store_true", help="skip the weight-clipping search")
-    p.add_argument("--dtype", default=None, help="dtype of the float tensors: float16 | bfloat16 | float32 "
-                   "(default: awq float16, int8 bfloat16)")
+    p.add_argument("--dtype", default="float16", help="dtype of the unquantized tensors: float16 | bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0, help="calibration sample choice")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory")
     p.set_defaults(func=run)
