@@ -299,7 +299,7 @@ void store_tile(const Int8LinearArgs<T>& a, const QuantizedActivations& qa, int6
 }
 
 using DotBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int64_t, int, int,
-                            int32_t*);
+                            int32_t*, bool);
 
 // The dot products of `isa` for int8 rows (zero_point false) or uint8 rows with zero points (true).
 inline DotBlockFn dot_block_for(Isa isa, bool zero_point) {
@@ -311,7 +311,7 @@ inline DotBlockFn dot_block_for(Isa isa, bool zero_point) {
 }
 
 using GroupBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const float*, const int32_t*, int64_t,
-                              int64_t, int64_t, int, int, float*);
+                              int64_t, int64_t, int, int, float*, bool);
 
 // The group scheme's dot products: VNNI, else plain C++ (the AVX2 path has no group kernel: same results).
 inline GroupBlockFn group_block_for(Isa isa) {
@@ -353,12 +353,14 @@ void int8_linear_kernel(const Int8LinearArgs<T>& a, Isa isa) {
           const int mr = static_cast<int>(std::min<int64_t>(kInt8MR, m_end - m0));
           const int8_t* w = a.w + n0 * a.ldw;
           const int8_t* q = qa.q.data() + m0 * qa.ldq;
+          const bool prefetch = m0 == m_begin;  // the chunk's first pass; the others re-read the tile from L1
           if (grouped) {
             const int32_t* corr = qa.lane_corr.empty() ? nullptr : qa.lane_corr.data() + m0 * G * kGroupLanes;
-            group_block(w, a.ldw, q, qa.ldq, qa.scale.data() + m0 * G, corr, G, a.group_size, a.K, mr, nr, facc);
+            group_block(w, a.ldw, q, qa.ldq, qa.scale.data() + m0 * G, corr, G, a.group_size, a.K, mr, nr, facc,
+                        prefetch);
             store_tile(a, qa, m0, n0, mr, nr, facc, w_out.data());
           } else {
-            dot_block(w, a.ldw, q, qa.ldq, qa.sum.data() + m0, a.K, mr, nr, acc);
+            dot_block(w, a.ldw, q, qa.ldq, qa.sum.data() + m0, a.K, mr, nr, acc, prefetch);
             store_tile(a, qa, m0, n0, mr, nr, acc, w_out.data());
           }
         }

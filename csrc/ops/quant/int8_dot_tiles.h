@@ -3,7 +3,7 @@
 // with a function target attribute, whatever -march the file is built with, so the caller can pick one at
 // run time from CPUID (int8_linear_cpu.cpp) and never executes an instruction the CPU lacks.
 //
-// Shared contract of dot_block_<isa><ZP>(w, ldw, q, ldq, row_term, K, mr, nr, acc):
+// Shared contract of dot_block_<isa><ZP>(w, ldw, q, ldq, row_term, K, mr, nr, acc, prefetch):
 //   w        [nr, K] int8 weight rows (row stride ldw; any value in [-128, 127]);
 //   q        [mr, ldq] quantized activations, ldq a multiple of 64, zero beyond K: int8 values (ZP false) or
 //            uint8 codes (ZP true, the same bytes read as unsigned);
@@ -11,7 +11,9 @@
 //            zero points z_i in [0, 255];
 //   acc      [mr, kInt8NR] (row stride kInt8NR): acc[i][j] = sum_k (q[i][k] - z_i) * w[j][k] (z_i = 0 for
 //            int8 rows), exact in int32 (|acc| <= 128 * 127 * K for int8 rows, K < 2^17; <= 128 * 255 * K
-//            for uint8 rows, K < 2^16).
+//            for uint8 rows, K < 2^16);
+//   prefetch true: the VNNI tiles prefetch the weight rows below the block (the caller's first pass over
+//            them; later passes find them in cache, where prefetching the next rows would only evict them).
 #pragma once
 
 #include <cstdint>
@@ -42,7 +44,7 @@ inline int32_t centered(const int8_t* qi, int64_t k, int32_t z) {
 
 template <bool ZP>
 inline void dot_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
-                             int64_t K, int mr, int nr, int32_t* acc) {
+                             int64_t K, int mr, int nr, int32_t* acc, bool /*prefetch*/) {
   for (int i = 0; i < mr; ++i) {
     const int32_t z = ZP ? row_term[i] : 0;
     for (int j = 0; j < nr; ++j) {
@@ -101,7 +103,7 @@ PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void dot_step_vnni(con
 
 template <int MR, int NR, bool ZP>
 PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
-                                       const int32_t* row_term, int64_t K, int32_t* acc_out) {
+                                       const int32_t* row_term, int64_t K, int32_t* acc_out, bool prefetch) {
   __m512i acc[MR][NR], wsum[NR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
@@ -114,7 +116,7 @@ PAGELLM_TARGET_VNNI void dot_tile_vnni(const int8_t* w, int64_t ldw, const int8_
   for (; k + 64 <= K; k += 64) {
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
+      if (prefetch) __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
       w_raw[j] = _mm512_loadu_si512(w + j * ldw + k);
     }
     dot_step_vnni<MR, NR, ZP>(w_raw, q + k, ldq, acc, wsum);
@@ -198,12 +200,12 @@ PAGELLM_TARGET_AVX2 void dot_tile_avx2(const int8_t* w, int64_t ldw, const int8_
 // Runtime (mr, nr) -> the register tile instantiated for it: NR = kInt8NR or 1 (weight-row tails).
 template <int NR, bool ZP>
 inline void dot_rows_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
-                          int64_t K, int mr, int32_t* acc) {
+                          int64_t K, int mr, int32_t* acc, bool prefetch) {
   switch (mr) {
-    case 1: dot_tile_vnni<1, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
-    case 2: dot_tile_vnni<2, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
-    case 3: dot_tile_vnni<3, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
-    default: dot_tile_vnni<4, NR, ZP>(w, ldw, q, ldq, row_term, K, acc); break;
+    case 1: dot_tile_vnni<1, NR, ZP>(w, ldw, q, ldq, row_term, K, acc, prefetch); break;
+    case 2: dot_tile_vnni<2, NR, ZP>(w, ldw, q, ldq, row_term, K, acc, prefetch); break;
+    case 3: dot_tile_vnni<3, NR, ZP>(w, ldw, q, ldq, row_term, K, acc, prefetch); break;
+    default: dot_tile_vnni<4, NR, ZP>(w, ldw, q, ldq, row_term, K, acc, prefetch); break;
   }
 }
 
@@ -220,15 +222,15 @@ inline void dot_rows_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t
 
 template <bool ZP>
 inline void dot_block_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
-                           int64_t K, int mr, int nr, int32_t* acc) {
+                           int64_t K, int mr, int nr, int32_t* acc, bool prefetch) {
   // One x row: weight rows one after another (as group_block_vnni)
-  if (nr == kInt8NR && mr > 1) return dot_rows_vnni<kInt8NR, ZP>(w, ldw, q, ldq, row_term, K, mr, acc);
-  for (int j = 0; j < nr; ++j) dot_rows_vnni<1, ZP>(w + j * ldw, ldw, q, ldq, row_term, K, mr, acc + j);
+  if (nr == kInt8NR && mr > 1) return dot_rows_vnni<kInt8NR, ZP>(w, ldw, q, ldq, row_term, K, mr, acc, prefetch);
+  for (int j = 0; j < nr; ++j) dot_rows_vnni<1, ZP>(w + j * ldw, ldw, q, ldq, row_term, K, mr, acc + j, prefetch);
 }
 
 template <bool ZP>
 inline void dot_block_avx2(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const int32_t* row_term,
-                           int64_t K, int mr, int nr, int32_t* acc) {
+                           int64_t K, int mr, int nr, int32_t* acc, bool /*prefetch*/) {
   if (nr == kInt8NR) return dot_rows_avx2<kInt8NR, ZP>(w, ldw, q, ldq, row_term, K, mr, acc);
   for (int j = 0; j < nr; ++j) dot_rows_avx2<1, ZP>(w + j * ldw, ldw, q, ldq, row_term, K, mr, acc + j);
 }

@@ -1,10 +1,11 @@
 // int8 x int8 dot products with one activation scale per (row, group of K): the per-token-group activation
 // scheme of int8_linear (group_size a multiple of 64, so one 64-byte VNNI step never straddles two groups).
 //
-// Contract of group_block_<isa>(w, ldw, q, ldq, scale, corr, G, gs, K, mr, nr, acc):
+// Contract of group_block_<isa>(w, ldw, q, ldq, scale, corr, G, gs, K, mr, nr, acc, prefetch):
 //   w      [nr, K] int8 weight rows (row stride ldw);  q [mr, ldq] int8 activation codes, zero beyond K;
 //   scale  [mr, G] fp32 s_ig;  corr [mr, G, 16] the lane corrections of group_lane_corrections_vnni (VNNI only);
-//   acc    [mr, kInt8NR] fp32: acc[i][j] = sum_g s_ig * (sum_{k in g} q[i][k] w[j][k]).
+//   acc    [mr, kInt8NR] fp32: acc[i][j] = sum_g s_ig * (sum_{k in g} q[i][k] w[j][k]);
+//   prefetch: as dot_block's (int8_dot_tiles.h).
 // Every path computes it in the same order, so they agree bit for bit: each group's int32 sum is kept per
 // 32-bit lane l (the bytes k with (k mod 64) / 4 == l, as vpdpbusd accumulates them), each lane's fp32
 // accumulator takes fma(float(lane sum), s_ig, acc_l) group after group, and the 16 lanes are added in the
@@ -31,7 +32,7 @@ inline float reduce16(float* v) {
 
 inline void group_block_scalar(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const float* scale,
                                const int32_t* /*corr*/, int64_t G, int64_t gs, int64_t K, int mr, int nr,
-                               float* acc) {
+                               float* acc, bool /*prefetch*/) {
   for (int i = 0; i < mr; ++i) {
     for (int j = 0; j < nr; ++j) {
       const int8_t* qi = q + i * ldq;
@@ -108,7 +109,7 @@ PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline void group_store_vnni(
 template <int MR, int NR>
 PAGELLM_TARGET_VNNI void group64_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
                                            const float* scale, const int32_t* corr, int64_t G, int64_t K,
-                                           float* acc_out) {
+                                           float* acc_out, bool prefetch) {
   __m512 facc[MR][NR];
 #pragma GCC unroll 4
   for (int i = 0; i < MR; ++i)
@@ -119,7 +120,7 @@ PAGELLM_TARGET_VNNI void group64_tile_vnni(const int8_t* w, int64_t ldw, const i
     if (k + 64 <= K) {
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
+        if (prefetch) __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
         w_raw[j] = _mm512_loadu_si512(w + j * ldw + k);
       }
     } else {  // masked weight load (never past the row); q is zero there, so the lanes add 0
@@ -150,8 +151,8 @@ PAGELLM_TARGET_VNNI void group64_tile_vnni(const int8_t* w, int64_t ldw, const i
 template <int MR, int NR>
 PAGELLM_TARGET_VNNI void group_tile_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq,
                                          const float* scale, const int32_t* corr, int64_t G, int64_t gs, int64_t K,
-                                         float* acc_out) {
-  if (gs == 64) return group64_tile_vnni<MR, NR>(w, ldw, q, ldq, scale, corr, G, K, acc_out);
+                                         float* acc_out, bool prefetch) {
+  if (gs == 64) return group64_tile_vnni<MR, NR>(w, ldw, q, ldq, scale, corr, G, K, acc_out, prefetch);
   __m512 facc[MR][NR];
   __m512i iacc[MR][NR];
 #pragma GCC unroll 4
@@ -166,7 +167,7 @@ PAGELLM_TARGET_VNNI void group_tile_vnni(const int8_t* w, int64_t ldw, const int
   for (; k + 64 <= K; k += 64) {
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
-      __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
+      if (prefetch) __builtin_prefetch(w + (j + kInt8PrefetchRows) * ldw + k, 0, 3);
       w_raw[j] = _mm512_loadu_si512(w + j * ldw + k);
     }
     group_step_vnni<MR, NR>(w_raw, q + k, ldq, iacc);
@@ -202,21 +203,25 @@ PAGELLM_TARGET_VNNI inline void group_lane_corrections_vnni(const int8_t* q, int
 
 template <int NR>
 inline void group_rows_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const float* scale,
-                            const int32_t* corr, int64_t G, int64_t gs, int64_t K, int mr, float* acc) {
+                            const int32_t* corr, int64_t G, int64_t gs, int64_t K, int mr, float* acc, bool prefetch) {
   for (int i0 = 0; i0 < mr; i0 += kGroupMR) {
     const float* s = scale + i0 * G;
     const int32_t* c = corr + i0 * G * kGroupLanes;
-    if (mr - i0 >= 2) group_tile_vnni<2, NR>(w, ldw, q + i0 * ldq, ldq, s, c, G, gs, K, acc + i0 * kInt8NR);
-    else group_tile_vnni<1, NR>(w, ldw, q + i0 * ldq, ldq, s, c, G, gs, K, acc + i0 * kInt8NR);
+    const bool pf = prefetch && i0 == 0;  // the next pairs of x rows find the weight rows in L1
+    if (mr - i0 >= 2) group_tile_vnni<2, NR>(w, ldw, q + i0 * ldq, ldq, s, c, G, gs, K, acc + i0 * kInt8NR, pf);
+    else group_tile_vnni<1, NR>(w, ldw, q + i0 * ldq, ldq, s, c, G, gs, K, acc + i0 * kInt8NR, pf);
   }
 }
 
 inline void group_block_vnni(const int8_t* w, int64_t ldw, const int8_t* q, int64_t ldq, const float* scale,
-                             const int32_t* corr, int64_t G, int64_t gs, int64_t K, int mr, int nr, float* acc) {
+                             const int32_t* corr, int64_t G, int64_t gs, int64_t K, int mr, int nr, float* acc,
+                             bool prefetch) {
   // One x row (decode): the weight rows one after another, a single sequential stream each, which memory
   // serves faster than four rows side by side (~0.85x the time at M = 1); x is in L1 either way.
-  if (nr == kInt8NR && mr > 1) return group_rows_vnni<kInt8NR>(w, ldw, q, ldq, scale, corr, G, gs, K, mr, acc);
-  for (int j = 0; j < nr; ++j) group_rows_vnni<1>(w + j * ldw, ldw, q, ldq, scale, corr, G, gs, K, mr, acc + j);
+  if (nr == kInt8NR && mr > 1)
+    return group_rows_vnni<kInt8NR>(w, ldw, q, ldq, scale, corr, G, gs, K, mr, acc, prefetch);
+  for (int j = 0; j < nr; ++j)
+    group_rows_vnni<1>(w + j * ldw, ldw, q, ldq, scale, corr, G, gs, K, mr, acc + j, prefetch);
 }
 #endif  // PAGELLM_INT8_X86
 
