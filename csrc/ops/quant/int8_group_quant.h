@@ -26,8 +26,10 @@ PAGELLM_TARGET_VNNI __attribute__((always_inline)) inline __m512 load16_f32(cons
     return _mm512_maskz_loadu_ps(mask, x);
   } else {
     const __m256i h = _mm256_maskz_loadu_epi16(mask, x);
-    if constexpr (std::is_same_v<T, c10::BFloat16>) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    else return _mm512_cvtph_ps(h);
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    else
+      return _mm512_cvtph_ps(h);
   }
 }
 
