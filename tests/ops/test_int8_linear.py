@@ -166,6 +166,18 @@ def test_float16_and_strided_input(device):
     torch.testing.assert_close(out.float(), expected.float(), rtol=OUT_RTOL[torch.float16], atol=1e-6)
 
 
+@pytest.mark.parametrize("scheme", ["absmax", "zeropoint", "group64", "group128"])
+def test_cpu_rows_are_batch_invariant_without_outlier_columns(scheme):
+    """With no activation over the threshold every row is quantized and multiplied on its own, so a row gives the
+    same bits in any batch (as linear_small_m's rows do): alone, in a slice, or among 100 rows (whose activation
+    pass is split across threads)."""
+    x, _, q, scale, b = make_inputs(100, 389, 67, torch.bfloat16, outliers=False, bias=True, seed=3)
+    kw = dict(zero_point=scheme == "zeropoint", group_size=int(scheme[5:]) if scheme.startswith("group") else 0)
+    full = run_op(x, q, scale, b, THRESHOLD, **kw)
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 20), slice(99, 100), slice(1, 66)):
+        assert torch.equal(run_op(x[rows], q, scale, b, THRESHOLD, **kw), full[rows]), rows
+
+
 # ---------------------------------------------------------------- the threshold
 def test_threshold_zero_means_no_outlier_columns(device):
     """threshold 0 quantizes every column, outliers included; a threshold above every |x| is the same op."""
@@ -276,7 +288,7 @@ def _run_with_isa(isa: str, path: Path) -> subprocess.CompletedProcess:
 def test_every_isa_path_is_bit_identical(tmp_path):
     flags = _cpu_flags()
     isas = ["scalar"] + (["avx2"] if "avx2" in flags else []) + (
-        ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512_vnni"} <= flags else [])
+        ["avx512_vnni"] if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else [])
     if len(isas) < 2:
         pytest.skip(f"this CPU runs only the {isas} path (no AVX2): nothing to compare")
     results = {}

@@ -20,6 +20,7 @@
 #include "ops/common/parallel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <type_traits>
@@ -27,6 +28,7 @@
 
 #include "ops/common/cpu_vec.h"
 #include "ops/quant/int8_dot_tiles.h"
+#include "ops/quant/int8_group_quant.h"
 #include "ops/quant/int8_group_tiles.h"
 
 namespace pagellm::cpu::int8 {
@@ -160,11 +162,35 @@ void quantize_row(const Int8LinearArgs<T>& a, const std::vector<uint8_t>& zero_c
                   QuantizedActivations& qa) {
   if (qa.zero_point) quantize_row_zero_point(a, zero_col, m, stat, qa);
   else quantize_row_absmax(a, zero_col, m, stat, qa);
-  if (!qa.lane_corr.empty()) group_lane_corrections(qa.q.data() + m * qa.ldq, a.K, qa.group_size, qa.num_groups,
-                                                    qa.lane_corr.data() + m * qa.num_groups * 16);
+#ifdef PAGELLM_INT8_X86
+  if (!qa.lane_corr.empty())  // only VNNI tiles take lane corrections
+    group_lane_corrections_vnni(qa.q.data() + m * qa.ldq, a.K, qa.group_size, qa.num_groups,
+                                qa.lane_corr.data() + m * qa.num_groups * kGroupLanes);
+#endif
   const T* xr = a.x + m * a.ldx;
   const int64_t P = static_cast<int64_t>(qa.outlier_cols.size());
   for (int64_t p = 0; p < P; ++p) qa.outlier_x[m * P + p] = static_cast<float>(xr[qa.outlier_cols[p]]);
+}
+
+// Steps 1 and 2 of the group scheme on VNNI when no activation is over the threshold (int8_group_quant.h: one
+// pass over x, the same bytes as the general path). False: some row has one; qa's codes are then partly written.
+template <typename T>
+bool quantize_groups_vnni(const Int8LinearArgs<T>& a, QuantizedActivations& qa, int64_t grain) {
+#ifdef PAGELLM_INT8_X86
+  std::atomic<bool> no_outlier{true};
+  pagellm::cpu::parallel_for(0, a.M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end && no_outlier.load(std::memory_order_relaxed); ++m) {
+      if (!quantize_group_row_vnni(a.x + m * a.ldx, a.K, a.group_size, a.threshold, qa.q.data() + m * qa.ldq,
+                                   qa.scale.data() + m * qa.num_groups,
+                                   qa.lane_corr.data() + m * qa.num_groups * kGroupLanes))
+        no_outlier.store(false, std::memory_order_relaxed);
+    }
+  });
+  return no_outlier.load();
+#else
+  (void)a, (void)qa, (void)grain;
+  return false;
+#endif
 }
 
 // Steps 1 and 2. The statistics pass decides whether any column is an outlier (a row's max |x| over the
@@ -181,11 +207,15 @@ QuantizedActivations quantize_activations(const Int8LinearArgs<T>& a, bool lane_
   qa.scale.resize(a.M * qa.num_groups);
   qa.sum.resize(a.M);
   if (lane_corr && a.group_size > 0) qa.lane_corr.resize(a.M * qa.num_groups * 16);
+  const int64_t grain = std::max<int64_t>(1, kInt8SerialElems / std::max<int64_t>(a.K, 1));
+  if (!qa.lane_corr.empty()) {
+    if (quantize_groups_vnni(a, qa, grain)) return qa;
+    std::fill(qa.q.begin(), qa.q.end(), int8_t{0});  // the general path leaves outlier columns as they are: 0
+  }
   const int64_t per_row = a.zero_point ? 2 : qa.num_groups;
   std::vector<float> stats(a.M * per_row);
   std::vector<float> row_max(a.M);
   std::vector<uint8_t> zero_col;
-  const int64_t grain = std::max<int64_t>(1, kInt8SerialElems / std::max<int64_t>(a.K, 1));
   auto all_stats = [&] {
     pagellm::cpu::parallel_for(0, a.M, grain, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) row_max[m] = row_stats(a, zero_col, m, stats.data() + m * per_row);
@@ -269,7 +299,7 @@ void store_tile(const Int8LinearArgs<T>& a, const QuantizedActivations& qa, int6
 }
 
 using DotBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const int32_t*, int64_t, int, int,
-                            int32_t*);
+                            int32_t*, bool);
 
 // The dot products of `isa` for int8 rows (zero_point false) or uint8 rows with zero points (true).
 inline DotBlockFn dot_block_for(Isa isa, bool zero_point) {
@@ -281,7 +311,7 @@ inline DotBlockFn dot_block_for(Isa isa, bool zero_point) {
 }
 
 using GroupBlockFn = void (*)(const int8_t*, int64_t, const int8_t*, int64_t, const float*, const int32_t*, int64_t,
-                              int64_t, int64_t, int, int, float*);
+                              int64_t, int64_t, int, int, float*, bool);
 
 // The group scheme's dot products: VNNI, else plain C++ (the AVX2 path has no group kernel: same results).
 inline GroupBlockFn group_block_for(Isa isa) {
@@ -323,12 +353,14 @@ void int8_linear_kernel(const Int8LinearArgs<T>& a, Isa isa) {
           const int mr = static_cast<int>(std::min<int64_t>(kInt8MR, m_end - m0));
           const int8_t* w = a.w + n0 * a.ldw;
           const int8_t* q = qa.q.data() + m0 * qa.ldq;
+          const bool prefetch = m0 == m_begin;  // the chunk's first pass; the others re-read the tile from L1
           if (grouped) {
             const int32_t* corr = qa.lane_corr.empty() ? nullptr : qa.lane_corr.data() + m0 * G * kGroupLanes;
-            group_block(w, a.ldw, q, qa.ldq, qa.scale.data() + m0 * G, corr, G, a.group_size, a.K, mr, nr, facc);
+            group_block(w, a.ldw, q, qa.ldq, qa.scale.data() + m0 * G, corr, G, a.group_size, a.K, mr, nr, facc,
+                        prefetch);
             store_tile(a, qa, m0, n0, mr, nr, facc, w_out.data());
           } else {
-            dot_block(w, a.ldw, q, qa.ldq, qa.sum.data() + m0, a.K, mr, nr, acc);
+            dot_block(w, a.ldw, q, qa.ldq, qa.sum.data() + m0, a.K, mr, nr, acc, prefetch);
             store_tile(a, qa, m0, n0, mr, nr, acc, w_out.data());
           }
         }

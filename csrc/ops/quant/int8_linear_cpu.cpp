@@ -24,7 +24,7 @@ bool cpu_supports(Isa isa) {
   switch (isa) {
     case Isa::kAvx512Vnni:
       return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-             __builtin_cpu_supports("avx512vnni");
+             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case Isa::kAvx2: return __builtin_cpu_supports("avx2");
     case Isa::kScalar: return true;
   }
