@@ -107,3 +107,21 @@ def test_packed_model_same_outputs(monkeypatch, tiny_llama_dir):
         runs[mode] = [(list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in d.items()}
                                                        for d in o.outputs[0].logprobs]) for o in out]
     assert runs["0"] == runs["1"]
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(),
+                    reason="transparent huge pages unavailable on this kernel (or set to never)")
+def test_sleep_level2_round_trip_keeps_huge_pages(monkeypatch):
+    from pagellm.engine.sleep import put_to_sleep, wake_from_sleep
+
+    monkeypatch.delenv(WEIGHT_ARENA_ENV, raising=False)
+    toy = _Toy(big=6 * HUGE_PAGE_BYTES // (13 * 2))
+    pack_weights(toy, huge_pages=True)
+    tensors = list(toy.parameters()) + list(toy.buffers())
+    saved = [t.detach().clone() for t in tensors]
+    state = put_to_sleep(2, [], tensors, torch.device("cpu"))
+    assert toy.emb.untyped_storage().nbytes() == 0  # the arena was really freed
+    wake_from_sleep(state)
+    assert all(torch.equal(t, s) for t, s in zip(tensors, saved))
+    ptr = toy.emb.data_ptr()
+    assert " hg" in _vm_flags(-(-ptr // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES)

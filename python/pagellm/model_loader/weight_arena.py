@@ -7,7 +7,8 @@ two-dimensional page walk) and a fresh start for the hardware prefetchers, which
 reads them), whose 2 MiB-aligned interior is `madvise(MADV_HUGEPAGE)`d before its first touch, so the kernel
 backs it with transparent huge pages where it can (THP "madvise" or "always"; nothing happens under "never").
 Tensors keep their identity (`t.data` is swapped): modules, step graphs and optimizers that hold them see the
-new placement. The arena is one ordinary torch storage, so sleep (engine/sleep.py) frees and restores it whole.
+new placement. The arena is one ordinary torch storage, so sleep (engine/sleep.py) frees and restores it whole
+(advising the restored bytes again before reading them back).
 
 `PAGELLM_WEIGHT_ARENA=0` leaves weights where loading put them; `=nohuge` packs without the madvise (A/B).
 """
@@ -57,7 +58,7 @@ def _packable(model: nn.Module) -> list[torch.Tensor]:
     return [t for t in out if storages[t.untyped_storage().data_ptr()] == 1]
 
 
-def _advise_huge_pages(ptr: int, nbytes: int) -> int:
+def advise_huge_pages(ptr: int, nbytes: int) -> int:
     """madvise(MADV_HUGEPAGE) on the 2 MiB-aligned part of [ptr, ptr + nbytes); the bytes advised (0 where the
     platform has no THP)."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
@@ -91,7 +92,7 @@ def pack_weights(model: nn.Module, huge_pages: bool = True) -> int:
     base = 0
     if huge_pages:
         base = (-raw.data_ptr()) % HUGE_PAGE_BYTES
-        _advise_huge_pages(raw.data_ptr() + base, total)
+        advise_huge_pages(raw.data_ptr() + base, total)
     arena = raw[base:base + total]
     with torch.no_grad():
         for t, off in zip(tensors, offsets):
