@@ -23,6 +23,8 @@ from typing import Iterable
 
 import torch
 
+from pagellm.model_loader.weight_arena import advise_huge_pages, arena_mode
+
 SLEEP_LEVELS = (1, 2)
 
 
@@ -128,9 +130,12 @@ def wake_from_sleep(state: SleepingState) -> None:
         s.resize_(nbytes)
         _as_bytes(s).zero_()
     if state.weight_file is not None:
+        huge = arena_mode() == "huge"
         with open(state.weight_file, "rb") as fh:
             for s, nbytes in state.weight_storages:
                 s.resize_(nbytes)
+                if huge:  # a fresh, untouched allocation: huge pages again, as weight_arena gave them
+                    advise_huge_pages(s.data_ptr(), nbytes)
                 if fh.readinto(_host_buffer(s)) != nbytes:
                     raise OSError(f"{state.weight_file}: truncated while restoring the weights")
     for (s, nbytes), host in zip(state.weight_storages, state.host_copies):

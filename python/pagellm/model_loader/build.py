@@ -12,6 +12,7 @@ from pagellm.distributed import get_pp_size, get_tp_size
 from pagellm.distributed.weight_slices import iter_mmap_weights_with_file
 from pagellm.model_loader.files import CONFIG_NAME, ModelFiles, iter_weights_with_file, tensor_headers, weight_files
 from pagellm.model_loader.gguf_native import NativeGGUFPlan, plan_native_gguf
+from pagellm.model_loader.weight_arena import arena_mode, pack_weights
 from pagellm.models.base import WeightLoadError
 from pagellm.models.registry import get_model_cls
 from pagellm.quantization import (
@@ -107,9 +108,10 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
     """Registry lookup by config.architectures[0], construct on `device` in `dtype` with the weight format
     `resolve_quant_config` picks, load weights, let each linear method post-process them, eval().
     quantization="gguf" (a model opened from a .gguf): weights read straight from that file, Q8_0/Q4_0/Q4_1
-    linears kept in their blocks (gguf_native.py)."""
+    linears kept in their blocks (gguf_native.py). On CPU the weights end in one huge-page arena (weight_arena.py)."""
     config = files.hf_config
     cfg_file = Path(files.path) / CONFIG_NAME
+    arena = arena_mode() if torch.device(device).type == "cpu" else "off"  # a bad PAGELLM_WEIGHT_ARENA: before loading
     archs = getattr(config, "architectures", None) or []
     if not archs:
         raise ValueError(f"{cfg_file}: no 'architectures' entry; cannot pick a model class")
@@ -151,4 +153,6 @@ def build_model(files: ModelFiles, dtype: torch.dtype | str = "auto", device: to
         more = f" (and {len(missing) - 1} more: {missing[1:6]}...)" if len(missing) > 1 else ""
         raise WeightLoadError(missing[0], f"missing tensor{more}", file=str(files.path))
     process_weights_after_loading(model)
+    if arena != "off":  # CPU decode streams every weight per token: one huge-page allocation (weight_arena.py)
+        pack_weights(model, huge_pages=arena == "huge")
     return model.eval()
