@@ -41,6 +41,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from pagellm.ops.linear_dispatch import linear
+
 WEIGHTS_NAME = "medusa_lm_head.safetensors"
 CONFIG_NAME = "medusa_config.json"
 DRAFT_VOCAB_NAME = "draft_vocab"
@@ -257,7 +259,9 @@ def draft_vocab_lm_head(weight: torch.Tensor, draft_vocab: torch.Tensor) -> Call
     """[M, H] -> [M, S]: the LM head's rows of the draft vocabulary only, kept in bf16 (drafts need the order
     of the top few logits, not their last bits; half the bytes of fp32)."""
     rows = weight[draft_vocab].to(torch.bfloat16).contiguous()
-    return lambda x: (x.to(torch.bfloat16) @ rows.t()).float()
+    # pagellm's CPU kernel (ops.linear_dispatch; torch's elsewhere): Hydra heads call it between their own
+    # products, where torch's bf16 GEMM ran ~10x slower at batch 1 (hydra_heads._affine)
+    return lambda x: linear(x.to(torch.bfloat16), rows).float()
 
 
 def base_model_hash(hf_config) -> str:
