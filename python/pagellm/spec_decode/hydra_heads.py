@@ -10,8 +10,9 @@ x_{t+1+i} for i >= 1 the draft head i - 1 chose (serving) or the text's token (t
 is exactly the case a chain's draft i is judged in, every earlier draft being right). W_i starts at zero: an
 untrained head passes h_t through, like a fresh Medusa ResBlock.
 
-Why: a Medusa head guesses x_{t+2} from h_t without knowing x_{t+1}; on SmolLM2-135M chat answers the first
-head's held-out top-1 goes from 0.27 (Medusa) to ~0.32 with the token, and a tree's nodes follow their parents.
+Why: a Medusa head guesses x_{t+2} from h_t without knowing x_{t+1}. On SmolLM2-135M's own chat answers (session 14)
+held-out top-1 went from 0.27 / 0.16 / 0.12 (Medusa) to 0.39 / 0.22 / 0.14, the served chain's mean accepted length
+from 1.30 to 1.51; and a tree's nodes follow their parents.
 
 Only the shared-LM-head layout exists (CPU: the target's LM head or a draft vocabulary's rows of it).
 

@@ -38,6 +38,10 @@ measurable (served-way held-out top-1 0.278 / 0.156 / 0.109 vs the fp32 full-voc
 Session 13's retrain (384 answers, CE over the draft vocabulary, best of 1000 steps at step 800) reached the same
 held-out accuracy (0.274 / 0.155 / 0.119, chain_accepted_len 1.30): more of these answers does not make these
 one-ResBlock heads better; the ceiling is the heads, not the data plumbing.
+Session 14: `--head-type hydra` (hydra_heads.py: each head also reads the token before its guess; trained
+teacher-forced on the text's tokens, evaluated drafting sequentially as served) on the same cached answers,
+`--lr 3e-3 --batch-size 256 --weight-decay 0.1`, best at step 450: held-out 0.385 / 0.225 / 0.139, chain_head1 0.327,
+chain_accepted_len 1.51 (Medusa heads on the same data: 1.30).
 
 Measured on the default model (SmolLM2-135M, 3 heads, shared LM head, 2 busy CPU cores), held-out top-1
 of heads 1/2/3: `--data kjv` 300 steps x 256 positions at lr 1e-3: 0.09 / 0.06 / 0.04 (22 min on loaded
