@@ -3,6 +3,7 @@
     pagellm train-medusa --output /tmp/smollm2-medusa          # default model, self-distillation, ~5 min on 2 cores
     pagellm train-medusa --output DIR --model ./my-llama --data kjv --num-heads 4 --steps 600
     pagellm train-medusa --output DIR --data chat --num-train-seqs 256 --steps 1000   # heads for chat serving
+    pagellm train-medusa --output DIR --data chat --head-type hydra                  # heads that read their drafts
 
 The heads load with LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
 "model": DIR}). Layout of DIR: spec_decode/medusa_heads.py.
@@ -20,8 +21,9 @@ def run(a: argparse.Namespace) -> int:
 
     config = MedusaTrainConfig(num_heads=a.num_heads, num_layers=a.num_layers, share_lm_head=not a.own_lm_heads,
                                steps=a.steps, seq_len=a.seq_len, num_train_seqs=a.num_train_seqs, lr=a.lr,
-                               batch_size=a.batch_size, data=a.data, seed=a.seed,
-                               draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every)
+                               batch_size=a.batch_size, data=a.data, seed=a.seed, weight_decay=a.weight_decay,
+                               draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every,
+                               head_type=a.head_type)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
     out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True),
@@ -49,7 +51,7 @@ def engine_answers(model: str | None, dtype: str):
 
 
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, MedusaTrainConfig  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, HEAD_TYPE_NAMES, MedusaTrainConfig  # noqa: PLC0415
 
     d = MedusaTrainConfig()
     p = subparsers.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on a frozen model",
@@ -58,6 +60,9 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: SmolLM2-135M-Instruct)")
     p.add_argument("--num-heads", type=int, default=d.num_heads, help="heads = the most drafts per step")
     p.add_argument("--num-layers", type=int, default=d.num_layers, help="ResBlocks per head")
+    p.add_argument("--head-type", default=d.head_type, choices=HEAD_TYPE_NAMES,
+                   help="medusa: heads on the hidden state alone; hydra: each head also reads the token before its "
+                        "guess (drafted sequentially; better acceptance)")
     p.add_argument("--own-lm-heads", action="store_true",
                    help="give each head its own LM head (Medusa's reference; default: share the model's)")
     p.add_argument("--steps", type=int, default=d.steps)
@@ -65,6 +70,8 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-train-seqs", type=int, default=d.num_train_seqs, help="training windows")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay (hydra heads on a few hundred answers overfit: 0.1 helped)")
     p.add_argument("--data", default=d.data, choices=DATA_SOURCES,
                    help="kjv | pydoc: text on this machine; self: the model's own greedy continuations of KJV "
                         "prompts; chat: the model's own answers to chat-templated questions")

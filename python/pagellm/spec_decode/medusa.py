@@ -15,6 +15,10 @@ point (`observe_hidden_states`). A sequence whose stored state is not for its cu
 child of n > 1 sampling, a preempted sequence being recomputed) gets no drafts that step. No KV cache,
 no forward of its own: one [B*k, H] pass through the ResBlocks and the target's LM head per step.
 
+Hydra heads (`pagellm train-medusa --head-type hydra`, hydra_heads.py; the same directory layout and option):
+head i + 1 reads head i's draft, so the chain is drafted sequentially from the sequence's newest token, and a
+tree's nodes are their parent's top-k guesses. The proposer reads the target's input embedding from its checkpoint.
+
 Trees (`"tree": "default" | "mc_sim_7b_63" | [[0], [1], [0, 0], ...]`): `MedusaTreeProposer` gives greedy rows
 the heads' top-k candidate tree, verified in one forward (medusa_tree.py, engine/tree_step.py). A target the tree
 step cannot run (a quantized KV cache, sliding-window or MLA layers) is refused at construction.
@@ -34,6 +38,7 @@ import torch
 from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
+from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head  # noqa: F401 (re-export)
 from pagellm.spec_decode.medusa_tree import MedusaTree, tree_from_options
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
@@ -80,12 +85,14 @@ class MedusaProposer(BaseProposer):
     def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "MedusaProposer":
         """Load the heads (ValueError for a missing directory, another hidden size or vocabulary, or
         num_speculative_tokens above the number of heads) and reach the target's LM head."""
-        heads = MedusaHeads.load(config.options["model"], dtype=torch.float32)
+        heads = load_draft_heads(config.options["model"], dtype=torch.float32)
         hf_config = context.model_files.hf_config
         heads.check_target(int(hf_config.hidden_size), int(context.vocab_size))
         if heads.base_model_hash not in (None, base_model_hash(hf_config)):
             logger.warning("Medusa heads %s were trained on another base model (%s); drafts may be poor",
                            config.options["model"], heads.base_model)
+        if isinstance(heads, HydraHeads):
+            heads.set_embedding(load_input_embedding(context.model_files))
         if heads.draft_vocab is not None:
             lm_head = draft_vocab_lm_head(load_lm_head_weight(context.model_files), heads.draft_vocab)
         else:
@@ -123,8 +130,8 @@ class MedusaProposer(BaseProposer):
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
         hidden = torch.stack([h for _, h in fresh])
-        tokens = self._token_ids(self.heads(hidden, self.lm_head, num_heads=k).argmax(dim=-1)).tolist()  # [B, k]
-        return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens)}
+        tokens = self.heads.draft_chain(hidden, _last_ids(r for r, _ in fresh), self.lm_head, k, self._token_ids)
+        return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens.tolist())}
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Indices into the heads' logits -> token ids (the same unless a draft vocabulary is scored)."""
@@ -178,20 +185,26 @@ class MedusaTreeProposer(MedusaProposer):
         self._tree_rows = set()
         if not fresh:
             return {}
-        depth = self.tree.depth
-        hidden = torch.stack([h for _, h in fresh])
-        logits = self.heads(hidden, self.lm_head, num_heads=depth)  # [B, depth, V]
-        topk = self._token_ids(logits.topk(max(self.tree.ranks) + 1, dim=-1).indices)  # [B, depth, max_rank + 1]
-        nodes = self.tree.node_tokens(topk).tolist()
-        chains = topk[:, :, 0].tolist()
         out = {}
-        for (r, _), node_row, chain in zip(fresh, nodes, chains):
-            if r.seq_id in self._tree_ok:
+        trees = [(r, h) for r, h in fresh if r.seq_id in self._tree_ok]
+        chains = [(r, h) for r, h in fresh if r.seq_id not in self._tree_ok]
+        if trees:
+            nodes = self.heads.draft_tree(torch.stack([h for _, h in trees]), _last_ids(r for r, _ in trees),
+                                          self.tree.parents, self.tree.ranks, self.lm_head, self._token_ids)
+            for (r, _), row in zip(trees, nodes.tolist()):
                 self._tree_rows.add(r.seq_id)
-                out[r.seq_id] = node_row[: r.max_num_drafts]
-            else:
-                out[r.seq_id] = chain[: r.max_num_drafts]
+                out[r.seq_id] = row[: r.max_num_drafts]
+        if chains:
+            tokens = self.heads.draft_chain(torch.stack([h for _, h in chains]), _last_ids(r for r, _ in chains),
+                                            self.lm_head, self.tree.depth, self._token_ids)
+            out.update({r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(chains, tokens.tolist())})
         return out
+
+
+def _last_ids(requests: Iterable[DraftRequest]) -> torch.Tensor:
+    """[B] each sequence's newest token (the one its stored hidden state gave; Hydra heads start from it)."""
+    return torch.tensor([r.output_token_ids[-1] if r.output_token_ids else r.prompt_token_ids[-1] for r in requests],
+                        dtype=torch.long)
 
 
 def _target_model(worker):
@@ -212,6 +225,16 @@ def target_lm_head(context: ProposerContext) -> Callable[[torch.Tensor], torch.T
         return lambda x: model.compute_logits(x.to(dtype)).float()
     weight = load_lm_head_weight(context.model_files)
     return lambda x: x @ weight.t()
+
+
+def load_input_embedding(model_files) -> torch.Tensor:
+    """[V, H] fp32 input embedding of a checkpoint (Hydra heads read it). ValueError when absent."""
+    from pagellm.model_loader.files import iter_weights  # noqa: PLC0415
+
+    for name, t in iter_weights(model_files):
+        if name == "model.embed_tokens.weight" and t.is_floating_point():
+            return t.float()
+    raise ValueError(f"Hydra heads need a floating-point model.embed_tokens.weight; none in {model_files.path}")
 
 
 def load_lm_head_weight(model_files) -> torch.Tensor:

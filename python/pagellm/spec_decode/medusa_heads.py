@@ -24,8 +24,10 @@ On disk (a directory):
                                  medusa_head.{i}.{num_layers}.weight [V, H]   (Medusa's reference names)
     medusa_config.json           {"medusa_num_heads", "medusa_num_layers", "hidden_size", "vocab_size",
                                   "share_lm_head", "base_model_name_or_path", "base_model_hash", "training",
-                                  "draft_vocab_size"}
+                                  "draft_vocab_size", "head_type": "medusa"}
                                  with a draft vocabulary also `draft_vocab` int64 [S] in the safetensors file
+Heads that see the drafted tokens (`"head_type": "hydra"`, hydra_heads.py) share this layout and interface
+(`teacher_forced`, `draft_chain`, `draft_tree`); `hydra_heads.load_draft_heads` loads either kind.
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from pagellm.ops.linear_dispatch import linear
 
 WEIGHTS_NAME = "medusa_lm_head.safetensors"
 CONFIG_NAME = "medusa_config.json"
@@ -61,6 +65,8 @@ class MedusaHeads(nn.Module):
     """K heads over the target's final normed hidden states (module layout: `medusa_head[i]` is an
     nn.Sequential of num_layers ResBlocks, then, without share_lm_head, the head's own Linear(H, V))."""
 
+    head_type = "medusa"  # medusa_config.json's "head_type" (absent in older files: medusa)
+
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int = 3, num_layers: int = 1,
                  share_lm_head: bool = True, base_model: str | None = None, base_model_hash: str | None = None) -> None:
         super().__init__()
@@ -74,11 +80,14 @@ class MedusaHeads(nn.Module):
         self.base_model, self.base_model_hash = base_model, base_model_hash
         self.training_info: dict[str, Any] = {}
         self.draft_vocab: torch.Tensor | None = None  # set_draft_vocab
+        self._build_heads()
+
+    def _build_heads(self) -> None:
         heads = []
-        for _ in range(num_heads):
-            blocks: list[nn.Module] = [ResBlock(hidden_size) for _ in range(num_layers)]
+        for _ in range(self.num_heads):
+            blocks: list[nn.Module] = [ResBlock(self.hidden_size) for _ in range(self.num_layers)]
             if not self.share_lm_head:
-                blocks.append(nn.Linear(hidden_size, vocab_size, bias=False))
+                blocks.append(nn.Linear(self.hidden_size, self.vocab_size, bias=False))
             heads.append(nn.Sequential(*blocks))
         self.medusa_head = nn.ModuleList(heads)
 
@@ -106,6 +115,36 @@ class MedusaHeads(nn.Module):
             return lm_head(states.reshape(n * k, h)).reshape(n, k, -1)
         return torch.stack([head[self.num_layers](states[:, i]) for i, head in enumerate(list(self.medusa_head)[:k])],
                            dim=1)
+
+    def teacher_forced(self, hidden: torch.Tensor, input_ids: torch.Tensor | None,
+                       lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                       num_heads: int | None = None) -> torch.Tensor:
+        """[N, H] -> [N, k, V] training logits. `input_ids` [N, k] (the tokens before each head's guess, which
+        Hydra heads read) is ignored: a Medusa head sees only h."""
+        return self(hidden, lm_head, num_heads)
+
+    @torch.no_grad()
+    def draft_chain(self, hidden: torch.Tensor, last_ids: torch.Tensor | None,
+                    lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None, num_heads: int | None = None,
+                    to_token_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """[B, H] -> [B, k] top-1 draft token ids of the first k heads (`last_ids` [B], the token h gave, is
+        ignored). `to_token_ids`: the LM head's indices -> token ids (a draft vocabulary; None: the same)."""
+        top = self(hidden, lm_head, num_heads).argmax(dim=-1)
+        return top if to_token_ids is None else to_token_ids(top)
+
+    @torch.no_grad()
+    def draft_tree(self, hidden: torch.Tensor, last_ids: torch.Tensor | None, parents: Sequence[int],
+                   ranks: Sequence[int], lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   to_token_ids: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+        """A candidate tree's tokens [B, num_nodes]: node j (parents[j]: its parent, -1 the root; parents
+        first) is head depth(j)'s ranks[j]-th most likely token, whatever its parent (Medusa's trees)."""
+        depths: list[int] = []
+        for p in parents:
+            depths.append(0 if p < 0 else depths[p] + 1)
+        logits = self(hidden, lm_head, num_heads=max(depths) + 1)  # [B, depth, V]
+        topk = logits.topk(max(ranks) + 1, dim=-1).indices
+        topk = topk if to_token_ids is None else to_token_ids(topk)
+        return topk[:, torch.tensor(depths), torch.tensor(list(ranks))]
 
     def _count(self, num_heads: int | None) -> int:
         if num_heads is None:
@@ -153,7 +192,8 @@ class MedusaHeads(nn.Module):
                 "hidden_size": self.hidden_size, "vocab_size": self.vocab_size, "share_lm_head": self.share_lm_head,
                 "base_model_name_or_path": self.base_model, "base_model_hash": self.base_model_hash,
                 "training": self.training_info,
-                "draft_vocab_size": 0 if self.draft_vocab is None else int(self.draft_vocab.numel())}
+                "draft_vocab_size": 0 if self.draft_vocab is None else int(self.draft_vocab.numel()),
+                "head_type": self.head_type}
 
     def save(self, directory: str | Path) -> Path:
         """Write medusa_lm_head.safetensors (fp32 unless the heads are in another dtype) and medusa_config.json."""
@@ -179,9 +219,12 @@ class MedusaHeads(nn.Module):
             raise ValueError(f"Medusa heads: {str(path / WEIGHTS_NAME)!r} not found (save with MedusaHeads.save "
                              "or `pagellm train-medusa`)")
         config = json.loads((path / CONFIG_NAME).read_text()) if (path / CONFIG_NAME).is_file() else {}
+        if config.get("head_type", "medusa") != cls.head_type:
+            raise ValueError(f"{str(path)!r} holds {config.get('head_type')!r} heads, not {cls.head_type!r} "
+                             "(hydra_heads.load_draft_heads loads either kind)")
         tensors = load_file(str(path / WEIGHTS_NAME))
         draft_vocab = tensors.pop(DRAFT_VOCAB_NAME, None)
-        heads = cls(**_constructor_args(config, tensors))
+        heads = cls(**_constructor_args(config, tensors, f"{cls.head_type}_head"))
         heads.training_info = dict(config.get("training") or {})
         missing, unexpected = heads.load_state_dict(tensors, strict=False)
         if missing or unexpected:
@@ -190,15 +233,17 @@ class MedusaHeads(nn.Module):
         return heads.to(dtype) if dtype is not None else heads
 
 
-def _constructor_args(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """MedusaHeads(...) arguments from a config dict, completed from the tensors' names and shapes."""
-    head_ids = {int(name.split(".")[1]) for name in tensors if name.startswith("medusa_head.")}
+def _constructor_args(config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
+                      prefix: str = "medusa_head") -> dict[str, Any]:
+    """MedusaHeads(...) arguments from a config dict, completed from the tensors' names and shapes
+    (`prefix`: the heads' module name, medusa_head or hydra_head)."""
+    head_ids = {int(name.split(".")[1]) for name in tensors if name.startswith(prefix + ".")}
     if not head_ids:
-        raise ValueError("Medusa heads: the weights file holds no medusa_head.* tensors")
-    blocks = {int(name.split(".")[2]) for name in tensors if name.startswith("medusa_head.0.") and ".linear." in name}
+        raise ValueError(f"Medusa heads: the weights file holds no {prefix}.* tensors")
+    blocks = {int(name.split(".")[2]) for name in tensors if name.startswith(f"{prefix}.0.") and ".linear." in name}
     num_layers = int(config.get("medusa_num_layers", len(blocks)))
-    hidden = int(config.get("hidden_size", tensors["medusa_head.0.0.linear.weight"].shape[0]))
-    own_lm = f"medusa_head.0.{num_layers}.weight"
+    hidden = int(config.get("hidden_size", tensors[f"{prefix}.0.0.linear.weight"].shape[0]))
+    own_lm = f"{prefix}.0.{num_layers}.weight"
     share = bool(config.get("share_lm_head", own_lm not in tensors))
     vocab = config.get("vocab_size")
     if vocab is None:
@@ -214,7 +259,9 @@ def draft_vocab_lm_head(weight: torch.Tensor, draft_vocab: torch.Tensor) -> Call
     """[M, H] -> [M, S]: the LM head's rows of the draft vocabulary only, kept in bf16 (drafts need the order
     of the top few logits, not their last bits; half the bytes of fp32)."""
     rows = weight[draft_vocab].to(torch.bfloat16).contiguous()
-    return lambda x: (x.to(torch.bfloat16) @ rows.t()).float()
+    # pagellm's CPU kernel (ops.linear_dispatch; torch's elsewhere): Hydra heads call it between their own
+    # products, where torch's bf16 GEMM ran ~10x slower at batch 1 (hydra_heads._affine)
+    return lambda x: linear(x.to(torch.bfloat16), rows).float()
 
 
 def base_model_hash(hf_config) -> str:

@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 DATA_SOURCES = ("kjv", "pydoc", "self", "chat")
+HEAD_TYPE_NAMES = ("medusa", "hydra")  # hydra_heads.HEAD_TYPES (named here: the data module imports no heads)
 SELF_PROMPT_LEN = 16  # tokens of text before the base model's own continuation (--data self)
 
 
@@ -40,10 +41,15 @@ class MedusaTrainConfig:
     draft_vocab_size: int = 0  # > 0: drafting scores only the most frequent tokens of the training labels
     eval_every: int = 50  # > 0: evaluate every N steps, keep the heads of the best held-out score (0: the last)
     seed: int = 0
+    head_type: str = "medusa"  # "hydra": heads that read the drafted tokens (hydra_heads.py)
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
             raise ValueError(f"data must be one of {DATA_SOURCES}, got {self.data!r}")
+        if self.head_type not in HEAD_TYPE_NAMES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPE_NAMES}, got {self.head_type!r}")
+        if self.head_type == "hydra" and not self.share_lm_head:
+            raise ValueError("hydra heads share the target's LM head: drop own LM heads")
         for name in ("num_heads", "num_layers", "steps", "num_train_seqs", "num_eval_seqs", "batch_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -7,7 +7,8 @@
 A tree is a list of paths as in Medusa's `medusa_choices`: path (i_0, .., i_d) is the node whose token is
 head d's (i_d)-th most likely token, under the node (i_0, .., i_{d-1}); every prefix of a path is a path. Nodes
 are kept in (depth, path) order, so parents come before children and every prefix of the node list is a tree
-(the scheduler may clamp a row's drafts to a prefix).
+(the scheduler may clamp a row's drafts to a prefix). With Hydra heads (hydra_heads.py) the same path names the
+(i_d)-th guess of head d fed its parent node's token, so a node's siblings and children follow the branch it is on.
 
 Greedy rows get the whole tree as drafts (in node order) and `draft_parents` says each node's parent (-1: the
 row's last committed token); the engine verifies them with `paged_tree_attention` (engine/tree_step.py) and

@@ -1,0 +1,186 @@
+"""Hydra heads (spec_decode/hydra_heads.py): the forward against a hand-written pure-torch reference on odd sizes
+(teacher-forced logits, the greedy sequential chain, a tree whose nodes follow their parents), the files (a Medusa
+directory still loads, the two kinds refuse each other's loader), bad input refused, and in the engine on a tiny
+random Llama (fp32): greedy outputs with Hydra chains and trees token-identical to plain decoding, every block back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
+from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads
+from pagellm.spec_decode.medusa_train import MedusaTrainConfig, head_inputs, head_targets, medusa_loss, train_heads
+
+H, V, K, LAYERS = 37, 53, 3, 2  # odd sizes
+
+
+def _random_hydra(num_layers: int = LAYERS, seed: int = 0, hidden: int = H, vocab: int = V) -> HydraHeads:
+    gen = torch.Generator().manual_seed(seed)
+    heads = HydraHeads(hidden, vocab, num_heads=K, num_layers=num_layers)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    heads.set_embedding(torch.randn(vocab, hidden, generator=gen))
+    return heads
+
+
+def _reference_state(heads: HydraHeads, i: int, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Head i by hand: the token block's weight split into its z and embedding halves, then plain ResBlocks."""
+    w, b = heads.hydra_head[i][0].linear.weight, heads.hydra_head[i][0].linear.bias
+    e = heads.embed_weight[tokens].float()
+    z = z + F.silu(z @ w[:, :H].t() + e @ w[:, H:].t() + b)
+    for block in list(heads.hydra_head[i])[1:]:
+        z = z + F.silu(z @ block.linear.weight.t() + block.linear.bias)
+    return z
+
+
+def test_teacher_forced_logits_match_the_reference():
+    heads, lm = _random_hydra(), torch.randn(V, H)
+    hidden, inputs = torch.randn(5, H), torch.randint(0, V, (5, K))
+    got = heads.teacher_forced(hidden, inputs, lambda x: x @ lm.t())
+    z, expect = hidden, []
+    for i in range(K):
+        z = _reference_state(heads, i, z, inputs[:, i])
+        expect.append(z @ lm.t())
+    torch.testing.assert_close(got, torch.stack(expect, 1), rtol=1e-4, atol=1e-3)  # logits of size ~10-100
+    assert got.shape == (5, K, V)
+
+
+def test_draft_chain_feeds_each_head_the_previous_draft():
+    heads, lm = _random_hydra(), torch.randn(V, H)
+    vocab = torch.tensor(sorted(torch.randperm(V, generator=torch.Generator().manual_seed(2))[:29].tolist()))
+    hidden, last = torch.randn(4, H), torch.randint(0, V, (4,))
+    got = heads.draft_chain(hidden, last, lambda x: x @ lm[vocab].t(), to_token_ids=lambda i: vocab[i])
+    for row in range(4):
+        z, tok = hidden[row : row + 1], last[row : row + 1]
+        for i in range(K):
+            z = _reference_state(heads, i, z, tok)
+            tok = vocab[(z @ lm[vocab].t()).argmax(-1)]
+            assert int(got[row, i]) == int(tok)
+    # teacher forcing with the drafts as the text gives the same argmaxes: train and serve are one computation
+    teacher = heads.teacher_forced(hidden, torch.cat([last[:, None], got[:, :-1]], 1), lambda x: x @ lm[vocab].t())
+    assert torch.equal(vocab[teacher.argmax(-1)], got)
+
+
+def test_draft_tree_nodes_are_their_parents_top_k():
+    heads, lm = _random_hydra(), torch.randn(V, H)
+    parents, ranks = (-1, -1, -1, 0, 0, 1, 3, 3), (0, 1, 2, 0, 1, 0, 0, 1)  # depth 3
+    hidden, last = torch.randn(3, H), torch.randint(0, V, (3,))
+    got = heads.draft_tree(hidden, last, parents, ranks, lambda x: x @ lm.t())
+    for row in range(3):
+        root = _reference_state(heads, 0, hidden[row : row + 1], last[row : row + 1])
+        states, depth, tokens = {-1: root}, {-1: -1}, []
+        for j, (p, r) in enumerate(zip(parents, ranks)):
+            tok = (states[p] @ lm.t()).topk(r + 1, dim=-1).indices[:, r]
+            tokens.append(int(tok))
+            depth[j] = depth[p] + 1
+            if depth[j] + 1 < K:
+                states[j] = _reference_state(heads, depth[j] + 1, states[p], tok)
+        assert got[row].tolist() == tokens
+    # the tree's first-rank path is the greedy chain
+    chain = heads.draft_chain(hidden, last, lambda x: x @ lm.t())
+    assert torch.equal(got[:, [0, 3, 6]], chain)
+
+
+def test_medusa_draft_tree_is_each_heads_top_k():
+    gen = torch.Generator().manual_seed(3)
+    heads, lm = MedusaHeads(H, V, num_heads=K), torch.randn(V, H, generator=gen)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    hidden = torch.randn(2, H, generator=gen)
+    logits = heads(hidden, lambda x: x @ lm.t())
+    got = heads.draft_tree(hidden, None, (-1, -1, 0, 2), (0, 1, 0, 3), lambda x: x @ lm.t())
+    expect = torch.stack([logits[:, 0].topk(2).indices[:, 0], logits[:, 0].topk(2).indices[:, 1],
+                          logits[:, 1].argmax(-1), logits[:, 2].topk(4).indices[:, 3]], 1)
+    assert torch.equal(got, expect)
+
+
+def test_fresh_hydra_heads_pass_the_hidden_state_through():
+    heads = HydraHeads(H, V, num_heads=2)
+    heads.set_embedding(torch.randn(V, H))
+    h = torch.randn(3, H)
+    torch.testing.assert_close(heads.teacher_forced(h, torch.zeros(3, 2, dtype=torch.long), lambda x: x),
+                               torch.stack([h, h], 1))
+
+
+# ---------------------------------------------------------------- files and refusals
+
+
+def test_files_round_trip_and_either_kind_loads(tmp_path):
+    heads = _random_hydra()
+    heads.set_draft_vocab(torch.arange(0, V, 2))
+    heads.save(tmp_path / "hydra")
+    config = json.loads((tmp_path / "hydra" / CONFIG_NAME).read_text())
+    assert config["head_type"] == "hydra" and config["medusa_num_layers"] == LAYERS
+    loaded = load_draft_heads(tmp_path / "hydra")
+    assert isinstance(loaded, HydraHeads) and torch.equal(loaded.draft_vocab, heads.draft_vocab)
+    assert "hydra_head.2.0.linear.weight" in loaded.state_dict()
+    assert tuple(loaded.state_dict()["hydra_head.1.0.linear.weight"].shape) == (H, 2 * H)
+    for name, t in heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], t), name
+    assert loaded.embed_weight is None  # the embedding is the target's: the proposer sets it
+    with pytest.raises(ValueError, match="set_embedding"):
+        loaded.draft_chain(torch.randn(1, H), torch.tensor([1]), lambda x: x)
+    # a Medusa directory (an older one has no head_type) still loads, by either loader
+    medusa = MedusaHeads(H, V, num_heads=2)
+    medusa.save(tmp_path / "medusa")
+    config = json.loads((tmp_path / "medusa" / CONFIG_NAME).read_text())
+    del config["head_type"]
+    (tmp_path / "medusa" / CONFIG_NAME).write_text(json.dumps(config))
+    assert type(load_draft_heads(tmp_path / "medusa")) is MedusaHeads
+    assert type(MedusaHeads.load(tmp_path / "medusa")) is MedusaHeads
+    with pytest.raises(ValueError, match="holds 'hydra' heads"):
+        MedusaHeads.load(tmp_path / "hydra")
+    config["head_type"] = "eagle"
+    (tmp_path / "medusa" / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="unknown head_type 'eagle'"):
+        load_draft_heads(tmp_path / "medusa")
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="share the target's LM head"):
+        HydraHeads(H, V, share_lm_head=False)
+    heads = HydraHeads(H, V, num_heads=K)
+    with pytest.raises(ValueError, match=r"embedding must be \[53, 37\]"):
+        heads.set_embedding(torch.randn(V, H + 1))
+    heads.set_embedding(torch.randn(V, H))
+    with pytest.raises(ValueError, match="the 3 tokens before their guesses"):
+        heads.teacher_forced(torch.randn(2, H), torch.zeros(2, 1, dtype=torch.long), lambda x: x)
+    with pytest.raises(ValueError, match="pass lm_head"):
+        heads.draft_chain(torch.randn(2, H), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="4 deep"):
+        heads.draft_tree(torch.randn(1, H), torch.tensor([0]), (-1, 0, 1, 2), (0, 0, 0, 0), lambda x: x)
+    with pytest.raises(TypeError, match="drafted tokens"):
+        heads.head_states(torch.randn(1, H))
+    with pytest.raises(ValueError, match="head_type must be one of"):
+        MedusaTrainConfig(head_type="eagle").check()
+    with pytest.raises(ValueError, match="hydra heads share"):
+        MedusaTrainConfig(head_type="hydra", share_lm_head=False).check()
+
+
+def test_trainer_teaches_hydra_heads_what_follows_the_token():
+    """Labels t + 2 that depend only on token t + 1 (which no hidden state shows): Hydra heads learn them,
+    training lowers the loss; inputs are the tokens t + 1 .. t + K."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(5, V, (16, 20), generator=gen)
+    ids[:, 1::2] = (ids[:, 0::2] * 7 + 3) % V  # every odd token follows from the one before it
+    hidden = torch.randn(16, 20, H, generator=gen)
+    lm = torch.randn(V, H, generator=gen)
+    heads = HydraHeads(H, V, num_heads=2)
+    heads.set_embedding(torch.randn(V, H, generator=gen))
+    flat, labels = head_targets(ids, 2)
+    inputs = head_inputs(ids, flat, 2)
+    assert torch.equal(inputs[0], ids[0, 1:3]) and torch.equal(labels[0], ids[0, 2:4])
+    h_flat = hidden.reshape(-1, H)[flat]
+    with torch.no_grad():
+        before = float(medusa_loss(heads.teacher_forced(h_flat, inputs, lambda x: x @ lm.t()), labels))
+    train_heads(heads, lambda x: x @ lm.t(), hidden, ids, MedusaTrainConfig(steps=60, batch_size=128, lr=1e-2,
+                                                                               eval_every=0))
+    with torch.no_grad():
+        after = float(medusa_loss(heads.teacher_forced(h_flat, inputs, lambda x: x @ lm.t()), labels))
+    assert after < 0.7 * before, (before, after)
