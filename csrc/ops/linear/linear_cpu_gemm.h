@@ -203,10 +203,13 @@ inline void gemm_block_quad(c10::BFloat16* out, const c10::BFloat16* x, const c1
   float b[kGemmMaxNBlock];
   for (int64_t n = n0; n < n2; ++n) b[n - n0] = bias ? static_cast<float>(bias[n]) : 0.f;
   const auto b2 = [&](int64_t n) { return bias ? b + (n - n0) : nullptr; };
+  // 3-quad tiles, then a 2-quad one for a remainder of 2 and two for a remainder of 1 (16 quads, 64 decode rows:
+  // 4 x 3 + 2 x 2, not 5 x 3 + 1: a 1-quad tile has 8 accumulator chains, too few to hide vdpbf16ps' latency).
+  const int64_t nq3 = nq % kQuadTileQuads == 1 && nq > kQuadTileQuads ? nq / kQuadTileQuads - 1 : nq / kQuadTileQuads;
   int64_t q = 0;
-  for (; q + kQuadTileQuads <= nq; q += kQuadTileQuads)
+  for (; q < nq3 * kQuadTileQuads; q += kQuadTileQuads)
     for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<kQuadTileQuads>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
-  if (nq - q == 2)
+  for (; nq - q >= 2; q += 2)
     for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<2>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
   if (nq - q == 1)
     for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<1>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
