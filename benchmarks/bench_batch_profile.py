@@ -7,7 +7,9 @@ bench_peers.py --throughput, split into prefill steps (steps that schedule promp
     python benchmarks/bench_batch_profile.py --max-num-batched-tokens 4096
 
 Part 1 (the run as users see it): engine.step() wall time per step kind, with the scheduled token/row counts,
-and the forward / LM head / sampler share of each (instance-level timers around the runner's functions).
+the process CPU time (all threads; with PAGELLM_NUM_THREADS=1 the work itself, a steadier A/B figure on a busy
+machine than wall time) and the forward / LM head / sampler share of each (instance-level timers around the
+runner's functions).
 Part 2 (where inside the forward): the same workload with the step graph off under torch.profiler, native self
 time per op kind, separately for prefill steps and decode-only steps. Writes results/batch_profile_<tag>.{md,json}.
 """
@@ -73,11 +75,11 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
     try:
         while eng.has_unfinished_requests():
             before = dict(secs)
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             eng.step()
-            dt = time.perf_counter() - t
+            dt, dc = time.perf_counter() - t, time.process_time() - c
             kind, n_tok, rows = seen["last"]
-            steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt,
+            steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt, "cpu_s": dc,
                           **{k: secs[k] - before.get(k, 0.0) for k in ("forward", "LM head", "sampler")}})
     finally:
         eng.scheduler = saved_sched
@@ -93,7 +95,8 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
         if not ks:
             continue
         out["kinds"][kind] = {
-            "steps": len(ks), "total_s": sum(s["s"] for s in ks), "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
+            "steps": len(ks), "total_s": sum(s["s"] for s in ks), "cpu_s": sum(s["cpu_s"] for s in ks),
+            "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
             "tokens_per_step": statistics.median(s["tokens"] for s in ks), "rows_per_step": statistics.median(s["rows"] for s in ks),
             **{f"{k}_s": sum(s[k] for s in ks) for k in ("forward", "LM head", "sampler")}}
     return out
@@ -164,9 +167,10 @@ def main() -> None:
     lines = [f"# Batch profile: {args.num_requests} x ({args.prompt_len} -> {args.output_len}), bf16, "
              f"max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}",
              "", f"Load {la0} -> {data['loadavg_after']}; {timing['elapsed_s']:.2f} s, {timing['output_tok_s']:.1f} out tok/s",
-             "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "median step ms", "forward s",
-                             "LM head s", "sampler s", "rest s"],
+             "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "process CPU s", "median step ms",
+                             "forward s", "LM head s", "sampler s", "rest s"],
                             [[k, v["steps"], v["tokens_per_step"], v["rows_per_step"], round(v["total_s"], 3),
+                              round(v["cpu_s"], 3),
                               round(v["median_step_ms"], 2), round(v["forward_s"], 3), round(v["LM head_s"], 3),
                               round(v["sampler_s"], 3), round(v["total_s"] - v["forward_s"] - v["LM head_s"] - v["sampler_s"], 3)]
                              for k, v in timing["kinds"].items()])]

@@ -94,6 +94,9 @@ def _prefill_case(device, chunks, num_heads, num_kv_heads, head_dim, block_size,
         ([(37, 61)], 9, 3, 64, 1, torch.bfloat16),  # SmolLM2's heads, block_size 1
         ([(17, 17)], 4, 4, 32, 4, torch.bfloat16),  # MHA, one 32-wide dim chunk
         ([(0, 10), (9, 9)], 4, 2, 64, 4, torch.float32),  # an empty chunk
+        # more than 32 query rows per tile (GQA 36: 48 rows, GQA 64: 64): row blocks after the first 32
+        ([(40, 60)], 36, 1, 64, 16, torch.float32),
+        ([(5, 20), (3, 3)], 64, 1, 32, 16, torch.float32),
     ],
 )
 def test_prefill(device, chunks, num_heads, num_kv_heads, head_dim, block_size, dtype):

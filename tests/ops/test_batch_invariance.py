@@ -51,12 +51,15 @@ def test_linear_small_m_rows_do_not_depend_on_m(dtype, k):
     _assert_rows_invariant(fn, _rand(160, k, dtype=dtype))
 
 
-@pytest.mark.parametrize("k,n", [(576, 70), (1000, 37), (33, 130)])  # K tails (1000 % 32, 33), N % 4 edges
+# K tails (1000 % 32 = 8, 33: one element, 84 % 32 = 20: a partial quarter then empty ones); N % 4 and N % 2 edges
+@pytest.mark.parametrize("k,n", [(576, 70), (1000, 37), (33, 130), (84, 19)])
 def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
-    """bf16 from 8 rows on takes the 6 x 4-tile GEMM schedule (linear_cpu_gemm.h): every row must still have
-    the one-row kernel's bits, at every M (6-, 4-, 2-row tiles and one-row edges: M % 6 = 0..5, 8 = 4 + 4; several
-    x blocks: 126 rows at K = 1000 (128, 129: a last block of 2, 3 rows), 222 at K = 576; 16-row weight blocks and
-    N % 4 edges), with a bias and strided x."""
+    """bf16 from 8 rows on takes the GEMM schedule (linear_cpu_gemm.h): every row must still have the one-row
+    kernel's bits, at every M. AVX-512: 12-, 8- and 4-row quad tiles (linear_cpu_gemm_quad.h) over 2 weight rows
+    (16, 28, 64 rows: 8-row tiles for a remainder of one quad), M % 4 = 1..3 rows and an odd last weight row on
+    the 6 x 4 path; AVX2: 6-, 4-, 2-row tiles and one-row edges
+    (M % 6 = 0..5, 8 = 4 + 4). Several x blocks: 120 rows at K = 1000 (128, 129, 130: a last block of 8-10 rows),
+    216 at K = 576; weight blocks of 32 rows (quad) or 16 (AVX2); a bias and strided x."""
     w, b = _rand(n, k, seed=1, scale=0.1), _rand(n, seed=2)
     x = _rand(260, k + 16, seed=3)[:, 8 : 8 + k]  # row stride > K
 
@@ -66,7 +69,7 @@ def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
         return out
 
     alone = _rows_alone(fn, x)
-    for m in (8, 9, 10, 11, 12, 14, 15, 64, 67, 128, 129, 130, 200, 250):
+    for m in (8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 23, 28, 64, 67, 128, 129, 130, 200, 250):
         for j in (0, 5):
             if j + m <= x.shape[0]:
                 assert torch.equal(fn(x[j : j + m]), alone[j : j + m]), f"rows {j}..{j + m}"

@@ -3,14 +3,20 @@
 // Every (row, output) element is computed exactly as the one-row kernel computes it (linear_cpu_kernels.h:
 // one 16-lane fp32 accumulator over K in steps of 32 with vdpbf16ps, the same masked tail, vsum's reduction
 // tree, + bias, one round-to-nearest-even), so results are bit-identical whatever M is (batch invariance).
-// What changes is only the schedule: 6 x-rows x 4 weight-rows register tiles (24 accumulators, 10 loads per
-// 24 vdpbf16ps), the horizontal sums done side by side (vsum_each16 / vsum_each8), and work items of
-// (x block, 16 weight rows) taken x-block-major, so each x block stays in L2 while the weight passes.
+// What changes is only the schedule. AVX-512: each thread packs an x block's rows in quads once per call and runs
+// 12 x-row x 2 weight-row quad tiles (linear_cpu_gemm_quad.h: vsum's first two levels become vertical adds) over
+// work items of (x block, 32 weight rows); the rows past the last whole quad and an odd last weight row take the
+// tiles below. AVX2 (the vdpbf16ps emulation): 6 x-rows x 4 weight-rows register tiles (24 accumulators, 10 loads
+// per 24 vdpbf16ps), the horizontal sums done side by side (vsum_each16 / vsum_each8), items of (x block, 16
+// weight rows). Items are taken x-block-major, so each x block stays in L2 while the weight passes.
 #pragma once
 
+#include "ops/linear/linear_cpu_gemm_quad.h"
 #include "ops/linear/linear_cpu_kernels.h"
 
+#include <atomic>
 #include <cstring>
+#include <memory>
 
 #ifdef PAGELLM_LINEAR_DPBF16
 namespace pagellm::cpu {
@@ -147,19 +153,24 @@ inline void gemm_tile_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10
   }
 }
 
-// Work item sizes: x rows per block (~256 KiB of x, a quarter of a 1 MiB L2, a multiple of the tile) and weight
-// rows per item (16: 18 KiB at K = 576, L1-resident while every 6-row x tile of the block sweeps them).
+// Work item sizes: x rows per block (~256 KiB of x, a quarter of a 1 MiB L2, a multiple of both tiles' 6 and 12
+// rows) and weight rows per item (16: 18 KiB at K = 576, L1-resident while every x tile of the block sweeps them).
 inline int64_t gemm_m_block(int64_t K) {
-  return std::max<int64_t>((256 << 10) / (2 * std::max<int64_t>(K, 1)) / kGemmTileM, 1) * kGemmTileM;
+  constexpr int64_t kRows = 12;
+  return std::max<int64_t>((256 << 10) / (2 * std::max<int64_t>(K, 1)) / kRows, 1) * kRows;
 }
 constexpr int64_t kGemmNBlock = 16;
+// The quad tiles' items take 32 weight rows (36 KiB at K = 576, L2): each packed 12-row x tile then serves 16
+// tiles per load from L2. 32-64 rows ran 5-15 % faster than 16 at 64-2048 rows (benchmarks/README.md, session 14).
+constexpr int64_t kGemmQuadNBlock = 32;
+constexpr int64_t kGemmMaxNBlock = std::max(kGemmNBlock, kGemmQuadNBlock);
 
 // Rows [m0, m1) x weight rows [n0, n1): 6 x 4 tiles, 4 x 4 and 2 x 4 ones, and the one-row kernel's on the edges.
 inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                             const c10::BFloat16* bias, const LinearArgs& a, int64_t m0, int64_t m1, int64_t n0,
                             int64_t n1) {
   const int64_t n4 = n0 + (n1 - n0) / 4 * 4;
-  float b[kGemmNBlock];
+  float b[kGemmMaxNBlock];
   for (int64_t n = n0; n < n4; ++n) b[n - n0] = bias ? static_cast<float>(bias[n]) : 0.f;
   const auto b4 = [&](int64_t n) { return bias ? b + (n - n0) : nullptr; };
   // Rows as 6-row tiles, then 4-, 2- and 1-row ones: 8 = 4 + 4 and 9 = 4 + 4 + 1 rather than 6 + two rows of the
@@ -182,17 +193,80 @@ inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c1
     for (int64_t mm = m0; mm < m1; ++mm) linear_tile<1, 1>(out, x, w, bias, a, mm, n);
 }
 
+#ifdef PAGELLM_GEMM_QUAD
+// Rows [m0, m1) (whole quads packed at xq) x weight rows [n0, n1): quad tiles, x tile outer so the item's weight
+// rows stay in L1; the rows after the last whole quad and an odd last weight row take gemm_block_bf16's tiles.
+inline void gemm_block_quad(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* xq,
+                            const c10::BFloat16* w, const c10::BFloat16* bias, const LinearArgs& a, int64_t m0,
+                            int64_t m1, int64_t n0, int64_t n1) {
+  const int64_t nq = (m1 - m0) / 4, mq = m0 + 4 * nq, n2 = n0 + (n1 - n0) / 2 * 2, qs = quad_stride(a.K);
+  float b[kGemmMaxNBlock];
+  for (int64_t n = n0; n < n2; ++n) b[n - n0] = bias ? static_cast<float>(bias[n]) : 0.f;
+  const auto b2 = [&](int64_t n) { return bias ? b + (n - n0) : nullptr; };
+  // 3-quad tiles, then a 2-quad one for a remainder of 2 and two for a remainder of 1 (16 quads, 64 decode rows:
+  // 4 x 3 + 2 x 2, not 5 x 3 + 1: a 1-quad tile has 8 accumulator chains, too few to hide vdpbf16ps' latency).
+  const int64_t nq3 = nq % kQuadTileQuads == 1 && nq > kQuadTileQuads ? nq / kQuadTileQuads - 1 : nq / kQuadTileQuads;
+  int64_t q = 0;
+  for (; q < nq3 * kQuadTileQuads; q += kQuadTileQuads)
+    for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<kQuadTileQuads>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
+  for (; nq - q >= 2; q += 2)
+    for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<2>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
+  if (nq - q == 1)
+    for (int64_t n = n0; n < n2; n += 2) gemm_quad_tile<1>(out, xq + q * qs, w, b2(n), a, m0 + 4 * q, n, q == 0);
+  if (n2 < n1 && mq > m0) gemm_block_bf16(out, x, w, bias, a, m0, mq, n2, n1);
+  if (mq < m1) gemm_block_bf16(out, x, w, bias, a, mq, m1, n0, n1);
+}
+
+// The calling thread's buffer for one x block's packed quads (grown, never shrunk; 64-byte aligned).
+inline c10::BFloat16* gemm_quad_scratch(int64_t elems) {
+  thread_local std::unique_ptr<c10::BFloat16[]> buf;
+  thread_local int64_t cap = 0;
+  if (cap < elems) {
+    buf.reset(new c10::BFloat16[elems + 32]);
+    cap = elems;
+  }
+  const auto p = reinterpret_cast<uintptr_t>(buf.get());
+  return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
+}
+#endif
+
 inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                              const c10::BFloat16* bias, const LinearArgs& a) {
   const int64_t mblk = gemm_m_block(a.K);
-  const int64_t mb = (a.M + mblk - 1) / mblk, nb = (a.N + kGemmNBlock - 1) / kGemmNBlock;
+#ifdef PAGELLM_GEMM_QUAD
+  constexpr int64_t nblk = kGemmQuadNBlock;
+#else
+  constexpr int64_t nblk = kGemmNBlock;
+#endif
+  const int64_t mb = (a.M + mblk - 1) / mblk, nb = (a.N + nblk - 1) / nblk;
+#ifdef PAGELLM_GEMM_QUAD
+  // Each thread packs an x block's quads once per call into its own buffer: the (call, block) it holds is
+  // remembered, so a thread's later chunks of the same block reuse it and no call can see another's data.
+  static std::atomic<uint64_t> num_calls{0};
+  const uint64_t call = num_calls.fetch_add(1, std::memory_order_relaxed) + 1;
+  struct Packed {
+    uint64_t call = 0;
+    int64_t bm = -1;
+  };
+#endif
   // Items in x-block-major order: a thread's consecutive items share one x block (L2) while the weight
   // (at most a few MiB here, L3) passes once per x block; at M <= one block the weight streams once.
   pagellm::cpu::parallel_for(0, mb * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bm = item / nb, bn = item % nb;
-      gemm_block_bf16(out, x, w, bias, a, bm * mblk, std::min(a.M, (bm + 1) * mblk), bn * kGemmNBlock,
-                      std::min(a.N, (bn + 1) * kGemmNBlock));
+      const int64_t m0 = bm * mblk, m1 = std::min(a.M, (bm + 1) * mblk);
+      const int64_t n0 = bn * nblk, n1 = std::min(a.N, (bn + 1) * nblk);
+#ifdef PAGELLM_GEMM_QUAD
+      thread_local Packed packed;
+      c10::BFloat16* xq = gemm_quad_scratch(mblk * quad_stride(a.K) / 4);
+      if (packed.call != call || packed.bm != bm) {
+        gemm_pack_quads(xq, x, a, m0, (m1 - m0) / 4);
+        packed = {call, bm};
+      }
+      gemm_block_quad(out, x, xq, w, bias, a, m0, m1, n0, n1);
+#else
+      gemm_block_bf16(out, x, w, bias, a, m0, m1, n0, n1);
+#endif
     }
   });
 }

@@ -22,7 +22,7 @@ namespace pagellm::cpu {
 
 constexpr int64_t kKeyTile = 32;  // multiple of 8
 
-// ST[j0..j0+8][rv..rv+NV] = Kf[j0..j0+8] . QT[:, rv..rv+NV]
+// ST[j0..j0+8][rv..rv+16 NV] = Kf[j0..j0+8] . QT[:, rv..rv+16 NV] (rv: a row offset, a multiple of 16)
 template <int NV>
 inline void score_block(const float* Kf, const float* QT, float* ST, int64_t D, int64_t Rp, int64_t j0, int64_t rv) {
   VecF acc[8][NV];
@@ -31,33 +31,33 @@ inline void score_block(const float* Kf, const float* QT, float* ST, int64_t D, 
   const float* k = Kf + j0 * D;
   for (int64_t d = 0; d < D; ++d) {
     VecF q[NV];
-    for (int v = 0; v < NV; ++v) q[v] = vload(QT + d * Rp + (rv + v) * kLanes);
+    for (int v = 0; v < NV; ++v) q[v] = vload(QT + d * Rp + rv + v * kLanes);
     for (int j = 0; j < 8; ++j) {
       const VecF kb = vset1(k[j * D + d]);
       for (int v = 0; v < NV; ++v) acc[j][v] = vfma(kb, q[v], acc[j][v]);
     }
   }
   for (int j = 0; j < 8; ++j)
-    for (int v = 0; v < NV; ++v) vstore(ST + (j0 + j) * Rp + (rv + v) * kLanes, acc[j][v]);
+    for (int v = 0; v < NV; ++v) vstore(ST + (j0 + j) * Rp + rv + v * kLanes, acc[j][v]);
 }
 
-// OT[d0..d0+8][rv..rv+NV] += sum_{j<n} Vf[j][d0..d0+8] * P[j][rv..rv+NV]
+// OT[d0..d0+8][rv..rv+16 NV] += sum_{j<n} Vf[j][d0..d0+8] * P[j][rv..rv+16 NV]
 template <int NV>
 inline void pv_block(const float* Vf, const float* P, float* OT, int64_t D, int64_t Rp, int64_t n, int64_t d0,
                      int64_t rv) {
   VecF acc[8][NV];
   for (int d = 0; d < 8; ++d)
-    for (int v = 0; v < NV; ++v) acc[d][v] = vload(OT + (d0 + d) * Rp + (rv + v) * kLanes);
+    for (int v = 0; v < NV; ++v) acc[d][v] = vload(OT + (d0 + d) * Rp + rv + v * kLanes);
   for (int64_t j = 0; j < n; ++j) {
     VecF p[NV];
-    for (int v = 0; v < NV; ++v) p[v] = vload(P + j * Rp + (rv + v) * kLanes);
+    for (int v = 0; v < NV; ++v) p[v] = vload(P + j * Rp + rv + v * kLanes);
     for (int d = 0; d < 8; ++d) {
       const VecF vb = vset1(Vf[j * D + d0 + d]);
       for (int v = 0; v < NV; ++v) acc[d][v] = vfma(vb, p[v], acc[d][v]);
     }
   }
   for (int d = 0; d < 8; ++d)
-    for (int v = 0; v < NV; ++v) vstore(OT + (d0 + d) * Rp + (rv + v) * kLanes, acc[d][v]);
+    for (int v = 0; v < NV; ++v) vstore(OT + (d0 + d) * Rp + rv + v * kLanes, acc[d][v]);
 }
 
 struct PrefillItem {
