@@ -19,6 +19,7 @@ import statistics
 import time
 
 import bench_step_profile as B
+import common as C
 import torch
 import torch.nn.functional as F
 
@@ -30,7 +31,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     import pagellm.quantization.unquantized as unquantized
-    from pagellm import SamplingParams
     from pagellm.ops import linear_dispatch
 
     def fp32_on_torch(x, w, b=None):
@@ -42,17 +42,7 @@ def main() -> None:
     def run(name: str, llm, n: int) -> list[float]:
         """Decode step times (s) of one request of n new tokens."""
         unquantized.linear = arms[name]  # this arm's linear for any eager step or graph capture
-        eng = llm.llm_engine
-        eng.reset_prefix_cache()
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-        eng.add_request(f"{name}-{time.perf_counter_ns()}", {"prompt_token_ids": prompt}, sp)
-        eng.step()  # prefill + first token
-        steps = []
-        while eng.has_unfinished_requests():
-            t = time.perf_counter()
-            eng.step()
-            steps.append(time.perf_counter() - t)
-        return steps
+        return C.decode_step_times(llm, prompt, n, f"{name}-{time.perf_counter_ns()}")
 
     llms = {name: B.make_llm("default", "float32", 512) for name in arms}
     for name, llm in llms.items():

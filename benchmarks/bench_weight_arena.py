@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import bench_step_profile as B
+import common as C
 
 ARMS = {"off": "0", "nohuge": "nohuge", "huge": "1"}
 
@@ -47,22 +47,11 @@ def main() -> None:
     arms = args.arms.split(",")
     if not arms or any(a not in ARMS for a in arms):
         raise SystemExit(f"--arms: each of {sorted(ARMS)}")
-    from pagellm import SamplingParams
 
     prompt = list(range(100, 356))
 
     def run(llm, n: int) -> list[float]:
-        eng = llm.llm_engine
-        eng.reset_prefix_cache()
-        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
-        eng.add_request(f"r-{time.perf_counter_ns()}", {"prompt_token_ids": prompt}, sp)
-        eng.step()  # prefill + first token
-        steps = []
-        while eng.has_unfinished_requests():
-            t = time.perf_counter()
-            eng.step()
-            steps.append(time.perf_counter() - t)
-        return steps
+        return C.decode_step_times(llm, prompt, n)
 
     llms, huge_mb = {}, {}
     for arm in arms:

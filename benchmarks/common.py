@@ -327,6 +327,24 @@ def hf_batch1_latency(hf_model, prompt: list[int], n_out: int, repeats: int = 1)
 
 
 # ---------------------------------------------------------------------------------- output
+
+def decode_step_times(llm, prompt: list[int], n: int, rid: str | None = None) -> list[float]:
+    """Wall seconds of each decode step of one greedy request of n new tokens (prefix cache reset first; the
+    prefill + first-token step untimed)."""
+    from pagellm import SamplingParams
+
+    eng = llm.llm_engine
+    eng.reset_prefix_cache()
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
+    eng.add_request(rid or f"r-{time.perf_counter_ns()}", {"prompt_token_ids": prompt}, sp)
+    eng.step()  # prefill + first token
+    steps = []
+    while eng.has_unfinished_requests():
+        t = time.perf_counter()
+        eng.step()
+        steps.append(time.perf_counter() - t)
+    return steps
+
 def md_table(headers: list[str], rows: list[list]) -> str:
     def fmt(v):
         if isinstance(v, float):
