@@ -12,34 +12,19 @@ import torch
 
 pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
 
-from test_draft_tokens import _assert_all_blocks_free, _generate, _greedy, _make_llm, _tie_free_prompts  # noqa: E402
+from draft_heads_helpers import HIDDEN, NEW_TOKENS, NUM_HEADS, load_base, train_tiny_heads  # noqa: E402
+from test_draft_tokens import _assert_all_blocks_free, _generate, _greedy, _make_llm  # noqa: E402
 
 from pagellm.spec_decode import ProposerContext, SpeculativeConfig  # noqa: E402
 from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads  # noqa: E402
 from pagellm.spec_decode.medusa import MedusaProposer, MedusaTreeProposer  # noqa: E402
-from pagellm.spec_decode.medusa_train import (  # noqa: E402
-    MedusaTrainConfig,
-    evaluate,
-    frequent_tokens,
-    head_predictions,
-    head_targets,
-    served_lm_head,
-    train_heads,
-)
-from pagellm.spec_decode.medusa_train_data import (  # noqa: E402
-    final_hidden_states,
-    greedy_continuations,
-    ragged_positions,
-)
-
-HIDDEN, NUM_HEADS, NEW_TOKENS = 64, 3, 40
+from pagellm.spec_decode.medusa_train import evaluate, head_predictions, served_lm_head  # noqa: E402
+from pagellm.spec_decode.medusa_train_data import final_hidden_states, ragged_positions  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval().requires_grad_(False)
+    return load_base(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
@@ -47,18 +32,9 @@ def heads_and_prompts(tmp_path_factory, tiny_llama_dir, tiny_tokenizer, base):
     """Hydra heads over a draft vocabulary, trained the trainer's way on the tiny model's own greedy continuations
     of training prompts; held-out prompts (other seeds) for serving."""
     vocab_size = len(tiny_tokenizer)
-    train_prompts = _tie_free_prompts(tiny_llama_dir, vocab_size, _greedy(), lens=[4, 7, 9, 12, 5, 8], seed=10)
-    ids = greedy_continuations(base, torch.tensor([p[:4] for p in train_prompts]), 4 + 60)
-    hidden = final_hidden_states(base, ids)
     heads = HydraHeads(HIDDEN, vocab_size, num_heads=NUM_HEADS)
     heads.set_embedding(base.get_input_embeddings().weight)
-    heads.set_draft_vocab(frequent_tokens(head_targets(ids, NUM_HEADS)[1], vocab_size // 2))
-    weight = base.get_output_embeddings().weight.detach().float()
-    vocab = heads.draft_vocab
-    train_heads(heads, lambda x: x @ weight[vocab].t(), hidden, ids,
-                MedusaTrainConfig(steps=150, batch_size=128, lr=1e-2, warmup_steps=5), vocab=vocab)
-    served_prompts = _tie_free_prompts(tiny_llama_dir, vocab_size, _greedy(NEW_TOKENS), lens=[5, 11, 6, 9], seed=3)
-    return heads.save(tmp_path_factory.mktemp("hydra-dv")), served_prompts
+    return train_tiny_heads(heads, base, tiny_llama_dir, vocab_size, tmp_path_factory.mktemp("hydra-dv"))
 
 
 class RecordingHydra(MedusaProposer):
