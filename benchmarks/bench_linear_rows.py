@@ -13,8 +13,9 @@ less than wall time; with --threads N > 1, wall time per call (median; read it w
 GFLOP/s = 2 M N K / time; weight GB/s = the weight's bytes / time (the stream a small-M call is bound by);
 "vs M=1" = this call's time over the same shape's at the first row count. `--vs-one-row`: per shape, calls of 1 row
 and of M rows alternate (rounds x row counts), each pair's time ratio, median per M: what M rows cost over one row
-measured side by side, which a shared machine's drifting load skews least. Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576),
-gate_up (3072 x 576), down (576 x 1536) and, up to 64 rows, the LM head (49152 x 576); `1b`: TinyLlama-1.1B's
+measured side by side, which a shared machine's drifting load skews least (default shapes only).
+Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576), gate_up (3072 x 576), down (576 x 1536) and, up to
+`--lm-head-max-rows` (64) rows, the LM head (49152 x 576); `1b`: TinyLlama-1.1B's
 (2560 x 2048, 2048 x 2048, 11264 x 2048, 2048 x 5632, LM head 32000 x 2048).
 bf16 MFU = GFLOP/s / this core's bf16 ceiling, measured in the same run by torch.ops.pagellm.bf16_dot_peak (a
 register-only vdpbf16ps loop of the loaded kernel library; before and after the table, the first one is used;

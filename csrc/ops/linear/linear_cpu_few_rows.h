@@ -67,9 +67,9 @@ inline c10::BFloat16* few_rows_scratch(int64_t elems) {
   return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
 }
 
-// 16 sums, lane 4L + c = row L of (quad q0 + q, weight row n0 + n) pair c of cs[0..3] (q * NW + n), + their biases, rounded
-// like c10::BFloat16 (nearest-even, NaN -> 0x7fc0) and stored where the row is < M. NW = 4: a row's 4 outputs
-// sit side by side (one 8-byte store); otherwise one 2-byte store per output.
+// 16 sums, lane 4L + c = row L of (quad q0 + q, weight row n0 + n) pair c of cs[0..3] (q * NW + n), + their
+// biases, rounded like c10::BFloat16 (nearest-even, NaN -> 0x7fc0) and stored where the row is < M. NW = 4: a row's
+// 4 outputs sit side by side (one 8-byte store); otherwise one 2-byte store per output.
 template <int NW>
 inline void few_rows_store(c10::BFloat16* out, __m512 v, const int* cs, const float* bias, const LinearArgs& a,
                            int q0, int64_t n0) {
