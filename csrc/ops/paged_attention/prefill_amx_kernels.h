@@ -19,6 +19,7 @@
 
 #include "ops/linear/linear_amx_kernels.h"
 #include "ops/linear/amx_support.h"
+#include "ops/paged_attention/prefill_bf16_kernels.h"  // bf16_pair_lanes
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
 namespace pagellm::cpu {
@@ -42,11 +43,6 @@ struct PrefillAmxScratch : PrefillScratch {
     ST.assign(kAmxKeys * Rp_, 0.f);  // [kAmxKeys][Rp] scores (the FMA kernel's tiles are kKeyTile)
   }
 };
-
-// 16 bf16 of `lo` and `hi` -> 16 dwords (lo[i] | hi[i] << 16).
-inline __m512i bf16_pairs(__m256i lo, __m256i hi) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-}
 
 // prefill_load_queries for the tile path: positions and state as there, queries packed into QB (unscaled).
 inline void prefill_amx_load_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
@@ -80,7 +76,7 @@ inline void prefill_amx_load_kv(const PagedAttnArgs<c10::BFloat16>& a, const Pre
     for (int64_t d = 0; d < D; d += 16) {
       const __m256i lo = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : zero;
       const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : zero;
-      _mm512_storeu_si512(w.VB.data() + p * D + d, bf16_pairs(lo, hi));
+      _mm512_storeu_si512(w.VB.data() + p * D + d, bf16_pair_lanes(lo, hi));
     }
   }
   for (int64_t t = 0; t < kAmxKeys / 16; ++t) {
@@ -209,17 +205,6 @@ inline bool prefill_amx_applies(const PagedAttnArgs<T, C>& a) {
 #else
   return false;
 #endif
-}
-
-// The prefill kernel for these arguments: the tile path where it applies, else the FMA kernel.
-template <typename T, typename C>
-void run_paged_attention_prefill(const PagedAttnArgs<T, C>& a) {
-#ifdef PAGELLM_HAVE_AMX
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
-    if (prefill_amx_applies(a) && !prefill_amx_disabled()) return paged_attention_prefill_amx(a);
-  }
-#endif
-  paged_attention_prefill_kernel(a);
 }
 
 }  // namespace pagellm::cpu
