@@ -9,7 +9,7 @@
 // Probabilities enter the PV product in bf16 (as flash attention does on GPUs), so they come from the
 // cheaper vexp_lowp; scores, softmax sums and the output accumulate in fp32. Used when the cache is bf16,
 // head_dim is a multiple of 32 and AMX is usable (PAGELLM_PREFILL_AMX=0 turns it off); everything else
-// runs prefill_cpu_kernels.h, quantized (int8 / fp8) caches included: their rows are dequantized into the
+// runs the kernels prefill_dispatch_cpu.h picks, quantized (int8 / fp8) caches included: their rows are dequantized into the
 // FMA kernel's fp32 tiles (a tile path for them would need the dequantized keys repacked to bf16 per item).
 #pragma once
 
@@ -19,7 +19,6 @@
 
 #include "ops/linear/linear_amx_kernels.h"
 #include "ops/linear/amx_support.h"
-#include "ops/paged_attention/prefill_bf16_kernels.h"  // bf16_pair_lanes
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
 namespace pagellm::cpu {
@@ -43,6 +42,11 @@ struct PrefillAmxScratch : PrefillScratch {
     ST.assign(kAmxKeys * Rp_, 0.f);  // [kAmxKeys][Rp] scores (the FMA kernel's tiles are kKeyTile)
   }
 };
+
+// 16 bf16 of `lo` and `hi` -> 16 dwords (lo[i] | hi[i] << 16).
+inline __m512i bf16_pairs(__m256i lo, __m256i hi) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+}
 
 // prefill_load_queries for the tile path: positions and state as there, queries packed into QB (unscaled).
 inline void prefill_amx_load_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
@@ -76,7 +80,7 @@ inline void prefill_amx_load_kv(const PagedAttnArgs<c10::BFloat16>& a, const Pre
     for (int64_t d = 0; d < D; d += 16) {
       const __m256i lo = v0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d)) : zero;
       const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : zero;
-      _mm512_storeu_si512(w.VB.data() + p * D + d, bf16_pair_lanes(lo, hi));
+      _mm512_storeu_si512(w.VB.data() + p * D + d, bf16_pairs(lo, hi));
     }
   }
   for (int64_t t = 0; t < kAmxKeys / 16; ++t) {

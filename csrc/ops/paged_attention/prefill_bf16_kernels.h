@@ -1,4 +1,5 @@
-// Prefill attention for a bf16 cache on AVX512-BF16 (vdpbf16ps), for CPUs without AMX: the work items,
+// Prefill attention for a bf16 cache with bf16 pair dots (vdot_bf16: vdpbf16ps on AVX512-BF16, its exact
+// emulation in the avx2 library, so both libraries give the same bits), for CPUs without AMX: the work items,
 // transposed fp32 scores ST [keys][rows], masks and online softmax of prefill_cpu_kernels.h, with both
 // products as bf16 pair dots (half the instructions of the fp32 broadcast-FMA tiles, no fp32 copies of K / V):
 //   ST [keys][rows]  = K . Q^T   vector = 16 query rows of QB (dims 2p, 2p+1 of each row side by side, packed
@@ -16,12 +17,12 @@
 #include <tuple>
 #include <vector>
 
-#include "ops/common/transpose_avx512.h"
+#include "ops/common/transpose_avx512.h"  // (the avx512 library)
 #include "ops/paged_attention/prefill_cpu_kernels.h"
 
 namespace pagellm::cpu {
 
-#if defined(PAGELLM_BF16_DOT) && defined(__AVX512BF16__)
+#ifdef PAGELLM_BF16_DOT
 #define PAGELLM_HAVE_PREFILL_BF16 1
 
 // Query rows per work item: GQA 3 (SmolLM2) fills 48 rows with 16 tokens; the register blocks take 32 + 16.
@@ -41,12 +42,7 @@ struct PrefillBf16Scratch : PrefillScratch {
   }
 };
 
-// 16 bf16 of `lo` and `hi` -> 16 dwords (lo[i] | hi[i] << 16): one pair per lane, even element low.
-inline __m512i bf16_pair_lanes(__m256i lo, __m256i hi) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32(lo), _mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-}
-
-inline BF16x32 load_pairs(const uint32_t* p) { return {(__m512bh)_mm512_loadu_si512(p)}; }
+inline BF16x32 load_pairs(const uint32_t* p) { return bf16x32_load(reinterpret_cast<const c10::BFloat16*>(p)); }
 
 // ST[j0 + j][rv + 16 v] = sum_p key_j pair p . QB[p][rv + 16 v] for 8 keys (kr[j]: their rows as pairs).
 template <int NV>
@@ -92,8 +88,8 @@ inline void bf16_pv_block(const uint32_t* VB, const uint32_t* PB, const float* c
 // [ceil(n/2)][Rp] (an odd last key's partner 0) instead of back into ST; l adds the rounded probabilities.
 inline void bf16_softmax_pack(PrefillBf16Scratch& w, int64_t n, float scale) {
   const VecF sv = vset1(scale);
-  const __m256i zero = _mm256_setzero_si256();
   const int64_t Rp = w.Rp;
+  c10::BFloat16* const bf16 = nullptr;  // vround's target type
   for (int64_t rv = 0; rv < Rp; rv += kLanes) {
     VecF mt = vset1(kNegInf);
     for (int64_t j = 0; j < n; ++j) mt = vmax(mt, vload(w.ST.data() + j * Rp + rv));
@@ -101,12 +97,11 @@ inline void bf16_softmax_pack(PrefillBf16Scratch& w, int64_t n, float scale) {
     const VecF m_new = vmax(m_old, mt);
     VecF sum = vzero();
     for (int64_t j = 0; j < n; j += 2) {
-      const __m256i lo = f32_to_bf16_bits(vexp_lowp(vmul(vsub(vload(w.ST.data() + j * Rp + rv), m_new), sv)));
-      const __m256i hi = j + 1 < n
-                             ? f32_to_bf16_bits(vexp_lowp(vmul(vsub(vload(w.ST.data() + (j + 1) * Rp + rv), m_new), sv)))
-                             : zero;
-      _mm512_storeu_si512(w.PB.data() + j / 2 * Rp + rv, bf16_pair_lanes(lo, hi));
-      sum = vadd(sum, vadd(bf16_bits_to_f32(lo), bf16_bits_to_f32(hi)));
+      const VecF p0 = vround(vexp_lowp(vmul(vsub(vload(w.ST.data() + j * Rp + rv), m_new), sv)), bf16);
+      const VecF p1 =
+          j + 1 < n ? vround(vexp_lowp(vmul(vsub(vload(w.ST.data() + (j + 1) * Rp + rv), m_new), sv)), bf16) : vzero();
+      vstore_bf16_pairs(w.PB.data() + j / 2 * Rp + rv, p0, p1);
+      sum = vadd(sum, vadd(p0, p1));
     }
     const VecF c = vexp(vmul(vsub(m_old, m_new), sv));
     vstore(w.l.data() + rv, vfma(vload(w.l.data() + rv), c, sum));
@@ -115,32 +110,31 @@ inline void bf16_softmax_pack(PrefillBf16Scratch& w, int64_t n, float scale) {
   }
 }
 
-// Positions and softmax state as prefill_load_queries; the queries packed into QB unscaled: per 16 rows and
-// 16 pairs (32 dims) one 16 x 16 dword transpose.
-inline void prefill_bf16_load_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
-                                      PrefillBf16Scratch& w, int64_t q_base, int64_t pos_base) {
+// QB[p][r] = pair p of query row r (rows past `rows` zero).
+inline void prefill_bf16_pack_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
+                                      PrefillBf16Scratch& w, int64_t q_base, int64_t rows) {
   const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
-  const int64_t rows = (it.t1 - it.t0) * G;
-  std::fill(w.OT.begin(), w.OT.end(), 0.f);
-  std::fill(w.m.begin(), w.m.end(), -1e30f);
-  std::fill(w.l.begin(), w.l.end(), 0.f);
-  for (int64_t r = 0; r < Rp; ++r)  // padded rows repeat the last token's position
-    w.pos[r] = static_cast<float>(pos_base + it.t0 + std::min(r, rows - 1) / G);
-  for (int64_t r0 = 0; r0 < Rp; r0 += kLanes) {
+  auto q_row = [&](int64_t r) { return a.q_row(q_base + it.t0 + r / G, it.head * G + r % G); };
+#ifdef __AVX512F__
+  for (int64_t r0 = 0; r0 < Rp; r0 += kLanes) {  // per 16 rows x 16 pairs one dword transpose
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
       const int64_t dims = std::min<int64_t>(32, D - d0);  // 16 or 32 (D is a multiple of 16)
       const __mmask32 mask = static_cast<__mmask32>((uint64_t{1} << dims) - 1);
       __m512 x[16];
-      for (int64_t i = 0; i < kLanes; ++i) {
-        const int64_t r = r0 + i;
-        x[i] = r < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(
-                              mask, a.q_row(q_base + it.t0 + r / G, it.head * G + r % G) + d0))
-                        : _mm512_setzero_ps();
-      }
+      for (int64_t i = 0; i < kLanes; ++i)
+        x[i] = r0 + i < rows ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi16(mask, q_row(r0 + i) + d0)) : _mm512_setzero_ps();
       transpose16(x);
-      for (int64_t p = 0; p < dims / 2; ++p) _mm512_storeu_ps(reinterpret_cast<float*>(w.QB.data() + (d0 / 2 + p) * Rp + r0), x[p]);
+      for (int64_t p = 0; p < dims / 2; ++p)
+        _mm512_storeu_ps(reinterpret_cast<float*>(w.QB.data() + (d0 / 2 + p) * Rp + r0), x[p]);
     }
   }
+#else
+  std::fill(w.QB.begin(), w.QB.end(), 0u);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* q = reinterpret_cast<const uint32_t*>(q_row(r));
+    for (int64_t p = 0; p < D / 2; ++p) w.QB[p * Rp + r] = q[p];
+  }
+#endif
 }
 
 // The step's key rows (kr, 8-key blocks; slots past n read the zero key) and value pairs VB (zero past n).
@@ -150,42 +144,49 @@ inline void prefill_bf16_load_kv(const PagedAttnArgs<c10::BFloat16>& a, const Pr
   for (int64_t j = 0; j < n8; ++j)
     kr[j] = j < n ? reinterpret_cast<const uint32_t*>(a.row(a.key_cache, it.seq, start + j, it.head))
                   : w.zero_key.data();
-  const __m256i zero = _mm256_setzero_si256();
   for (int64_t j = 0; j < n; j += 2) {
     const c10::BFloat16* v0 = a.row(a.value_cache, it.seq, start + j, it.head);
     const c10::BFloat16* v1 = j + 1 < n ? a.row(a.value_cache, it.seq, start + j + 1, it.head) : nullptr;
-    for (int64_t d = 0; d < D; d += 16) {
-      const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + d));
-      const __m256i hi = v1 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + d)) : zero;
-      _mm512_storeu_si512(w.VB.data() + j / 2 * D + d, bf16_pair_lanes(lo, hi));
-    }
+    for (int64_t d = 0; d < D; d += kLanes)  // exact: the values are bf16 already
+      vstore_bf16_pairs(w.VB.data() + j / 2 * D + d, vload(v0 + d), v1 ? vload(v1 + d) : vzero());
   }
 }
 
-// out rows = OT^T / l (0 for a row without keys), per 16 rows x 16 dims one transpose, rounded to bf16.
+// out rows = OT^T / l (0 for a row without keys), rounded to bf16.
 inline void prefill_bf16_store(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillBf16Scratch& w,
                                int64_t q_base) {
   const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp, rows = (it.t1 - it.t0) * G;
-  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {
+  auto out_row = [&](int64_t r) { return a.out_row(q_base + it.t0 + r / G, it.head * G + r % G); };
+#ifdef __AVX512F__
+  for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {  // per 16 rows x 16 dims one transpose
     const __m512 l = _mm512_loadu_ps(w.l.data() + r0);
-    const __m512 inv = _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ),
-                                           _mm512_set1_ps(1.0f), l);
+    const __m512 inv =
+        _mm512_maskz_div_ps(_mm512_cmp_ps_mask(l, _mm512_setzero_ps(), _CMP_GT_OQ), _mm512_set1_ps(1.0f), l);
     for (int64_t d0 = 0; d0 < D; d0 += kLanes) {
       __m512 x[16];
       for (int64_t i = 0; i < kLanes; ++i) x[i] = _mm512_mul_ps(_mm512_loadu_ps(w.OT.data() + (d0 + i) * Rp + r0), inv);
       transpose16(x);
-      for (int64_t i = 0; i < std::min<int64_t>(kLanes, rows - r0); ++i) {
-        const int64_t r = r0 + i;
-        vstore(a.out_row(q_base + it.t0 + r / G, it.head * G + r % G) + d0, VecF{x[i]});
-      }
+      for (int64_t i = 0; i < std::min<int64_t>(kLanes, rows - r0); ++i) vstore(out_row(r0 + i) + d0, VecF{x[i]});
     }
   }
+#else
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t d = 0; d < D; ++d) w.row[d] = w.OT[d * Rp + r];
+    store_row(w.row.data(), out_row(r), D, w.l[r] > 0.f ? 1.0f / w.l[r] : 0.f);
+  }
+#endif
 }
 
 inline void prefill_bf16_item(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillBf16Scratch& w) {
   const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp, P = D / 2;
   const auto [q_base, pos_base, p_first, p_last] = prefill_span(a, it);
-  prefill_bf16_load_queries(a, it, w, q_base, pos_base);
+  const int64_t rows = (it.t1 - it.t0) * G;
+  std::fill(w.OT.begin(), w.OT.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -1e30f);
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  for (int64_t r = 0; r < Rp; ++r)  // padded rows repeat the last token's position
+    w.pos[r] = static_cast<float>(pos_base + it.t0 + std::min(r, rows - 1) / G);
+  prefill_bf16_pack_queries(a, it, w, q_base, rows);
   const uint32_t* kr[kBf16Keys];
   for (int64_t start = a.window_begin(p_first); start <= p_last; start += kBf16Keys) {
     const int64_t n = std::min(kBf16Keys, p_last + 1 - start), n8 = (n + 7) / 8 * 8;
@@ -261,6 +262,6 @@ inline void paged_attention_prefill_bf16(const PagedAttnArgs<c10::BFloat16>& a) 
   });
 }
 
-#endif  // PAGELLM_BF16_DOT && __AVX512BF16__
+#endif  // PAGELLM_BF16_DOT
 
 }  // namespace pagellm::cpu

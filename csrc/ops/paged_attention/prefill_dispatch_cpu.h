@@ -1,7 +1,7 @@
 // Which CPU prefill attention kernel runs for a call: AMX tiles (bf16 query and cache, head_dim % 32 == 0, AMX
-// usable: prefill_amx_kernels.h), else the AVX512-BF16 pair-dot kernel (bf16 query and cache, the avx512
-// kernel library: prefill_bf16_kernels.h), else the fp32 broadcast-FMA kernel (prefill_cpu_kernels.h: fp32 /
-// fp16, int8 / fp8 caches, the avx2 library). PAGELLM_PREFILL_AMX=0 and PAGELLM_PREFILL_BF16=0 turn a path off.
+// usable: prefill_amx_kernels.h), else the bf16 pair-dot kernel (bf16 query and cache: prefill_bf16_kernels.h,
+// the same bits from both kernel libraries), else the fp32 broadcast-FMA kernel (prefill_cpu_kernels.h: fp32 /
+// fp16, int8 / fp8 caches). PAGELLM_PREFILL_AMX=0 and PAGELLM_PREFILL_BF16=0 turn a path off.
 #pragma once
 
 #include <cstdlib>
