@@ -37,6 +37,9 @@ int main(int argc, char** argv) {
 #ifdef PAGELLM_BF16_DOT
     put(vdot_bf16(vc, bf16x32_load(x32), bf16x32_load(y32)));
     put(vdot_bf16(vc, bf16x32_load(x32, n + 5), bf16x32_load(y32, n + 5)));
+    uint32_t pairs[16];
+    vstore_bf16_pairs(pairs, va, vmul(vb, vset1(1e-3f)));
+    put(vdot_bf16(vc, bf16x32_load(reinterpret_cast<const c10::BFloat16*>(pairs)), bf16x32_load(y32)));
 #endif
   }
   FILE* f = fopen(argv[1], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);

@@ -112,6 +112,34 @@ def test_prefill_window_softcap(device, window, softcap, chunks, dtype):
     _prefill_case(device, chunks, 8, 2, 64, 16, dtype, window, softcap)
 
 
+# bf16 caches on the CPU: the AVX512-BF16 kernel (prefill_bf16_kernels.h: 48-row query tiles, 64-key steps, bf16
+# probabilities) where the avx512 library runs without AMX (with AMX, head_dim % 32 == 0 runs on tiles), and the
+# fp32 FMA kernel (PAGELLM_PREFILL_BF16=0); both within the bf16 tolerance of the reference.
+@pytest.mark.parametrize(
+    "chunks,num_heads,num_kv_heads,head_dim,block_size",
+    [
+        ([(130, 130)], 9, 3, 64, 16),  # SmolLM2's heads: 48-row tiles, two 64-key steps and a 2-key tail
+        ([(65, 65), (1, 66)], 10, 2, 80, 8),  # head_dim 80: a 16-dim last block of query pairs; a 1-token chunk
+        ([(33, 161), (7, 7)], 16, 4, 128, 32),  # a chunk after a 128-token cached prefix
+        ([(40, 60)], 36, 1, 64, 16),  # GQA 36: one token per tile, 36 of 48 rows
+        ([(5, 20), (3, 3)], 64, 1, 32, 16),  # GQA 64: a 64-row tile
+        ([(77, 77)], 6, 2, 96, 1),  # block_size 1: every key its own block
+        ([(63, 200)], 8, 8, 16, 64),  # MHA, head_dim 16, wide blocks
+    ],
+)
+@pytest.mark.parametrize("kernel", ["default", "fma"])
+def test_prefill_bf16_cache_kernels(monkeypatch, kernel, chunks, num_heads, num_kv_heads, head_dim, block_size):
+    if kernel == "fma":
+        monkeypatch.setenv("PAGELLM_PREFILL_BF16", "0")  # read on every call
+    _prefill_case("cpu", chunks, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window,softcap", [(16, 0.0), (70, 0.0), (-1, 30.0), (7, 10.0)])
+def test_prefill_bf16_cache_window_softcap(window, softcap):
+    """Windows that start inside and across the bf16 kernel's 64-key steps, soft-capped scores."""
+    _prefill_case("cpu", [(150, 150), (20, 200), (1, 65)], 9, 3, 64, 16, torch.bfloat16, window, softcap)
+
+
 # ---------------------------------------------------------------- backends through the interface
 
 

@@ -253,5 +253,14 @@ inline __m256 dot_bf16x8(__m256 acc, __m256i a, __m256i b) {
 inline VecF vdot_bf16(VecF acc, BF16x32 a, BF16x32 b) {
   return {avx2_detail::dot_bf16x8(acc.lo, a.lo, b.lo), avx2_detail::dot_bf16x8(acc.hi, a.hi, b.hi)};
 }
+// 16 pairs to dst (dword i = bf16(even[i]) | bf16(odd[i]) << 16, rounded to nearest even): what
+// bf16x32_load reads back as the operand of vdot_bf16.
+inline void vstore_bf16_pairs(uint32_t* dst, VecF even, VecF odd) {
+  using avx2_detail::f32_to_bf16x8;
+  const __m256i lo = _mm256_or_si256(f32_to_bf16x8(even.lo), _mm256_slli_epi32(f32_to_bf16x8(odd.lo), 16));
+  const __m256i hi = _mm256_or_si256(f32_to_bf16x8(even.hi), _mm256_slli_epi32(f32_to_bf16x8(odd.hi), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), lo);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 8), hi);
+}
 
 }  // namespace pagellm::cpu

@@ -155,6 +155,12 @@ inline BF16x32 bf16x32_load(const c10::BFloat16* p, int64_t left) {
 inline BF16x32 bf16x32_set1_pair(uint32_t bits) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(bits))}; }
 // Lane i: acc + a[2i+1] * b[2i+1] + a[2i] * b[2i] (vdpbf16ps: the odd product first, one rounding per add).
 inline VecF vdot_bf16(VecF acc, BF16x32 a, BF16x32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+// 16 pairs to dst (dword i = bf16(even[i]) | bf16(odd[i]) << 16, rounded to nearest even): what
+// bf16x32_load reads back as the operand of vdot_bf16.
+inline void vstore_bf16_pairs(uint32_t* dst, VecF even, VecF odd) {
+  const __m512i e = _mm512_cvtepu16_epi32(f32_to_bf16_bits(even)), o = _mm512_cvtepu16_epi32(f32_to_bf16_bits(odd));
+  _mm512_storeu_si512(dst, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+}
 #endif
 
 }  // namespace pagellm::cpu

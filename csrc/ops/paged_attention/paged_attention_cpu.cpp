@@ -8,8 +8,7 @@
 #include "ops/paged_attention/decode_cpu_kernels.h"
 #include "ops/paged_attention/decode_runs_cpu_kernels.h"
 #include "ops/paged_attention/mla_checks.h"
-#include "ops/paged_attention/prefill_amx_kernels.h"
-#include "ops/paged_attention/prefill_cpu_kernels.h"
+#include "ops/paged_attention/prefill_dispatch_cpu.h"
 
 namespace pagellm::cpu {
 namespace {

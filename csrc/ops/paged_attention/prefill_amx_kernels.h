@@ -8,8 +8,8 @@
 //                               transposes of ST), B = the value tile in VNNI pairs of keys (VB)
 // Probabilities enter the PV product in bf16 (as flash attention does on GPUs), so they come from the
 // cheaper vexp_lowp; scores, softmax sums and the output accumulate in fp32. Used when the cache is bf16,
-// head_dim is a multiple of 32 and AMX is usable (PAGELLM_PREFILL_AMX=0 turns it off); everything else
-// runs prefill_cpu_kernels.h, quantized (int8 / fp8) caches included: their rows are dequantized into the
+// head_dim is a multiple of 32 and AMX is usable (PAGELLM_PREFILL_AMX=0 turns it off); everything else runs
+// the other kernels prefill_dispatch_cpu.h picks; quantized (int8 / fp8) caches are dequantized into the
 // FMA kernel's fp32 tiles (a tile path for them would need the dequantized keys repacked to bf16 per item).
 #pragma once
 
@@ -209,17 +209,6 @@ inline bool prefill_amx_applies(const PagedAttnArgs<T, C>& a) {
 #else
   return false;
 #endif
-}
-
-// The prefill kernel for these arguments: the tile path where it applies, else the FMA kernel.
-template <typename T, typename C>
-void run_paged_attention_prefill(const PagedAttnArgs<T, C>& a) {
-#ifdef PAGELLM_HAVE_AMX
-  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, T>) {
-    if (prefill_amx_applies(a) && !prefill_amx_disabled()) return paged_attention_prefill_amx(a);
-  }
-#endif
-  paged_attention_prefill_kernel(a);
 }
 
 }  // namespace pagellm::cpu

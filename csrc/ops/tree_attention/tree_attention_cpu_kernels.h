@@ -9,9 +9,8 @@
 //   each token is one query of the decode kernel (decode_cpu_kernels.h) over its visible keys in position order,
 //   the context then its visible tree tokens (a DecodeKeyTail maps them to their slots): the same 256-key
 //   partitions, tiles and accumulation order as a plain decode of the token's root-to-node path.
-// - "tile path" (longer causal sequences: prefill chunks): the prefill kernel's tiled flash attention
-//   (prefill_cpu_kernels.h) with the mask applied to the key tiles that reach into the tree; on a causal mask it
-//   skips exactly what the prefill kernel's causal mask skips, so it gives the prefill op's bits.
+// - "tile path" (longer causal sequences: prefill chunks): each such sequence through the prefill op's kernel
+//   (prefill_dispatch_cpu.h), so it gets the prefill op's bits.
 // The split mirrors attention/cpu_backend.py, which sends rows of <= MULTI_QUERY_MAX_LEN tokens through the
 // decode kernel and longer ones through the prefill kernel.
 #pragma once
@@ -21,7 +20,7 @@
 #include <vector>
 
 #include "ops/paged_attention/decode_cpu_kernels.h"
-#include "ops/paged_attention/prefill_cpu_kernels.h"
+#include "ops/paged_attention/prefill_dispatch_cpu.h"
 
 namespace pagellm::cpu {
 
@@ -30,75 +29,6 @@ struct TreeMask {
   const uint8_t* data;
   int64_t row_stride;
 };
-
-// Kf / Vf <- fp32 rows of keys [start, start + n) of the item's sequence and kv head.
-template <typename T, typename C>
-inline void load_kv_tile(const PagedAttnArgs<T, C>& a, const PrefillItem& it, PrefillScratch& w, int64_t start,
-                         int64_t n) {
-  const int64_t D = a.head_dim;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t idx = a.row_index(it.seq, start + j, it.head);
-    load_row_f32(a.key_cache + idx * D, w.Kf.data() + j * D, D, a.row_scale(a.k_scale, idx));
-    load_row_f32(a.value_cache + idx * D, w.Vf.data() + j * D, D, a.row_scale(a.v_scale, idx));
-  }
-}
-
-// ST [n][Rp] = Kf . QT (rows of Kf past n are read but their scores are never used).
-inline void score_tile(PrefillScratch& w, int64_t n) {
-  const int64_t n8 = (n + 7) / 8 * 8;
-  for (int64_t j0 = 0; j0 < n8; j0 += 8) {
-    int64_t rv = 0;
-    for (; rv + 2 * kLanes <= w.Rp; rv += 2 * kLanes) score_block<2>(w.Kf.data(), w.QT.data(), w.ST.data(), w.D, w.Rp, j0, rv);
-    if (rv < w.Rp) score_block<1>(w.Kf.data(), w.QT.data(), w.ST.data(), w.D, w.Rp, j0, rv);
-  }
-}
-
-// OT += Vf^T . P (P = ST after the softmax).
-inline void pv_tile(PrefillScratch& w, int64_t n) {
-  for (int64_t d0 = 0; d0 < w.D; d0 += 8) {
-    int64_t rv = 0;
-    for (; rv + 2 * kLanes <= w.Rp; rv += 2 * kLanes) pv_block<2>(w.Vf.data(), w.ST.data(), w.OT.data(), w.D, w.Rp, n, d0, rv);
-    if (rv < w.Rp) pv_block<1>(w.Vf.data(), w.ST.data(), w.OT.data(), w.D, w.Rp, n, d0, rv);
-  }
-}
-
-// Sets ST to -inf where key start + j is a tree token (>= ctx) that the row's query may not see. Padded rows
-// (past the item's rows) repeat the last token's mask, as prefill_load_queries repeats its position.
-template <typename T, typename C>
-inline void tree_mask_tile(const PagedAttnArgs<T, C>& a, const TreeMask& mask, const PrefillItem& it,
-                           PrefillScratch& w, int64_t q_base, int64_t ctx, int64_t start, int64_t n) {
-  const int64_t G = a.group(), rows = (it.t1 - it.t0) * G;
-  for (int64_t j = std::max<int64_t>(0, ctx - start); j < n; ++j) {
-    const int64_t node = start + j - ctx;
-    float* s = w.ST.data() + j * w.Rp;
-    for (int64_t r = 0; r < w.Rp; ++r) {
-      const int64_t t = q_base + it.t0 + std::min(r, rows - 1) / G;
-      if (mask.data[t * mask.row_stride + node] == 0) s[r] = kNegInf;
-    }
-  }
-}
-
-template <typename T, typename C>
-void tree_item(const PagedAttnArgs<T, C>& a, const TreeMask& mask, const PrefillItem& it, PrefillScratch& w) {
-  const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
-  const PrefillSpan span = prefill_span(a, it);
-  const int64_t ctx = span.pos_base, end = a.seq_lens[it.seq];
-  prefill_load_queries(a, it, w, span.q_base, span.pos_base);
-  for (int64_t start = 0; start < end; start += kKeyTile) {
-    const int64_t n = std::min(kKeyTile, end - start);
-    load_kv_tile(a, it, w, start, n);
-    score_tile(w, n);
-    if (a.softcap > 0.f) apply_softcap(w.ST.data(), n * Rp, a.softcap);
-    if (start + n > ctx) tree_mask_tile(a, mask, it, w, span.q_base, ctx, start, n);
-    softmax_tile(w, n);  // a row with every key masked so far keeps l = 0 (m starts finite)
-    pv_tile(w, n);
-  }
-  for (int64_t r = 0; r < (it.t1 - it.t0) * G; ++r) {
-    for (int64_t d = 0; d < D; ++d) w.row[d] = w.OT[d * Rp + r];
-    const float l = w.l[r];
-    store_row(w.row.data(), a.out_row(span.q_base + it.t0 + r / G, it.head * G + r % G), D, l > 0.f ? 1.0f / l : 0.f);
-  }
-}
 
 // Rows of at most this many tokens take the decode path (= attention/cpu_backend.py MULTI_QUERY_MAX_LEN).
 constexpr int64_t kMultiQueryMaxLen = 16;
@@ -189,6 +119,22 @@ void tree_decode_path(const PagedAttnArgs<T, C>& a, const TreeMask& mask, const 
       std::copy_n(o.data() + i * row + h * a.head_dim, a.head_dim, a.out_row(p.tokens[i], h));
 }
 
+// The tile path: a causal chain is a prefill chunk, so sequence s alone through the prefill op's kernel (its
+// bits whichever kernel prefill_dispatch_cpu.h picks: fp32 FMA, bf16 pair dots or AMX tiles).
+template <typename T, typename C>
+void tree_prefill_path(const PagedAttnArgs<T, C>& a, int64_t s) {
+  const int32_t t0 = a.query_start_loc[s];
+  const int32_t qsl[2] = {0, a.query_start_loc[s + 1] - t0};
+  PagedAttnArgs<T, C> p = a;
+  p.query = a.query + t0 * a.q_stride_t;
+  p.out = a.out + t0 * a.out_stride_t;
+  p.block_tables = a.block_tables + s * a.bt_stride;
+  p.seq_lens = a.seq_lens + s;
+  p.query_start_loc = qsl;
+  p.num_seqs = 1;
+  run_paged_attention_prefill(p);
+}
+
 // a: prefill arguments (query_start_loc set, window -1); mask: see TreeMask.
 template <typename T, typename C>
 void paged_tree_attention_kernel(const PagedAttnArgs<T, C>& a, const TreeMask& mask) {
@@ -200,15 +146,8 @@ void paged_tree_attention_kernel(const PagedAttnArgs<T, C>& a, const TreeMask& m
     if (!tiled[s] && q_len > 0) decode_seqs.push_back(s);
   }
   tree_decode_path(a, mask, decode_seqs);
-  std::vector<PrefillItem> items;
-  const int64_t Rp = prefill_items(a, items);
-  items.erase(std::remove_if(items.begin(), items.end(), [&](const PrefillItem& it) { return !tiled[it.seq]; }),
-              items.end());
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  parallel_dynamic(n_items, [&](auto claim) {
-    PrefillScratch w(a.head_dim, Rp);
-    for (int64_t i = claim(); i < n_items; i = claim()) tree_item(a, mask, items[i], w);
-  });
+  for (int64_t s = 0; s < a.num_seqs; ++s)
+    if (tiled[s]) tree_prefill_path(a, s);
 }
 
 }  // namespace pagellm::cpu
