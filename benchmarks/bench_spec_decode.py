@@ -20,7 +20,8 @@ the ratio of tokens/s to no speculation in the same round (also per CPU second o
 machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a core; with `--decode-cpu`, decode
 tokens per CPU second: each batch's prefill + first token is run alone first and its CPU time taken off), and from
 RequestMetrics.spec_decode the acceptance rate and mean accepted length (tokens per spec step, the target's own
-included). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
+included), and "c measured": the switch's draft token cost at the end of the run (SpecSwitch.draft_token_cost: a draft
+token's verify time over a row's share of a plain step; what draft_length "cost" sizes drafts by). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
 batch size (the adaptive switch, spec_decode/switch.py; `ngram_adaptive_k` also picks how many drafts <= k;
 the proposer's batch limit still applies: ngram / draft_model off above 4 sequences); `--adaptive off` drafts for
 every sequence below each method's default limit (off above 4 sequences), `--disable-by-batch-size N`
@@ -105,11 +106,14 @@ def run_batches(llm, prompts: list[W.Prompt], batch: int, max_tokens: int | None
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_s = cpu - prefill_cpu
+    switch = getattr(llm.llm_engine, "spec_switch", None)  # its measured draft token cost at this batch size
+    cost = switch.draft_token_cost(batch) if switch is not None and hasattr(switch, "draft_token_cost") else None
     return {"tok_s": num_tokens / wall, "tok_cpu_s": num_tokens / cpu,
             "decode_tok_cpu_s": (num_tokens - len(outs)) / decode_s if decode_cpu and decode_s > 0 else float("nan"),
             "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
             "acceptance": accepted / drafts if drafts else 0.0,
             "mean_accepted_len": 1 + accepted / rows if rows else 1.0,
+            "draft_token_cost": float("nan") if cost is None else cost,
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
@@ -160,6 +164,7 @@ def summarize(runs: dict[tuple, list[dict]]) -> list[dict]:
                         "decode_cpu_ratio": statistics.median(decode_ratios),
                         "acceptance": statistics.median(x["acceptance"] for x in rs),
                         "mean_accepted_len": statistics.median(x["mean_accepted_len"] for x in rs),
+                        "draft_token_cost": statistics.median(x.get("draft_token_cost", float("nan")) for x in rs),
                         "same_as_none": same / sum(len(x["token_ids"]) for x in rs),
                         "runs": [{key: v for key, v in x.items() if key != "token_ids"} for x in rs]})
     return results
@@ -182,11 +187,13 @@ def render(data: dict) -> str:
              f"{r['cpu_ratio']:.2f}x",
              f"{r['decode_cpu_ratio']:.2f}x" if r["decode_cpu_ratio"] == r["decode_cpu_ratio"] else "-",  # nan: no --decode-cpu
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
-             f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
+             f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-",
+             f"{r['draft_token_cost']:.3f}" if r.get("draft_token_cost", float("nan")) == r.get("draft_token_cost") else "-",
+             f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],
                             key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
     out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)",
-                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "same as none"], rows))
+                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "c measured", "same as none"], rows))
     return "\n".join(out)
 
 
