@@ -1,17 +1,19 @@
 #!/usr/bin/env python
 """Offline acceptance of ngram chains and candidate trees on the default model's own greedy outputs (issue 17).
 
-    python benchmarks/bench_ngram_acceptance.py                        # copy prompts, 96 new tokens
-    python benchmarks/bench_ngram_acceptance.py --workload chat --costs 0.03,0.1
+    python benchmarks/bench_ngram_acceptance.py                        # copy prompts, each answer to EOS
+    python benchmarks/bench_ngram_acceptance.py --workload chat --costs 0.03,0.1 --output-len 96
 
-One plain greedy generation per prompt (bench_spec_decode's workloads, bf16) gives the sequence a lossless
+One plain greedy generation per prompt (spec_workloads.py's workloads, bf16; copy: to EOS within its max_tokens,
+copy14 / chat: --output-len tokens) gives the sequence a lossless
 speculative run must reproduce. Each configuration is then replayed without the model: at every step the proposer
 sees prompt + the tokens committed so far, drafts a chain (find_ngram_continuation) or a tree
 (ngram_candidate_tree), and the step commits the longest draft path equal to the true continuation plus one token
 (what greedy verification commits). Reported: tokens per step, and the decode speed-up under a verify cost model
 (a step of 1 + d tokens costs 1 + c d plain steps, c per --costs; a step without drafts costs 1), which says how
-cheap a draft token must be for a configuration to pay. "fixed" / "match" replay NgramProposer itself (its
-incremental matchers; draft_length "fixed" or "match"); "oracle" drafts, at every step, the longest true
+cheap a draft token must be for a configuration to pay. "fixed" / "match" / "cost" replay NgramProposer itself (its
+incremental matchers; draft_length "fixed", "match" or "cost", the last with draft_token_cost = each column's c, a
+proposer per column: its tokens / step is the first column's); "oracle" drafts, at every step, the longest true
 continuation that follows any earlier occurrence of the last token (what no single-chain lookup can beat). No timing: the numbers do not depend on the machine's load.
 Writes benchmarks/results/ngram_acceptance_<tag>.{md,json}.
 """
@@ -20,18 +22,19 @@ from __future__ import annotations
 
 import argparse
 
-import bench_spec_decode as S
 import common as C
 import numpy as np
+import spec_workloads as W
 
 CONFIGS = (("chain", 3, 3), ("chain", 4, 4), ("chain", 6, 6), ("chain", 8, 8), ("tree", 3, 4), ("tree", 3, 6),
            ("tree", 4, 6), ("tree", 4, 8), ("tree", 6, 10), ("tree", 8, 16),
            # NgramProposer itself (incremental matchers): draft_length "fixed" / "match" (as many as the match agreed)
            ("fixed", 3, 3), ("fixed", 8, 8), ("fixed", 12, 12), ("match", 3, 3), ("match", 8, 8), ("match", 12, 12),
-           ("match", 16, 16), ("oracle", 0, 0))
+           ("match", 16, 16), ("cost", 8, 8), ("cost", 12, 12), ("cost", 16, 16), ("cost", 24, 24), ("oracle", 0, 0))
 
 
-def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: int, lo: int, hi: int) -> list[int]:
+def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: int, lo: int, hi: int,
+           cost: float | None = None) -> list[int]:
     """Per step of a lossless speculative run: its number of draft tokens and tokens committed (pairs)."""
     from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
 
@@ -39,14 +42,16 @@ def replay(pairs: list[tuple[list[int], list[int]]], kind: str, k: int, nodes: i
     from pagellm.spec_decode.ngram import NgramProposer
 
     steps = []
-    for prompt, out in pairs:
-        seq, i = list(prompt), 0
-        proposer = NgramProposer(k, lo, hi, draft_length=kind) if kind in ("fixed", "match") else None
+    proposer = None  # one for all prompts, as in a server: "cost" learns across requests
+    if kind in ("fixed", "match", "cost"):
+        proposer = NgramProposer(k, lo, hi, draft_length=kind, draft_token_cost=cost if kind == "cost" else None)
+    for n_seq, (prompt, out) in enumerate(pairs):
+        seq, i, sid = list(prompt), 0, f"s{n_seq}"
         while i < len(out):
             ids = np.asarray(seq, dtype=np.int64)
-            if proposer is not None:
-                req = DraftRequest("s", prompt, seq[len(prompt) :], max_num_drafts=k)
-                drafts = proposer.propose([req]).get("s", [])
+            if proposer is not None:  # the room max_tokens leaves (DraftRequest.for_sequence)
+                req = DraftRequest(sid, prompt, seq[len(prompt) :], max_num_drafts=min(k, len(out) - i - 1))
+                drafts = proposer.propose([req]).get(sid, []) if req.max_num_drafts > 0 else []
                 parents = list(range(-1, len(drafts) - 1))
             elif kind == "oracle":  # the best any single earlier occurrence of the last token could have drafted
                 drafts = max(([seq[e + 1 + j] for j in range(_agreeing(seq, e, out, i))] for e in range(len(seq) - 1)
@@ -78,9 +83,9 @@ def _agreeing(seq: list[int], end: int, out: list[int], i: int) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=S.WORKLOADS, default="copy")
+    ap.add_argument("--workload", choices=W.WORKLOADS, default="copy")
     ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--output-len", type=int, default=96)
+    ap.add_argument("--output-len", type=int, default=96, help="copy14 / chat: new tokens per request")
     ap.add_argument("--costs", type=lambda s: [float(x) for x in s.split(",")], default=[0.03, 0.08, 0.15],
                     help="verify cost per draft token, in plain decode steps")
     ap.add_argument("--tag", default=None)
@@ -88,25 +93,28 @@ def main() -> None:
     from pagellm import SamplingParams
 
     tok, _ = C.load_tokenizer_for_prompts()
-    prompts = S.workloads(tok, args.num_prompts)[args.workload]
-    llm = C.make_llm("default", max_model_len=max(map(len, prompts)) + args.output_len + 16,
+    prompts = W.workloads(tok, args.num_prompts, args.output_len, names=(args.workload,))[args.workload]
+    llm = C.make_llm("default", max_model_len=max(len(p.token_ids) + p.max_tokens for p in prompts) + 16,
                      max_num_seqs=len(prompts), kv_gb=0.5)
-    sp = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-    pairs = [(list(p), list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
+    sp = [SamplingParams(temperature=0.0, max_tokens=p.max_tokens, ignore_eos=p.ignore_eos, detokenize=False)
+          for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], sp, use_tqdm=False)
+    pairs = [(list(p.token_ids), list(o.outputs[0].token_ids)) for p, o in zip(prompts, outs)]
     rows, results = [], []
     for kind, k, nodes in CONFIGS:
-        steps = replay(pairs, kind, k, nodes, 1, 4)
+        steps = replay(pairs, kind, k, nodes, 1, 4, args.costs[0])
         committed = sum(n for _, n in steps)
         drafted = sum(1 for d, _ in steps if d)
-        speed = [committed / sum(1 + c * d for d, _ in steps) for c in args.costs]
+        per_cost = [replay(pairs, kind, k, nodes, 1, 4, c) if kind == "cost" else steps for c in args.costs]
+        speed = [committed / sum(1 + c * d for d, _ in s) for c, s in zip(args.costs, per_cost)]
         results.append({"kind": kind, "k": k, "tree_nodes": nodes, "steps": len(steps), "drafted_steps": drafted,
                         "tokens_per_step": committed / len(steps), "speedup": dict(zip(map(str, args.costs), speed))})
         rows.append([kind, k or "-", nodes if kind == "tree" else "-", f"{committed / len(steps):.2f}",
                      f"{drafted / len(steps):.0%}"] + [f"{s:.2f}x" for s in speed])
     tag = args.tag or args.workload
     md = "\n".join([f"# ngram acceptance offline ({tag})", "",
-                    f"Default model bf16, {len(prompts)} {args.workload} prompts, {args.output_len} greedy tokens each, "
+                    f"Default model bf16, {len(prompts)} {args.workload} prompts, {sum(len(o) for _, o in pairs)} greedy tokens "
+                    "in all (copy: each answer to EOS; copy14 / chat: --output-len each), "
                     "prompt_lookup_min 1, max 4. Speed-up: tokens per step over steps' cost (1 + c per draft token).",
                     "", C.md_table(["drafts", "k", "tree_nodes", "tokens / step", "steps with drafts"]
                                    + [f"speed-up at c = {c}" for c in args.costs], rows)])

@@ -7,10 +7,12 @@ method and number of draft tokens k, against no speculation, in one interleaved 
     python benchmarks/bench_spec_decode.py --methods none,medusa,medusa_tree --ks 3 --workloads chat --medusa-heads DIR
     python benchmarks/bench_spec_decode.py --methods none,ngram,ngram_tree --ks 3,6 --tree-nodes 8 --batches 1
 
-Workloads (chat-templated, greedy, `ignore_eos`, a fixed number of new tokens):
-  copy   copy-heavy prompts: rewrite / summarise a KJV passage (Debian's bible-kjv, `bible -f`), and
-         edit a Python snippet (from /usr/share/doc/python3.11) returning the whole code
-  chat   open questions (little to copy)
+Workloads (chat-templated, greedy; spec_workloads.py says what each asks and where its text comes from):
+  copy    issue 17's copy-heavy tasks: rewrite a KJV passage, proofread a paragraph of the Python docs, add type hints
+          to a standard-library function; each answer is the whole passage / function, so max_tokens covers it
+          (1.3x the passage + 48) and generation stops at EOS (session 15 on; "tokens" below are the model's own)
+  copy14  session 14's copy prompts with --output-len new tokens, EOS ignored (the old workload, for comparison)
+  chat    open questions (little to copy), --output-len new tokens, EOS ignored
 Batch b: the workload's prompts are submitted b at a time (LLM.generate of b prompts, max_num_seqs b).
 Each round runs every (workload, batch, method, k) once, engines in turn; medians over rounds of
 tokens/s (new tokens / wall time of the batch), TPOT (median over the requests of RequestMetrics.tpot),
@@ -18,7 +20,8 @@ the ratio of tokens/s to no speculation in the same round (also per CPU second o
 machine with PAGELLM_NUM_THREADS=1 that leaves out the time spent waiting for a core; with `--decode-cpu`, decode
 tokens per CPU second: each batch's prefill + first token is run alone first and its CPU time taken off), and from
 RequestMetrics.spec_decode the acceptance rate and mean accepted length (tokens per spec step, the target's own
-included). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
+included), and "c measured": the switch's draft token cost at the end of the run (SpecSwitch.draft_token_cost: a draft
+token's verify time over a row's share of a plain step; what draft_length "cost" sizes drafts by). By default each sequence drafts only while its acceptance pays for the verify cost measured at the step's
 batch size (the adaptive switch, spec_decode/switch.py; `ngram_adaptive_k` also picks how many drafts <= k;
 the proposer's batch limit still applies: ngram / draft_model off above 4 sequences); `--adaptive off` drafts for
 every sequence below each method's default limit (off above 4 sequences), `--disable-by-batch-size N`
@@ -31,25 +34,26 @@ Another method is one entry in METHODS: name -> (k, args) -> speculative_config 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
-import re
 import statistics
-import subprocess
 import time
-from pathlib import Path
 from typing import Callable
 
 import common as C
+import spec_workloads as W
 
 # name -> builder of the speculative_config for k draft tokens (draft_model / medusa add theirs here)
 METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "none": lambda k, args: None,
     "ngram": lambda k, args: {"method": "ngram", "num_speculative_tokens": k,
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max},
-    # ngram with k drafts after every match (the rule before session 14's per-request draft length, the default now)
+    # ngram with k drafts after every match (the rule before session 14's per-request draft length)
     "ngram_fixed": lambda k, args: {**METHODS["ngram"](k, args), "draft_length": "fixed"},
+    # as many drafts as the match has agreed (session 14's rule)
+    "ngram_match": lambda k, args: {**METHODS["ngram"](k, args), "draft_length": "match"},
+    # the draft length with the most expected tokens per unit of step time (session 15, ngram_policy.py)
+    "ngram_cost": lambda k, args: {**METHODS["ngram"](k, args), "draft_length": "cost"},
     # ngram candidate trees: depth k, at most --tree-nodes nodes (greedy rows), verified in one step
     "ngram_tree": lambda k, args: {**METHODS["ngram"](k, args), "tree_nodes": max(k, args.tree_nodes)},
     # ngram with adaptive k (opt-in): each sequence asks for the drafts (<= k) that pay best; A/B with ngram in one run
@@ -65,68 +69,27 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "medusa_tree": lambda k, args: {**METHODS["medusa"](k, args), "tree": args.medusa_tree},
 }
 
-KJV_PASSAGES = ("Gen1:1-1:13", "Gen2:1-2:9", "Ex20:1-20:17", "Ruth1:1-1:14", "Ps23:1-23:6", "Ps1:1-1:6",
-                "Mat5:1-5:12", "John1:1-1:14", "Luke15:11-15:24", "Ecc3:1-3:11")
-CHAT_QUESTIONS = (
-    "What are three good habits for staying healthy?", "Write a short poem about the sea.",
-    "Why is the sky blue? Explain simply.", "Give me some ideas for a birthday party.",
-    "What is the difference between a list and a tuple in Python?", "Tell me a story about a brave cat.",
-    "How do I make a cup of tea?", "What should I pack for a weekend hiking trip?",
-    "Explain what a computer does, for a child.", "What are the benefits of reading books?",
-)
-
-
-def kjv_passages(n: int) -> list[str]:
-    try:
-        texts = [subprocess.run(["bible", "-f", ref], capture_output=True, text=True, check=True).stdout
-                 for ref in KJV_PASSAGES[:n]]
-    except FileNotFoundError as e:
-        raise SystemExit("the `bible` command is missing: apt-get install bible-kjv") from e
-    return [" ".join(re.sub(r"^\S+\d+:\d+\s+", "", line).strip() for line in t.splitlines() if line.strip())
-            for t in texts]
-
-
-def python_snippets(n: int, lines: int = 30) -> list[str]:
-    """Windows of `lines` lines from the Python sources shipped with python3.11-doc."""
-    files = sorted(glob.glob("/usr/share/doc/python3.11*/**/*.py", recursive=True))
-    if not files:
-        raise SystemExit("no .py file under /usr/share/doc/python3.11* (apt-get install python3.11-doc)")
-    source = [line for f in files for line in Path(f).read_text(errors="replace").splitlines()]
-    step = max(1, (len(source) - lines) // max(1, n))
-    return ["\n".join(source[i * step : i * step + lines]) for i in range(n)]
-
-
 def workloads(tok, n: int) -> dict[str, list[list[int]]]:
-    from pagellm.inputs import apply_chat_template
-
-    def encode(messages: list[str]) -> list[list[int]]:
-        texts = [apply_chat_template(tok, [{"role": "user", "content": m}]) for m in messages]
-        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-
-    passages, snippets = kjv_passages(n), python_snippets(n)
-    copy = []
-    for i in range(n):
-        if i % 3 == 0:
-            copy.append(f"Rewrite this passage in modern English, sentence by sentence:\n\n{passages[i]}")
-        elif i % 3 == 1:
-            copy.append(f"Summarise this passage, quoting its key sentences:\n\n{passages[i]}")
-        else:
-            copy.append("Add a docstring to every function in this Python code and return the whole code:\n\n"
-                        f"```python\n{snippets[i]}\n```")
-    return {"copy": encode(copy), "chat": encode([CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(n)])}
+    """Token ids of session 14's fixed-length prompts, what the step-level benches (bench_verify_rows,
+    bench_verify_profile, bench_spec_phases) time: "copy" is spec_workloads' copy14, "chat" its chat."""
+    loads = W.workloads(tok, n, 0, names=("copy14", "chat"))
+    return {"copy": [p.token_ids for p in loads["copy14"]], "chat": [p.token_ids for p in loads["chat"]]}
 
 
-WORKLOADS = ("copy", "chat")
-
-
-def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int, decode_cpu: bool = False) -> dict:
+def run_batches(llm, prompts: list[W.Prompt], batch: int, max_tokens: int | None = None,
+                decode_cpu: bool = False) -> dict:
+    """The prompts b at a time, each with its max_tokens (capped at `max_tokens`: warm-ups) and EOS rule; a plain
+    token id list is a prompt of `max_tokens` new tokens, EOS ignored (the step-level benches' form)."""
     from pagellm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    prompts = [p if isinstance(p, W.Prompt) else W.Prompt(list(p), max_tokens, True) for p in prompts]
+
     first_only = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, detokenize=False)
     outs, wall, cpu, prefill_cpu = [], 0.0, 0.0, 0.0
     for i in range(0, len(prompts), batch):
-        reqs = [{"prompt_token_ids": p} for p in prompts[i : i + batch]]
+        reqs = [{"prompt_token_ids": p.token_ids} for p in prompts[i : i + batch]]
+        params = [SamplingParams(temperature=0.0, max_tokens=min(p.max_tokens, max_tokens or p.max_tokens),
+                                 ignore_eos=p.ignore_eos, detokenize=False) for p in prompts[i : i + batch]]
         if decode_cpu:  # the CPU time of prefill + first token alone, to take off: speculation speeds up decoding
             llm.reset_prefix_cache()
             c0 = time.process_time()
@@ -143,18 +106,21 @@ def run_batches(llm, prompts: list[list[int]], batch: int, output_len: int, deco
     tpots = [o.metrics.tpot for o in outs if o.metrics.tpot is not None]
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     decode_s = cpu - prefill_cpu
+    switch = getattr(llm.llm_engine, "spec_switch", None)  # its measured draft token cost at this batch size
+    cost = switch.draft_token_cost(batch) if switch is not None and hasattr(switch, "draft_token_cost") else None
     return {"tok_s": num_tokens / wall, "tok_cpu_s": num_tokens / cpu,
             "decode_tok_cpu_s": (num_tokens - len(outs)) / decode_s if decode_cpu and decode_s > 0 else float("nan"),
             "tpot_ms": statistics.median(tpots) * 1e3 if tpots else float("nan"),
             "acceptance": accepted / drafts if drafts else 0.0,
             "mean_accepted_len": 1 + accepted / rows if rows else 1.0,
+            "draft_token_cost": float("nan") if cost is None else cost,
             "token_ids": [o.outputs[0].token_ids for o in outs]}
 
 
 def run(args) -> dict:
     tok, _ = C.load_tokenizer_for_prompts()
-    loads = {name: prompts for name, prompts in workloads(tok, args.num_prompts).items() if name in args.workloads}
-    max_prompt = max(len(p) for ps in loads.values() for p in ps)
+    loads = W.workloads(tok, args.num_prompts, args.output_len, names=args.workloads)
+    max_len = max(len(p.token_ids) + p.max_tokens for ps in loads.values() for p in ps)
     configs = [("none", 0)] + [(m, k) for m in args.methods if m != "none" for k in args.ks]
     engines = {}
     for batch in args.batches:
@@ -165,18 +131,18 @@ def run(args) -> dict:
             if spec is not None and args.adaptive == "off":
                 spec["adaptive"] = False
             try:
-                engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_prompt + args.output_len + 16,
+                engines[(batch, method, k)] = C.make_llm("default", max_model_len=max_len + 16,
                                                          max_num_seqs=batch, kv_gb=0.5, speculative_config=spec)
             except ValueError as e:  # e.g. medusa with k above its number of heads
                 print(f"[skipped] batch {batch} {method} k={k}: {e}", flush=True)
     for (batch, _, _), llm in engines.items():  # warm-up: one-time kernel and step-graph costs off the measurements
         for prompts in loads.values():  # (a graph is captured per token count: verify rows of 2 .. 1 + k tokens)
-            run_batches(llm, prompts[-batch:], batch, min(args.warmup_tokens, args.output_len))
+            run_batches(llm, prompts[-batch:], batch, args.warmup_tokens)
     runs: dict[tuple, list[dict]] = {}
     for r in range(args.rounds):
         for name, prompts in loads.items():
             for (batch, method, k), llm in engines.items():
-                res = run_batches(llm, prompts, batch, args.output_len, args.decode_cpu)
+                res = run_batches(llm, prompts, batch, decode_cpu=args.decode_cpu)
                 runs.setdefault((name, batch, method, k), []).append(res)
                 print(f"[round {r}] {name} batch {batch} {method} k={k}: {res['tok_s']:.1f} tok/s, TPOT "
                       f"{res['tpot_ms']:.1f} ms, acceptance {res['acceptance']:.2f}", flush=True)
@@ -198,6 +164,7 @@ def summarize(runs: dict[tuple, list[dict]]) -> list[dict]:
                         "decode_cpu_ratio": statistics.median(decode_ratios),
                         "acceptance": statistics.median(x["acceptance"] for x in rs),
                         "mean_accepted_len": statistics.median(x["mean_accepted_len"] for x in rs),
+                        "draft_token_cost": statistics.median(x.get("draft_token_cost", float("nan")) for x in rs),
                         "same_as_none": same / sum(len(x["token_ids"]) for x in rs),
                         "runs": [{key: v for key, v in x.items() if key != "token_ids"} for x in rs]})
     return results
@@ -209,7 +176,8 @@ def render(data: dict) -> str:
            f"{e['time']}, {e['cpu']}, {e['nproc']} cores, torch {e['torch']} ({e['torch_threads']} threads), "
            f"git {e['git_head']}. Load average before: {tuple(round(x, 2) for x in data['load']['load_at_start'])}, "
            f"after: {tuple(round(x, 2) for x in data['load_at_end'])}.", "",
-           f"Default model, bf16, greedy, {a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
+           f"Default model, bf16, greedy, copy: each answer to EOS (max_tokens 1.3x its passage + 48), copy14 / chat: "
+           f"{a['output_len']} new tokens per request, {a['num_prompts']} prompts per "
            f"workload, {a['rounds']} interleaved rounds, medians; PAGELLM_NUM_THREADS={a.get('num_threads_env')}; "
            f"adaptive switch {a.get('adaptive', 'on')}, "
            f"disable_by_batch_size {a['disable_by_batch_size'] or 'default'}. 'same as none': share of requests "
@@ -219,11 +187,13 @@ def render(data: dict) -> str:
              f"{r['cpu_ratio']:.2f}x",
              f"{r['decode_cpu_ratio']:.2f}x" if r["decode_cpu_ratio"] == r["decode_cpu_ratio"] else "-",  # nan: no --decode-cpu
              f"{r['acceptance']:.2f}" if r["method"] != "none" else "-",
-             f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-", f"{r['same_as_none']:.0%}"]
+             f"{r['mean_accepted_len']:.2f}" if r["method"] != "none" else "-",
+             f"{r['draft_token_cost']:.3f}" if r.get("draft_token_cost", float("nan")) == r.get("draft_token_cost") else "-",
+             f"{r['same_as_none']:.0%}"]
             for r in sorted(data["results"],
                             key=lambda r: (r["workload"], r["batch"], r["method"] != "none", r["method"], r["k"]))]
     out.append(C.md_table(["workload", "batch", "method", "k", "tok/s", "TPOT ms", "vs none", "vs none (CPU time)",
-                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "same as none"], rows))
+                           "decode vs none (CPU time)", "acceptance", "mean accepted len", "c measured", "same as none"], rows))
     return "\n".join(out)
 
 
@@ -233,10 +203,11 @@ def main() -> None:
                     help=f"comma-separated, from {sorted(METHODS)}")
     ap.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    ap.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
-                    help="comma-separated: copy, chat")
+    ap.add_argument("--workloads", type=lambda s: s.split(","), default=["copy", "chat"],
+                    help=f"comma-separated, from {list(W.WORKLOADS)} (spec_workloads.py)")
     ap.add_argument("--num-prompts", type=int, default=8, help="prompts per workload")
-    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128,
+                    help="new tokens per copy14 / chat request (copy: each request's own max_tokens, to EOS)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-cpu", action="store_true",
                     help="also time each batch's prefill + first token alone (CPU) and report decode tokens per "
@@ -277,8 +248,8 @@ def main() -> None:
     unknown = sorted(set(args.methods) - set(METHODS))
     if unknown:
         ap.error(f"unknown methods {unknown}; known: {sorted(METHODS)}")
-    if not args.workloads or set(args.workloads) - set(WORKLOADS):
-        ap.error(f"--workloads: a comma-separated subset of {WORKLOADS}, got {args.workloads}")
+    if not args.workloads or set(args.workloads) - set(W.WORKLOADS):
+        ap.error(f"--workloads: a comma-separated subset of {W.WORKLOADS}, got {args.workloads}")
     load = C.wait_for_load(args.wait_load, args.wait_timeout) if args.wait_load > 0 else {
         "waited_s": 0, "load_ok": None, "load_at_start": C.loadavg()}
     C.setup_threads(1 if args.threads == "auto" and not load["load_ok"] else

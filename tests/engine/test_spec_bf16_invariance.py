@@ -48,9 +48,11 @@ def _spec_tokens(path, prompts, batch, config):
 
 
 @pytest.mark.parametrize("batch", [1, 8])
-def test_bf16_ngram_greedy_equals_plain(tiny_llama_dir, plain_bf16, batch):
+@pytest.mark.parametrize("draft_length, k", [("match", 3), ("cost", 12)])
+def test_bf16_ngram_greedy_equals_plain(tiny_llama_dir, plain_bf16, batch, draft_length, k):
     prompts, ref_tokens, ref_logits = plain_bf16
-    config = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 64}
+    config = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": 64,
+              "draft_length": draft_length}
     tokens, logits = _spec_tokens(tiny_llama_dir, prompts, batch, config)
     assert tokens == ref_tokens
     assert logits == ref_logits

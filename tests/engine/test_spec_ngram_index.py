@@ -143,7 +143,7 @@ def test_draft_length_is_an_ngram_option():
         SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 2, "draft_length": "match"})
 
 
-@pytest.mark.parametrize("draft_length", ["match", "fixed"])
+@pytest.mark.parametrize("draft_length", ["match", "fixed", "cost"])
 def test_long_drafts_greedy_equal_plain_decoding(tiny_llama_dir, tiny_tokenizer, draft_length):
     pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
     from test_draft_tokens import _assert_all_blocks_free, _generate, _greedy, _make_llm

@@ -122,6 +122,8 @@ class SpecDecodeStep:
                 typical = self.sampler.typical_acceptance is not None  # acceptance only (not lossless anyway)
                 self.proposer.set_tree_seq_ids(r.seq_id for r in requests
                                                if typical or self.output_processor.seq(r.seq_id)[0].params.is_greedy)
+            if switch is not None:
+                self.proposer.set_draft_token_cost(switch.draft_token_cost(len(ready)))
             start = switch.clock() if switch is not None else 0.0
             proposals = self._call_proposer(requests)
             drafts = check_proposals(requests, proposals, self.proposer.num_speculative_tokens, self.vocab_size)

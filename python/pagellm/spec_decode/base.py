@@ -86,6 +86,11 @@ class BaseProposer(ABC):
         the final normed hidden state whose logits gave its newest token; the sequence then had
         num_tokens[i] tokens (prompt + output). Default: nothing."""
 
+    def set_draft_token_cost(self, cost: float | None) -> None:
+        """Before each proposal with the adaptive switch on: a draft token's measured verify cost relative to one
+        row's share of a plain step at this batch size (None: not measured yet), for proposers that size their
+        drafts by cost. Default: nothing."""
+
     def release(self, seq_ids: Iterable[str]) -> None:
         """The sequences are gone (finished, aborted): drop any state kept for them. Default: nothing."""
 

@@ -13,6 +13,11 @@ has agreed with the text, at most num_speculative_tokens: a 1-2 token coincidenc
 that has agreed for 20 tokens drafts k (the match is followed as the text keeps agreeing with it, so its length
 grows past prompt_lookup_max), no match drafts nothing. k can then be set high (8-12) for copy-heavy work without
 paying k rows per verify where matches are short. `"fixed"`: always k drafts after a match (the old rule).
+`"cost"`: the number of drafts (<= k) with the most expected tokens per unit of step time (ngram_policy.py): each
+match's chance of agreeing on, learnt per agreed length from the proposer's own followed matches, against a draft
+token's verify cost relative to a plain step, which the engine measures (SpecSwitch) and hands over each step
+(`set_draft_token_cost`) unless `"draft_token_cost"` pins it; until measured, DEFAULT_DRAFT_TOKEN_COST. Long drafts
+where a copy has held, one or two after a coincidence, none where even one does not pay.
 Matching is incremental (ngram_index.py): each sequence's tokens are indexed once as they are accepted, and a step
 costs the newly accepted tokens plus one lookup among the earlier occurrences of the last token, not a scan of the
 sequence (which made long sequences quadratic).
@@ -36,10 +41,15 @@ from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.spec_decode.base import MAX_SPECULATIVE_TOKENS, BaseProposer, DraftRequest
 from pagellm.spec_decode.ngram_index import MatcherCache
 from pagellm.spec_decode.ngram_match import find_ngram_continuation, ngram_candidate_tree
+from pagellm.spec_decode.ngram_policy import ContinuationStats, best_draft_length
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
 
 MAX_PROMPT_LOOKUP = 128  # longest n-gram matched; longer suffixes add nothing a 128-token match lacks
-DRAFT_LENGTHS = ("match", "fixed")
+DRAFT_LENGTHS = ("match", "fixed", "cost")
+# "cost" before the engine measured a verify: a draft token costs this share of a plain step's row (session 14 measured
+# 0.05-0.08 at one thread on the default model, batch 1)
+DEFAULT_DRAFT_TOKEN_COST = 0.08
+COST_MEASURE_LEN = 64  # "cost": a new match's agreement is measured up to this many tokens (its estimate's key)
 
 
 @register_proposer("ngram")
@@ -47,20 +57,23 @@ class NgramProposer(BaseProposer):
     """Prompt-lookup drafts per sequence (incremental matchers, ngram_index.py), as many as the match has agreed
     (`draft_length` "match") or always k ("fixed"); sequences without a match get none."""
 
-    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max", "tree_nodes", "draft_length")
+    OPTIONS = ("prompt_lookup_min", "prompt_lookup_max", "tree_nodes", "draft_length", "draft_token_cost")
     # CPU decode is weight-bound at small batches, so scoring 1 + k tokens per row is nearly free there;
     # from a handful of rows on the forward turns compute-bound and rejected drafts cost real time.
     default_disable_by_batch_size = 4
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
-                 draft_length: str = "match") -> None:
+                 draft_length: str = "match", draft_token_cost: float | None = None) -> None:
         super().__init__(num_speculative_tokens)
         self.check_options({"prompt_lookup_min": prompt_lookup_min, "prompt_lookup_max": prompt_lookup_max,
-                            "draft_length": draft_length})
+                            "draft_length": draft_length, "draft_token_cost": draft_token_cost})
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.draft_length = draft_length
-        self._matchers = MatcherCache()
+        self.pinned_draft_token_cost = draft_token_cost  # None: the engine's measurement (set_draft_token_cost)
+        self.draft_token_cost = DEFAULT_DRAFT_TOKEN_COST if draft_token_cost is None else float(draft_token_cost)
+        self.continuation_stats = ContinuationStats() if draft_length == "cost" else None
+        self._matchers = MatcherCache(self.continuation_stats)
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -74,6 +87,13 @@ class NgramProposer(BaseProposer):
         length = options.get("draft_length", "match")
         if not isinstance(length, str) or length not in DRAFT_LENGTHS:
             raise ValueError(f"speculative_config: draft_length must be one of {list(DRAFT_LENGTHS)}, got {length!r}")
+        cost = options.get("draft_token_cost")
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or not 0.0 < cost <= 1.0):
+            raise ValueError(f"speculative_config: draft_token_cost must be None (measured) or a number in (0, 1] "
+                             f"(a draft token's verify cost relative to a plain step's row), got {cost!r}")
+        if cost is not None and length != "cost":
+            raise ValueError(f"speculative_config: draft_token_cost needs draft_length 'cost', got {length!r}")
         nodes = options.get("tree_nodes")
         if nodes is not None and (isinstance(nodes, bool) or not isinstance(nodes, int)
                                   or not 1 <= nodes <= MAX_SPECULATIVE_TOKENS):
@@ -90,13 +110,24 @@ class NgramProposer(BaseProposer):
         check_tree_verification(context.executor, "ngram trees", "drop 'tree_nodes'")
         return proposer
 
+    def set_draft_token_cost(self, cost: float | None) -> None:
+        """The engine's latest measure of a draft token's verify cost relative to a plain step's row (None: not
+        measured yet); "cost" draft lengths follow it unless draft_token_cost pinned one."""
+        if self.pinned_draft_token_cost is None and cost is not None:
+            self.draft_token_cost = cost
+
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         drafts: dict[str, list[int]] = {}
-        fixed = self.draft_length == "fixed"
+        mode, lo, hi = self.draft_length, self.prompt_lookup_min, self.prompt_lookup_max
         for r in requests:
             m = self._matchers.matcher(r.seq_id, r.prompt_token_ids, r.output_token_ids)
-            end, agreed = m.find(self.prompt_lookup_min, self.prompt_lookup_max, 0 if fixed else r.max_num_drafts)
-            num = min(self.num_speculative_tokens, r.max_num_drafts, self.num_speculative_tokens if fixed else agreed)
+            room = min(self.num_speculative_tokens, r.max_num_drafts)
+            if mode == "cost":
+                end, agreed = m.find(lo, hi, COST_MEASURE_LEN)
+                num = best_draft_length(self.continuation_stats, agreed, room, self.draft_token_cost)
+            else:
+                end, agreed = m.find(lo, hi, 0 if mode == "fixed" else r.max_num_drafts)
+                num = room if mode == "fixed" else min(room, agreed)
             if end >= 0 and num > 0:
                 drafts[r.seq_id] = m.continuation(end, num).tolist()
         return drafts
@@ -113,8 +144,8 @@ class NgramTreeProposer(NgramProposer):
     proposes_trees = True  # the engine asks draft_parents() and tells set_tree_seq_ids() which rows may take trees
 
     def __init__(self, num_speculative_tokens: int, tree_nodes: int, prompt_lookup_min: int = 1,
-                 prompt_lookup_max: int = 4, draft_length: str = "fixed") -> None:
-        super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_length)
+                 prompt_lookup_max: int = 4, draft_length: str = "fixed", draft_token_cost: float | None = None) -> None:
+        super().__init__(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max, draft_length, draft_token_cost)
         self.check_options({"tree_nodes": tree_nodes})
         if tree_nodes < num_speculative_tokens:
             raise ValueError(f"speculative_config: tree_nodes ({tree_nodes}) must be >= num_speculative_tokens "

@@ -11,7 +11,9 @@ suffix, counted up to prompt_lookup_max tokens, is longest; on a tie the match a
 (ngram_match.find_ngram_continuation's rule). A match is followed while the text keeps agreeing with it: after each
 appended token that equals the token after the match's end, the match moves on by one and its length grows past
 prompt_lookup_max. That length (tokens known to agree) is what the per-request draft length reads: a long copy run
-drafts up to k tokens, a 1-2 token coincidence drafts 1-2.
+drafts up to k tokens, a 1-2 token coincidence drafts 1-2. A matcher given a `ContinuationStats` (ngram_policy.py)
+records, for every appended token it meets while following a match, the match's agreed length and whether the token
+agreed with it: what `"draft_length": "cost"` reads to size drafts.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ from typing import Sequence
 
 import numpy as np
 
+from pagellm.spec_decode.ngram_policy import ContinuationStats
+
 
 class SequenceMatcher:
     """One sequence's tokens (append-only), the positions of each token id, and the followed match."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: ContinuationStats | None = None) -> None:
+        self.stats = stats  # where each followed match's outcome per appended token goes (None: nowhere)
         self.tokens = np.empty(64, dtype=np.int64)
         self.num_tokens = 0
         self.positions: dict[int, list[int]] = {}  # token id -> its positions, ascending
@@ -38,11 +43,14 @@ class SequenceMatcher:
             grown = np.empty(max(2 * len(self.tokens), n + len(new_tokens)), dtype=np.int64)
             grown[:n] = self.tokens[:n]
             self.tokens = grown
-        tokens, positions = self.tokens, self.positions
+        tokens, positions, stats = self.tokens, self.positions, self.stats
         for t in new_tokens:
             t = int(t)
             if self.match_end >= 0:
-                if tokens[self.match_end + 1] == t:  # match_end + 1 <= n - 1: an earlier position
+                went_on = tokens[self.match_end + 1] == t  # match_end + 1 <= n - 1: an earlier position
+                if stats is not None:
+                    stats.record(self.match_len, went_on)
+                if went_on:
                     self.match_end += 1
                     self.match_len += 1
                 else:
@@ -95,7 +103,8 @@ class SequenceMatcher:
 class MatcherCache:
     """The matchers of the sequences a proposer drafts for, kept in step with each sequence's tokens."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: ContinuationStats | None = None) -> None:
+        self.stats = stats  # given to every matcher made here
         self._matchers: dict[str, tuple[SequenceMatcher, int]] = {}  # seq_id -> (matcher, its prompt length)
 
     def matcher(self, seq_id: str, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> SequenceMatcher:
@@ -112,7 +121,7 @@ class MatcherCache:
                     or int(m.tokens[last]) != (prompt_token_ids[last] if last < p else output_token_ids[last - p])):
                 entry = None
         if entry is None:
-            m = SequenceMatcher()
+            m = SequenceMatcher(self.stats)
             m.extend(prompt_token_ids)
             self._matchers[seq_id] = (m, p)
         if m.num_tokens < total:

@@ -126,6 +126,15 @@ class SpecSwitch:
 
         return max(range(1, self.k + 1), key=tokens_per_s)  # the smallest n among equals
 
+    def draft_token_cost(self, num_rows: int) -> float | None:
+        """A draft token's cost (verify + proposer) relative to one row's share of a plain step of num_rows rows, as
+        measured (None until MIN_COST_SAMPLES spec steps were timed): what a proposer sizing its drafts reads."""
+        plain, extra = self._plain_s.get(num_rows), self._extra_s.get(num_rows)
+        if not plain or not extra or len(extra) < MIN_COST_SAMPLES or median(plain) <= 0.0:
+            return None
+        draft_s = median(extra) + (median(self._proposer_draft_s) if self._proposer_draft_s else 0.0)
+        return draft_s / (median(plain) / num_rows)
+
     def wants_drafts(self, seq_id: str, num_rows: int, num_drafts: int | None = None) -> bool:
         """Whether this sequence should draft (num_drafts of them; default: its recent mean per verify, k before its
         first verify) in a step of num_rows decode-ready rows."""
