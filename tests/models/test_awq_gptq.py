@@ -132,6 +132,13 @@ def test_gptq_refuses_bad_input():
         gptq_quantize(w, gram, 32, damp=0.0)
     with pytest.raises(ValueError, match="rounding"):
         AWQCalibrationConfig(rounding="nearest")
+    with pytest.raises(ValueError, match="gptq_damp"):
+        AWQCalibrationConfig(rounding="gptq", gptq_damp=1.5)
+    q, zeros, scales = gptq_quantize(w, gram, 32)
+    with pytest.raises(ValueError, match="float16 scales"):
+        pack_awq(q, zeros, scales.float())
+    with pytest.raises(ValueError, match="float16 scales"):
+        pack_awq(q, zeros[:, :1], scales)
 
 
 # ------------------------------------------------------------------------------------------- whole models
