@@ -6,6 +6,7 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,int8-absmax:6,int8-zp:6,int8-g64:6   # int8 by activation scheme
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq:64,awq+gptq:64   # + GPTQ rounding (--rounding gptq)
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -20,7 +21,8 @@ TPOT: one request at a time through LLMEngine (add_request / step), prompt --pro
 new tokens, (t_last - t_first) / (n - 1); a warm-up run first (step graphs captured), then --repeats runs per
 method interleaved (method A, B, A, B, ...) and the median reported. Every method runs in bfloat16
 activations ("bf16" = the unquantized checkpoint in bfloat16; any other name = LLM(quantization=name)).
-Targets (the quantization issue): int8 perplexity <= bf16 + 0.5 %; int8 TPOT <= 0.6x bf16 on the ~1B model.
+Targets (the quantization issue): int8 perplexity <= bf16 + 0.5 %; int8 TPOT <= 0.6x bf16 on the ~1B model;
+AWQ 4-bit perplexity <= bf16 + 3 %.
 Writes benchmarks/results/quant_ppl_<tag>.{md,json}.
 """
 
@@ -137,10 +139,11 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme:
 AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and symmetric clip search
 
 
-def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None) -> str:
-    """An AWQ checkpoint of `model` made by `pagellm quantize --method awq` (its calibration text never
-    includes this benchmark's held-out excerpt; group size `group`, None = the automatic choice), written once
-    under `cache` and reused."""
+def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
+                   rounding: str = "rtn") -> str:
+    """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` (its
+    calibration text never includes this benchmark's held-out excerpt; group size `group`, None = the
+    automatic choice), written once under `cache` and reused."""
     from pagellm.entrypoints.quantize import quantize_model_awq
     from pagellm.model_loader import open_model
     from pagellm.quantization.awq_calibrate import choose_group_size
@@ -148,12 +151,13 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     files = open_model(model)
     group = choose_group_size(files.hf_config, group)
     src = Path(files.source).resolve()
-    out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}"
+    tail = "" if rounding == "rtn" else f"-{rounding}"
+    out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}{tail}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
-                       progress=lambda msg: print(f"[awq] {msg}", flush=True))
+                       rounding=rounding, progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
 
@@ -212,7 +216,8 @@ def int8_variant(name: str) -> tuple[str, dict] | None:
 def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path, args=None):
     """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "int8-absmax[:T]" /
     "int8-zp[:T]" / "int8-g64[:T]": int8 with that activation scheme (threshold T, default 6; `int8_variant`); "awq[:G]": the AWQ checkpoint
-    `awq_checkpoint` makes (group size G, default automatic); "awq-rtn[:G]": round-to-nearest; else
+    `awq_checkpoint` makes (group size G, default automatic); "awq+gptq[:G]": the same with GPTQ rounding;
+    "awq-rtn[:G]": round-to-nearest; else
     quantization=method."""
     from pagellm import LLM
 
@@ -224,9 +229,10 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
         scheme, extra = int8_variant(name)
         model = with_int8_threshold(model, float(option or 6.0), tmp_root, scheme, extra)
         quantization = None
-    if name == "awq":
+    if name in ("awq", "awq+gptq"):
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
-                                             int(option) if option else None), None
+                                             int(option) if option else None,
+                                             "gptq" if name == "awq+gptq" else "rtn"), None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -301,7 +307,8 @@ def render(data: dict) -> str:
             f"{data['env']['torch_threads']} threads\n\n")
     table = C.md_table(["method", "weights MiB", "word ppl", "ppl vs first", "ppl pass s (prefill)", "TPOT ms",
                         "TPOT vs first"], rows)
-    return head + table + "\n\nTargets: int8 ppl <= first + 0.5 %; int8 TPOT <= 0.6x first on the ~1B model."
+    return head + table + ("\n\nTargets: int8 ppl <= first + 0.5 %; int8 TPOT <= 0.6x first on the ~1B model; "
+                           "AWQ ppl <= first + 3 %.")
 
 
 def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], args) -> list[dict]:
@@ -327,7 +334,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,int8",
                     help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
-                         "awq[:<group>], awq-rtn[:<group>] (round-to-nearest, no calibration), or a registered "
+                         "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq-rtn[:<group>] "
+                         "(round-to-nearest, no calibration), or a registered "
                          "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")

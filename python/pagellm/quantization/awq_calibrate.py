@@ -12,8 +12,11 @@ The float model is HF transformers' in float32. For each decoder layer:
     and fold it: the consumers' input columns * s, the previous op / s (norm weight, or the linear's rows
     and bias), so the float layer computes the same function;
  3. clip search per linear except q/k (AutoAWQ skips them: attention scores forgive their rounding);
- 4. `quantize_awq` every linear, put the dequantized weights back in the layer and run it again: the
-    next layer calibrates on the inputs it will really see (AutoAWQ instead feeds the float layer's output).
+ 4. round every linear into AWQ's groups, `rounding="rtn"`: `quantize_awq` (round to nearest, AWQ's), or
+    `"gptq"`: `awq_gptq.gptq_quantize` (error feedback across input columns from the linear's own Gram
+    matrix, each group's clip bounds searched on its updated weights; same format), put the dequantized
+    weights back in the layer and run it again: the next layer calibrates on the inputs it will really see
+    (AutoAWQ instead feeds the float layer's output).
 Search losses are the linears' own output errors (AutoAWQ looks at the whole attention / MLP output for
 the q/k/v and gate/up groups; the linears' outputs are cheaper and what the paper's objective states).
 """
@@ -27,7 +30,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, quantize_awq
+from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pack_awq, quantize_awq
+from pagellm.quantization.awq_gptq import DAMP_FRACTION, gptq_quantize
 from pagellm.quantization.awq_search import InputStats, apply_clip, search_clip, search_scale
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -36,6 +40,7 @@ MLP_LINEARS = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 LAYER_LINEARS = ATTN_LINEARS + MLP_LINEARS
 NO_CLIP_LINEARS = ("self_attn.q_proj", "self_attn.k_proj")
 GROUP_SIZE_CHOICES = (128, 64, 32)  # the automatic choice: the largest that divides every linear's inputs
+ROUNDINGS = ("rtn", "gptq")
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,14 @@ class AWQCalibrationConfig:
     duo_scaling: bool = True  # s = mean|x|^a / mean_w^(1 - a) (AutoAWQ's default); False: mean|x|^a (the paper)
     batch_size: int = 8  # calibration samples per layer forward (bounds activation memory)
     next_inputs_from_quantized: bool = True  # False: the float layer's output feeds the next layer (AutoAWQ)
+    rounding: str = "rtn"  # "rtn": round to nearest (AWQ); "gptq": error-compensated (awq_gptq.py)
+    gptq_damp: float = DAMP_FRACTION  # GPTQ's H + damp * mean(diag H) * I
+
+    def __post_init__(self):
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if not 0 < self.gptq_damp < 1:
+            raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
 
 
 def scaling_groups(layer: nn.Module) -> list[ScalingGroup]:
@@ -158,12 +171,22 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
         quantized = {}
         for name in LAYER_LINEARS:
             linear = layer.get_submodule(name)
-            w = linear.weight.data
-            if config.clip and name not in NO_CLIP_LINEARS:
-                w = apply_clip(w, *search_clip(stats[INPUT_OWNER[name]], w, G), G)
-            quantized[name] = quantize_awq(w, G)
+            clip = config.clip and name not in NO_CLIP_LINEARS
+            quantized[name] = quantize_linear(linear.weight.data, stats[INPUT_OWNER[name]], config, clip)
             linear.weight.copy_(dequantize_awq(*quantized[name], G))
     return quantized, losses
+
+
+def quantize_linear(w: torch.Tensor, stats: InputStats, config: AWQCalibrationConfig, clip: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] (scales folded) -> AutoAWQ's (qweight, qzeros, scales) by `config.rounding`, `clip`: the
+    clip search (RTN: once on W; GPTQ: per group on its error-updated weights)."""
+    G = config.group_size
+    if config.rounding == "gptq":
+        return pack_awq(*gptq_quantize(w, stats.gram, G, clip=clip, damp=config.gptq_damp))
+    if clip:
+        w = apply_clip(w, *search_clip(stats, w, G), G)
+    return quantize_awq(w, G)
 
 
 def load_float_model(model_dir: str):

@@ -83,9 +83,19 @@ def quantize_awq(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, t
     s = scales.to(torch.float32)
     zeros = torch.clamp(torch.round(-w_min / s), 0, 15)
     q = torch.clamp(torch.round(w / s.unsqueeze(2)) + zeros.unsqueeze(2), 0, 15)
-    q = q.reshape(out_features, in_features).t().to(torch.uint8)  # [in, out]
-    qweight = pack_awq_int4(q, "qweight")
-    qzeros = pack_awq_int4(zeros.t().to(torch.uint8), "qzeros")  # [in / group, out / 8]
+    return pack_awq(q.reshape(out_features, in_features).to(torch.uint8), zeros.to(torch.uint8), scales)
+
+
+def pack_awq(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rounded groups in the logical orientation, q uint8 [out, in], zeros uint8 [out, in / group], scales
+    float16 [out, in / group] (as `quantize_awq` or `awq_gptq.gptq_quantize` make them) -> AutoAWQ's
+    (qweight, qzeros, scales)."""
+    if scales.dtype != torch.float16 or zeros.shape != scales.shape or q.shape[0] != scales.shape[0]:
+        raise ValueError(f"expected q [out, in], zeros and float16 scales [out, in / group]; got {tuple(q.shape)}, "
+                         f"{tuple(zeros.shape)}, {tuple(scales.shape)} {scales.dtype}")
+    qweight = pack_awq_int4(q.t(), "qweight")  # [in, out / 8]
+    qzeros = pack_awq_int4(zeros.t(), "qzeros")  # [in / group, out / 8]
     return qweight, qzeros, scales.t().contiguous()
 
 
