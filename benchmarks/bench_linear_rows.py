@@ -5,9 +5,12 @@
     python benchmarks/bench_linear_rows.py --dtype float32 --rows 1,8,64,512,2048
     python benchmarks/bench_linear_rows.py --shapes 1b --rows 1,64          # TinyLlama-1.1B's shapes
     /other/checkout/.venv/bin/python benchmarks/bench_linear_rows.py   # the same against another build (A/B)
+    python benchmarks/bench_linear_rows.py --rows 1,2,3,4,8,16 --threads 2 --no-torch   # small M, both cores
 
 One thread (pagellm's pool and torch), thread CPU time per call (median), so a busy shared machine skews it
-less than wall time; GFLOP/s = 2 M N K / time. Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576),
+less than wall time; with --threads N > 1, wall time per call (median; read it with the load average).
+GFLOP/s = 2 M N K / time; weight GB/s = the weight's bytes / time (the stream a small-M call is bound by);
+"vs M=1" = this call's time over the same shape's at the first row count. Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576),
 gate_up (3072 x 576), down (576 x 1536) and, up to 64 rows, the LM head (49152 x 576); `1b`: TinyLlama-1.1B's
 (2560 x 2048, 2048 x 2048, 11264 x 2048, 2048 x 5632, LM head 32000 x 2048).
 bf16 MFU = GFLOP/s / this core's bf16 ceiling, measured in the same run by torch.ops.pagellm.bf16_dot_peak (a
@@ -18,6 +21,7 @@ register-only vdpbf16ps loop of the loaded kernel library; before and after the 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import torch
@@ -42,6 +46,16 @@ def cpu_time(fn, n: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def wall_time(fn, n: int) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
 def peak_gflops() -> float | None:
     """bf16_dot_peak's FLOP/s on this thread (12 independent chains of 64-FLOP pair dot products), None if absent."""
     if not hasattr(torch.ops.pagellm, "bf16_dot_peak"):
@@ -60,33 +74,54 @@ def main() -> None:
     ap.add_argument("--rows", default="16,64,2048")
     ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     ap.add_argument("--shapes", choices=sorted(SHAPES), default="default")
+    ap.add_argument("--threads", type=int, default=1, help="pagellm pool and torch threads (> 1: wall time)")
+    ap.add_argument("--no-torch", action="store_true", help="skip F.linear (its column shows -)")
+    ap.add_argument("--lm-head-max-rows", type=int, default=64)
+    ap.add_argument("--rotate-mb", type=int, default=0,
+                    help="cycle through copies of each weight totalling this many MiB, so every call streams it "
+                         "from DRAM as a decode step does (0: one copy, cache-warm)")
+    ap.add_argument("--pagellm-src", default=None, help="import pagellm from this python/ dir (another build)")
     args = ap.parse_args()
+    if args.pagellm_src:
+        from bench_step_profile import use_pagellm_from
+
+        use_pagellm_from(args.pagellm_src)
     from pagellm import _C
 
     dtype = getattr(torch, args.dtype)
-    torch.set_num_threads(1)
-    _C.configure_thread_pool(1, bind=False)
+    torch.set_num_threads(args.threads)
+    _C.configure_thread_pool(args.threads, bind=False)
     peak = peak_gflops()
-    print(f"{args.dtype}, {args.shapes} shapes, one thread")
+    timer = cpu_time if args.threads == 1 else wall_time
+    clock = "thread CPU time" if args.threads == 1 else "wall time"
+    print(f"{args.dtype}, {args.shapes} shapes, {args.threads} thread(s), {clock}, load average {os.getloadavg()}")
     print(f"bf16 peak (bf16_dot_peak, {_C.cpu_kernels_isa()} kernels): {_fmt(peak, '.0f')} GFLOP/s per core\n")
     if args.dtype != "bfloat16":
         peak = None  # the bf16 ceiling does not bound fp32 FMAs
-    print("| M | shape | linear_small_m GFLOP/s | F.linear GFLOP/s | small_m MFU | F.linear MFU | small_m time / F.linear time |")
-    print("|---:|---|---:|---:|---:|---:|---:|")
+    print("| M | shape | small_m us | vs M=1 | weight GB/s | linear_small_m GFLOP/s | F.linear GFLOP/s | small_m MFU | "
+          "F.linear MFU | small_m time / F.linear time |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    first: dict[str, float] = {}
     for m in (int(v) for v in args.rows.split(",")):
         for name, n, k in SHAPES[args.shapes]:
-            if name == "lm_head" and m > 64:
+            if name == "lm_head" and m > args.lm_head_max_rows:
                 continue
             g = torch.Generator().manual_seed(m)
             x = torch.randn(m, k, generator=g).to(dtype)
             w = (torch.randn(n, k, generator=g) * 0.05).to(dtype)
+            copies = [w] + [w.clone() for _ in range((args.rotate_mb << 20) // (w.numel() * w.element_size()))]
+            nxt = iter(copies * 1000000)
             out = torch.empty(m, n, dtype=dtype)
             flops = 2 * m * n * k
-            reps = min(30, max(3, int(2e9 / flops)))
-            a = flops / cpu_time(lambda: torch.ops.pagellm.linear_small_m(out, x, w, None), reps) / 1e9
-            b = flops / cpu_time(lambda: F.linear(x, w), reps) / 1e9
-            mfu_a, mfu_b = (_fmt(v / peak if peak else None, ".2f") for v in (a, b))
-            print(f"| {m} | {name} | {a:.0f} | {b:.0f} | {mfu_a} | {mfu_b} | {b / a:.2f} |", flush=True)
+            reps = min(100, max(3, int(2e9 / flops)))
+            t = timer(lambda: torch.ops.pagellm.linear_small_m(out, x, next(nxt), None), reps)
+            first.setdefault(name, t)
+            a = flops / t / 1e9
+            b = None if args.no_torch else flops / timer(lambda: F.linear(x, next(nxt)), reps) / 1e9
+            mfu_a, mfu_b = (_fmt(v / peak if peak and v else None, ".2f") for v in (a, b))
+            gbs = w.numel() * w.element_size() / t / 1e9
+            print(f"| {m} | {name} | {t * 1e6:.1f} | {t / first[name]:.2f} | {gbs:.1f} | {a:.0f} | {_fmt(b, '.0f')} | "
+                  f"{mfu_a} | {mfu_b} | {_fmt(b and b / a, '.2f')} |", flush=True)
     print(f"\nbf16 peak after the table: {_fmt(peak_gflops(), '.0f')} GFLOP/s per core")
 
 

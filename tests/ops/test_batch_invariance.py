@@ -78,6 +78,29 @@ def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
     assert torch.equal(no_bias, torch.cat([_one_call_no_bias(x[i : i + 1], w) for i in range(70)]))
 
 
+# K: 31 (one partial chunk), 200 (a chunk tail of 8: partial quarters), 1000, 1536 (down's K: 4 packed quads fill
+# L1); N: 1, 5, 23, 70 and 49 (the 1-quad tiles' 4 weight rows, the 2- and 4-quad tiles' 3, the 3-quad tiles' 2,
+# each with single-row leftovers) and 101 (several 24-row blocks)
+@pytest.mark.parametrize("k,n", [(31, 23), (200, 5), (1000, 49), (1536, 70), (576, 1), (96, 101)])
+def test_linear_small_m_few_rows_equal_the_one_row_kernel(k, n):
+    """bf16 at 2-16 rows (verify rows; AVX-512: linear_cpu_few_rows.h, x packed in zero-padded quads, 1-4 quads
+    per tile row): every M from 2 to 17 (17: the GEMM schedule next door), every row the one-row kernel's bits,
+    with and without bias, strided x at an odd offset."""
+    w, b = _rand(n, k, seed=11, scale=0.1), _rand(n, seed=12)
+    x = _rand(40, k + 24, seed=13)[:, 7 : 7 + k]  # row stride > K, rows not 64-byte aligned
+    for bias in (b, None):
+
+        def fn(rows):
+            out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+            OP.linear_small_m(out, rows, w, bias)
+            return out
+
+        alone = _rows_alone(fn, x[:20])
+        for m in range(2, 18):
+            for j in (0, 3):
+                assert torch.equal(fn(x[j : j + m]), alone[j : j + m]), f"rows {j}..{j + m}, bias {bias is not None}"
+
+
 def _one_call_no_bias(rows, w):
     out = torch.empty(rows.shape[0], w.shape[0], dtype=torch.bfloat16)
     OP.linear_small_m(out, rows, w, None)

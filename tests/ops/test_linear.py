@@ -51,6 +51,12 @@ def test_linear_small_m_bf16_many_rows(M, K, N):
     _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 1, x_strided=M % 2 == 1)
 
 
+@pytest.mark.parametrize("M", [2, 3, 4, 5, 6, 9, 11, 14, 16, 17])  # verify rows: 1-4 quads, padded, then the GEMM
+@pytest.mark.parametrize("K,N", [(33, 7), (200, 49), (1536, 70)])
+def test_linear_small_m_bf16_few_rows(M, K, N):
+    _check(M, K, N, torch.bfloat16, with_bias=(M + N) % 2 == 1, x_strided=M % 2 == 0)
+
+
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 13, 64, 67, 131, 300])  # decode rows, 4-row tiles, 64-row blocks
 @pytest.mark.parametrize("K,N", [(576, 33), (1000, 1537), (31, 70), (1536, 5)])
 def test_linear_small_m_fp32_every_m(M, K, N):

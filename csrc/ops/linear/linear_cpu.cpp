@@ -1,6 +1,7 @@
 // CPU glue for the linear ops, out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]):
-//   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M; bf16 from
-//                    kLinearGemmMinM rows on takes a GEMM schedule with the same per-row bits (linear_cpu_gemm.h);
+//   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M; bf16 takes
+//                    schedules with the same per-row bits at 2-16 rows on AVX-512 (linear_cpu_few_rows.h) and from
+//                    kLinearGemmMinM rows on (linear_cpu_gemm.h);
 //   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16.
 #include <torch/library.h>
 
@@ -9,6 +10,7 @@
 #include "ops/linear/amx_support.h"
 #include "ops/linear/linear_cpu_kernels.h"
 #include "ops/linear/linear_cpu_gemm.h"
+#include "ops/linear/linear_cpu_few_rows.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -84,6 +86,15 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   if (linear_trivial(out, in)) return;
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   LinearArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0)};
+#ifdef PAGELLM_GEMM_QUAD
+  if (x.scalar_type() == at::kBFloat16 && M >= kLinearFewRowsMinM && M <= kLinearFewRowsMaxM) {  // verify rows
+    linear_few_rows_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
+                         reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
+                         reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
+                         in.b.defined() ? reinterpret_cast<const c10::BFloat16*>(in.b.data_ptr()) : nullptr, a);
+    return;
+  }
+#endif
 #ifdef PAGELLM_LINEAR_DPBF16
   if (x.scalar_type() == at::kBFloat16 && M >= kLinearGemmMinM) {  // same bits per row, a GEMM schedule
     linear_gemm_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),

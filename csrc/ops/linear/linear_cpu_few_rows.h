@@ -1,0 +1,199 @@
+// Few-row bf16 path of linear_small_m (2 <= M <= 16: a speculative verify step's 1 + k rows, small decode
+// batches): out[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]), AVX-512 only.
+//
+// Why: at these M the step is still bound by streaming the weight from DRAM, so M rows should cost what one
+// row costs. The one-row schedule's 4 x 4 tiles spent ~15-45 % more than one row at M = 2..6 (a vsum tree and a
+// scalar rounding per output, rows past a whole tile re-swept), and the GEMM schedule's tiles fit 8 and 12
+// rows but not 13-16 or a remainder of 1-3 rows. Here x is packed once per call in quads of rows (zero rows pad
+// the last quad: registers are cheap at these M, another sweep of the weight is not), and every weight row is
+// read from memory once, by register tiles of 16-24 accumulators (of the 32 registers) over ceil(M / 4) quads:
+//   1 quad x 4 weight rows, 2 quads x 3, 3 quads x 2; 4 quads as two passes of 2 quads x 3 over each block of 24
+//   weight rows, the second finding the block in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products,
+//   and 3 + 1 quads were no faster).
+// The tile is the quad tile's arithmetic (linear_cpu_gemm_quad.h): lane 4r + i of accumulator j holds what the
+// one-row kernel's accumulator of row r holds in lane 4j + i, vsum's first two levels are vertical adds and the
+// last two run on 4 (quad, weight row) pairs per vector, then bias and one vector rounding: every element has the
+// one-row kernel's bits (batch invariance). Weight rows are prefetched ahead and split across threads in
+// contiguous runs of blocks, ~256 KiB of weight per chunk at least, as the one-row schedule splits them.
+#pragma once
+
+#include "ops/linear/linear_cpu_gemm_quad.h"
+#include "ops/linear/linear_cpu_kernels.h"
+
+#ifdef PAGELLM_GEMM_QUAD
+#include <cstring>
+#include <memory>
+
+namespace pagellm::cpu {
+
+// Rows of M this path takes (below: the one-row kernel; above: the GEMM schedule).
+constexpr int64_t kLinearFewRowsMinM = 2, kLinearFewRowsMaxM = 16;
+// Software-prefetch distance in weight rows (9 / 18 KiB ahead at K = 576): a tile with more rows of x spends
+// longer per weight byte, so it asks earlier (1 quad: 4 rows ahead ran 1.0x, 16 1.1x of M = 1's time; 2-4 quads:
+// 16 rows 1.09-1.15x, 8 1.2x, 32 1.15-1.4x; one thread under load 8-11, benchmarks/README.md, session 15).
+constexpr int64_t kFewRowsPrefetch1 = 8, kFewRowsPrefetch = 16;
+
+// xp[quad q][chunk t][quarter j][row r][8] = x[4q + r][32t + 8j + e]; 0 past K and for rows >= M.
+inline void few_rows_pack(c10::BFloat16* xp, const c10::BFloat16* x, const LinearArgs& a) {
+  const int64_t num_quads = (a.M + 3) / 4, nt = (a.K + 31) / 32;
+  for (int64_t q = 0; q < num_quads; ++q) {
+    c10::BFloat16* dst = xp + q * quad_stride(a.K);
+    for (int64_t t = 0; t < nt; ++t) {
+      const int64_t k = 32 * t;
+      __m512i v[4];
+      for (int i = 0; i < 4; ++i) {
+        const int64_t row = 4 * q + i;
+        v[i] = row < a.M ? (__m512i)bf16x32_load(x + row * a.ldx + k, a.K - k).v : _mm512_setzero_si512();
+      }
+      const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44), t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
+      const __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44), t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
+      _mm512_storeu_si512(dst + t * 128 + 0, _mm512_shuffle_i64x2(t0, t2, 0x88));
+      _mm512_storeu_si512(dst + t * 128 + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+      _mm512_storeu_si512(dst + t * 128 + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
+      _mm512_storeu_si512(dst + t * 128 + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+    }
+  }
+}
+
+// The calling thread's buffer for the packed quads (grown, never shrunk; 64-byte aligned). The pool's workers
+// read it while the caller waits in parallel_for.
+inline c10::BFloat16* few_rows_scratch(int64_t elems) {
+  thread_local std::unique_ptr<c10::BFloat16[]> buf;
+  thread_local int64_t cap = 0;
+  if (cap < elems) {
+    buf.reset(new c10::BFloat16[elems + 32]);
+    cap = elems;
+  }
+  const auto p = reinterpret_cast<uintptr_t>(buf.get());
+  return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
+}
+
+// 16 sums, lane 4L + c = row L of (quad q0 + q, weight row n0 + n) pair c of cs[0..3] (q * NW + n), + their biases, rounded
+// like c10::BFloat16 (nearest-even, NaN -> 0x7fc0) and stored where the row is < M. NW = 4: a row's 4 outputs
+// sit side by side (one 8-byte store); otherwise one 2-byte store per output.
+template <int NW>
+inline void few_rows_store(c10::BFloat16* out, __m512 v, const int* cs, const float* bias, const LinearArgs& a,
+                           int q0, int64_t n0) {
+  if (bias) {
+    const __m128 b4 = _mm_setr_ps(bias[cs[0] % NW], bias[cs[1] % NW], bias[cs[2] % NW], bias[cs[3] % NW]);
+    v = _mm512_add_ps(v, _mm512_broadcast_f32x4(b4));
+  }
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  alignas(32) uint16_t h[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi32_epi16(r));
+  if constexpr (NW == 4) {  // cs = (q, 0..3): row 4q + L's outputs n0..n0+3 are h[4L..4L+3]
+    const int64_t row0 = 4 * (q0 + cs[0] / NW);
+    for (int L = 0; L < 4 && row0 + L < a.M; ++L) std::memcpy(out + (row0 + L) * a.ldo + n0, h + 4 * L, 8);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      const int64_t row0 = 4 * (q0 + cs[c] / NW), n = n0 + cs[c] % NW;
+      for (int L = 0; L < 4 && row0 + L < a.M; ++L) std::memcpy(out + (row0 + L) * a.ldo + n, h + 4 * L + c, 2);
+    }
+  }
+}
+
+// Rows of quads [q0, q0 + Q) (packed at xq) x weight rows [n0, n0 + NW); bias: NW floats or null. The first pass
+// over a block of weight rows prefetches the rows ahead; a second pass finds them in L1 / L2.
+template <int Q, int NW>
+__attribute__((always_inline)) inline void few_rows_tile(c10::BFloat16* out, const c10::BFloat16* xq,
+                                                         const c10::BFloat16* w, const float* bias,
+                                                         const LinearArgs& a, int q0, int64_t n0, int64_t pf_rows) {
+  static_assert(Q * NW * 4 <= 24, "24 accumulators at most");
+  __m512 acc[4][Q][NW];
+  _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
+    _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q)
+      _Pragma("GCC unroll 4") for (int n = 0; n < NW; ++n) acc[j][q][n] = _mm512_setzero_ps();
+  const c10::BFloat16* wr[NW];
+  _Pragma("GCC unroll 4") for (int n = 0; n < NW; ++n) wr[n] = w + (n0 + n) * a.ldw;
+  const int64_t qs = quad_stride(a.K), pf = pf_rows * a.ldw;
+  xq += q0 * qs;
+  const auto chunk = [&](int64_t k, bool tail) __attribute__((always_inline)) {
+    if (pf && !tail) {
+      _Pragma("GCC unroll 4") for (int n = 0; n < NW; ++n) __builtin_prefetch(wr[n] + k + pf, 0, 3);
+    }
+    const c10::BFloat16* xt = xq + k * 4;
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+      __m512bh xv[Q];
+      _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q) xv[q] = (__m512bh)_mm512_load_si512(xt + q * qs + 32 * j);
+      _Pragma("GCC unroll 4") for (int n = 0; n < NW; ++n) {
+        const BF16x32 wv = quad_weight_quarter(wr[n] + k + 8 * j, tail ? a.K - k - 8 * j : 8);
+        _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q) acc[j][q][n] = vdot_bf16({acc[j][q][n]}, wv, {xv[q]}).v;
+      }
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= a.K; k += 32) chunk(k, false);
+  if (k < a.K) chunk(k, true);
+  // vsum's levels 1 and 2 as vertical adds: lane 4r + i of y[c] = row r's partial i, pair c = q * NW + n.
+  __m512 y[Q * NW];
+  _Pragma("GCC unroll 16") for (int c = 0; c < Q * NW; ++c) {
+    const int q = c / NW, n = c % NW;
+    y[c] = _mm512_add_ps(_mm512_add_ps(acc[0][q][n], acc[2][q][n]), _mm512_add_ps(acc[1][q][n], acc[3][q][n]));
+  }
+  // Levels 3 and 4 within 128-bit lanes, 4 pairs per vector (a short last group repeats its last pair).
+  _Pragma("GCC unroll 4") for (int c0 = 0; c0 < Q * NW; c0 += 4) {
+    int cs[4];
+    for (int c = 0; c < 4; ++c) cs[c] = std::min(c0 + c, Q * NW - 1);
+    const __m512 z0 = quad_level3(y[cs[0]], y[cs[1]]), z1 = quad_level3(y[cs[2]], y[cs[3]]);
+    const __m512 s = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xDD));
+    few_rows_store<NW>(out, s, cs, bias, a, q0, n0);
+  }
+}
+
+// Quads [q0, q0 + Q) x weight rows [n_begin, n_end): NW-row tiles, then single-row tiles for the rest.
+template <int Q, int NW>
+inline void few_rows_pass(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
+                          const c10::BFloat16* bias, const LinearArgs& a, int q0, int64_t n_begin, int64_t n_end,
+                          int64_t prefetch) {
+  float b[NW];
+  const auto load_bias = [&](int64_t n0, int nw) {
+    for (int n = 0; n < nw; ++n) b[n] = bias ? static_cast<float>(bias[n0 + n]) : 0.f;
+    return bias ? b : nullptr;
+  };
+  int64_t n = n_begin;
+  for (; n + NW <= n_end; n += NW) few_rows_tile<Q, NW>(out, xq, w, load_bias(n, NW), a, q0, n, prefetch);
+  if constexpr (NW > 1)
+    for (; n < n_end; ++n) few_rows_tile<Q, 1>(out, xq, w, load_bias(n, 1), a, q0, n, prefetch);
+}
+
+// Weight rows per block: a multiple of every tile's NW (4, 3, 2); 27 KiB at K = 576, so a 4-quad M's second pass
+// over the block finds its rows in L1 (L2 at K = 1536).
+constexpr int64_t kFewRowsNBlock = 24;
+
+// Weight rows [n_begin, n_end) for all M rows: 1-3 quads in one tile row; 4 quads as two passes of 2 over each
+// block (4 quads x 1 weight row took 5 loads per 4 dot products and was load-bound; 2 x 3: 5 per 6).
+inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
+                           const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end) {
+  const int64_t num_quads = (a.M + 3) / 4;
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += kFewRowsNBlock) {
+    const int64_t n1 = std::min(n_end, n0 + kFewRowsNBlock);
+    switch (num_quads) {
+      case 1: few_rows_pass<1, 4>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch1); break;
+      case 2: few_rows_pass<2, 3>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
+      case 3: few_rows_pass<3, 2>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
+      default:
+        few_rows_pass<2, 3>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch);
+        few_rows_pass<2, 3>(out, xq, w, bias, a, 2, n0, n1, 0);
+        break;
+    }
+  }
+}
+
+inline void linear_few_rows_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
+                                 const c10::BFloat16* bias, const LinearArgs& a) {
+  const int64_t num_quads = (a.M + 3) / 4;
+  c10::BFloat16* xq = few_rows_scratch(num_quads * quad_stride(a.K));
+  few_rows_pack(xq, x, a);
+  // Blocks split across threads, ~>= 256 KiB of weight per chunk as the one-row schedule: small matrices inline.
+  const int64_t blocks = (a.N + kFewRowsNBlock - 1) / kFewRowsNBlock;
+  const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(kFewRowsNBlock * a.K * 2, 1));
+  pagellm::cpu::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    few_rows_range(out, xq, w, bias, a, begin * kFewRowsNBlock, std::min(a.N, end * kFewRowsNBlock));
+  });
+}
+
+}  // namespace pagellm::cpu
+#endif  // PAGELLM_GEMM_QUAD
