@@ -6,11 +6,14 @@
     python benchmarks/bench_linear_rows.py --shapes 1b --rows 1,64          # TinyLlama-1.1B's shapes
     /other/checkout/.venv/bin/python benchmarks/bench_linear_rows.py   # the same against another build (A/B)
     python benchmarks/bench_linear_rows.py --rows 1,2,3,4,8,16 --threads 2 --no-torch   # small M, both cores
+    python benchmarks/bench_linear_rows.py --vs-one-row --rows 2,4,8,13,16 --rotate-mb 128  # M rows / 1 row, paired
 
 One thread (pagellm's pool and torch), thread CPU time per call (median), so a busy shared machine skews it
 less than wall time; with --threads N > 1, wall time per call (median; read it with the load average).
 GFLOP/s = 2 M N K / time; weight GB/s = the weight's bytes / time (the stream a small-M call is bound by);
-"vs M=1" = this call's time over the same shape's at the first row count. Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576),
+"vs M=1" = this call's time over the same shape's at the first row count. `--vs-one-row`: per shape, calls of 1 row
+and of M rows alternate (rounds x row counts), each pair's time ratio, median per M: what M rows cost over one row
+measured side by side, which a shared machine's drifting load skews least. Shapes (default): SmolLM2-135M's qkv (960 x 576), o (576 x 576),
 gate_up (3072 x 576), down (576 x 1536) and, up to 64 rows, the LM head (49152 x 576); `1b`: TinyLlama-1.1B's
 (2560 x 2048, 2048 x 2048, 11264 x 2048, 2048 x 5632, LM head 32000 x 2048).
 bf16 MFU = GFLOP/s / this core's bf16 ceiling, measured in the same run by torch.ops.pagellm.bf16_dot_peak (a
@@ -36,8 +39,9 @@ SHAPES = {
 PEAK_ITERS = 1 << 18  # 12 x 2^18 vdpbf16ps of 64 FLOP: ~0.2 GFLOP, ~0.4 ms at 500 GFLOP/s
 
 
-def cpu_time(fn, n: int) -> float:
-    fn()
+def cpu_time(fn, n: int, warm: bool = True) -> float:
+    if warm:
+        fn()
     ts = []
     for _ in range(n):
         t = time.thread_time()
@@ -46,8 +50,9 @@ def cpu_time(fn, n: int) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
-def wall_time(fn, n: int) -> float:
-    fn()
+def wall_time(fn, n: int, warm: bool = True) -> float:
+    if warm:
+        fn()
     ts = []
     for _ in range(n):
         t = time.perf_counter()
@@ -63,6 +68,33 @@ def peak_gflops() -> float | None:
     out = torch.empty(16)
     t = cpu_time(lambda: torch.ops.pagellm.bf16_dot_peak(out, PEAK_ITERS), 21)
     return 12 * PEAK_ITERS * 64 / t / 1e9
+
+
+def vs_one_row(rows: list[int], rotate_mb: int, timer) -> None:
+    """Median over alternating pairs of (M rows' time / 1 row's time) per shape, weights cycled as --rotate-mb."""
+    import statistics
+
+    print("| shape | 1 row us | " + " | ".join(f"M={m}" for m in rows) + " |")
+    print("|---|---:|" + "---:|" * len(rows))
+    for name, n, k in SHAPES["default"]:
+        g = torch.Generator().manual_seed(0)
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        ws = [w] + [w.clone() for _ in range((rotate_mb << 20) // (w.numel() * 2))]
+        xs = {m: torch.randn(m, k, generator=g).bfloat16() for m in [1, *rows]}
+        outs = {m: torch.empty(m, n, dtype=torch.bfloat16) for m in xs}
+        it, ones, ratios = 0, [], {m: [] for m in rows}
+        for r in range(16 if name == "lm_head" else 61):
+            for m in rows:
+                t = []
+                for mm in (1, m):
+                    wv = ws[it % len(ws)]
+                    it += 1
+                    t.append(timer(lambda: torch.ops.pagellm.linear_small_m(outs[mm], xs[mm], wv, None), 1, warm=False))
+                if r:  # round 0 warms up
+                    ones.append(t[0])
+                    ratios[m].append(t[1] / t[0])
+        print(f"| {name} | {statistics.median(ones) * 1e6:.1f} | "
+              + " | ".join(f"{statistics.median(ratios[m]):.2f}x" for m in rows) + " |", flush=True)
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -81,6 +113,7 @@ def main() -> None:
                     help="cycle through copies of each weight totalling this many MiB, so every call streams it "
                          "from DRAM as a decode step does (0: one copy, cache-warm)")
     ap.add_argument("--pagellm-src", default=None, help="import pagellm from this python/ dir (another build)")
+    ap.add_argument("--vs-one-row", action="store_true", help="bf16: M rows' time over 1 row's, alternating pairs")
     args = ap.parse_args()
     if args.pagellm_src:
         from bench_step_profile import use_pagellm_from
@@ -96,6 +129,9 @@ def main() -> None:
     clock = "thread CPU time" if args.threads == 1 else "wall time"
     print(f"{args.dtype}, {args.shapes} shapes, {args.threads} thread(s), {clock}, load average {os.getloadavg()}")
     print(f"bf16 peak (bf16_dot_peak, {_C.cpu_kernels_isa()} kernels): {_fmt(peak, '.0f')} GFLOP/s per core\n")
+    if args.vs_one_row:
+        vs_one_row([int(v) for v in args.rows.split(",")], args.rotate_mb, timer)
+        return
     if args.dtype != "bfloat16":
         peak = None  # the bf16 ceiling does not bound fp32 FMAs
     print("| M | shape | small_m us | vs M=1 | weight GB/s | linear_small_m GFLOP/s | F.linear GFLOP/s | small_m MFU | "

@@ -143,6 +143,8 @@ def main() -> None:
     ap.add_argument("--warmup-tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-rows", action="store_true")
+    ap.add_argument("--skip-ks", action="store_true", help="only part 1 (step cost vs rows)")
+    ap.add_argument("--pagellm-src", default=None, help="import pagellm from this python/ dir (a 'before' build)")
     ap.add_argument("--tag", default="copy")
     ap.add_argument("--render", default=None, help="only re-render this results JSON (its .md beside it)")
     args = ap.parse_args()
@@ -152,6 +154,10 @@ def main() -> None:
         return
     if args.rows[0] != 1:
         ap.error("--rows must start with 1 (the plain step every ratio is taken against)")
+    if args.pagellm_src:
+        import bench_step_profile
+
+        bench_step_profile.use_pagellm_from(args.pagellm_src)
     args.num_threads_env = os.environ.get("PAGELLM_NUM_THREADS", "unset (all CPUs)")
     tok, _ = C.load_tokenizer_for_prompts()
     prompts = S.workloads(tok, args.num_prompts)["copy"]
@@ -163,11 +169,11 @@ def main() -> None:
         rows = step_costs(llm, prompts, args.rows, args.rounds, args.steps)
         del llm
     configs: dict[str, dict | None] = {"none": None}
-    for k in args.ks:
+    for k in [] if args.skip_ks else args.ks:
         configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k}
         for name, spec in args.configs.items():
             configs[f"{name} k={k}"] = {**spec, "num_speculative_tokens": k}
-    ks = ngram_vs_k(prompts, configs, args)
+    ks = [] if args.skip_ks else ngram_vs_k(prompts, configs, args)
     data = {"tag": args.tag, "env": C.env_info(), "args": vars(args), "load_start": load_start, "rows": rows,
             "ks": ks, "load_end": tuple(round(x, 2) for x in C.loadavg())}
     md = render(data)

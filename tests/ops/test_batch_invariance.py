@@ -80,8 +80,8 @@ def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
 
 # K: 31 (one partial chunk), 200 (a chunk tail of 8: partial quarters), 1000, 1536 (down's K: 4 packed quads fill
 # L1); N: 1, 5, 23, 70 and 49 (the 1-quad tiles' 4 weight rows, the 2- and 4-quad tiles' 3, the 3-quad tiles' 2,
-# each with single-row leftovers) and 101 (several 24-row blocks)
-@pytest.mark.parametrize("k,n", [(31, 23), (200, 5), (1000, 49), (1536, 70), (576, 1), (96, 101)])
+# each with single-row leftovers), 101 (several 24-row blocks) and 1000 at K = 576 (chunks of blocks on both threads)
+@pytest.mark.parametrize("k,n", [(31, 23), (200, 5), (1000, 49), (1536, 70), (576, 1), (96, 101), (576, 1000)])
 def test_linear_small_m_few_rows_equal_the_one_row_kernel(k, n):
     """bf16 at 2-16 rows (verify rows; AVX-512: linear_cpu_few_rows.h, x packed in zero-padded quads, 1-4 quads
     per tile row): every M from 2 to 17 (17: the GEMM schedule next door), every row the one-row kernel's bits,

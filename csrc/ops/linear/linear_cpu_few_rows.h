@@ -7,9 +7,8 @@
 // rows but not 13-16 or a remainder of 1-3 rows. Here x is packed once per call in quads of rows (zero rows pad
 // the last quad: registers are cheap at these M, another sweep of the weight is not), and every weight row is
 // read from memory once, by register tiles of 16-24 accumulators (of the 32 registers) over ceil(M / 4) quads:
-//   1 quad x 4 weight rows, 2 quads x 3, 3 quads x 2; 4 quads as two passes of 2 quads x 3 over each block of 24
-//   weight rows, the second finding the block in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products,
-//   and 3 + 1 quads were no faster).
+//   1 quad x 4 weight rows, 2 quads x 3, 3 quads x 2; 4 quads as two passes of 2 quads x 3, the second finding
+//   the weight rows in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products, and 3 + 1 quads were no faster).
 // The tile is the quad tile's arithmetic (linear_cpu_gemm_quad.h): lane 4r + i of accumulator j holds what the
 // one-row kernel's accumulator of row r holds in lane 4j + i, vsum's first two levels are vertical adds and the
 // last two run on 4 (quad, weight row) pairs per vector, then bias and one vector rounding: every element has the
@@ -163,11 +162,14 @@ inline void few_rows_pass(c10::BFloat16* out, const c10::BFloat16* xq, const c10
 // over the block finds its rows in L1 (L2 at K = 1536).
 constexpr int64_t kFewRowsNBlock = 24;
 
-// Weight rows [n_begin, n_end) for all M rows: 1-3 quads in one tile row; 4 quads as two passes of 2 over each
-// block (4 quads x 1 weight row took 5 loads per 4 dot products and was load-bound; 2 x 3: 5 per 6).
+// Weight rows [n_begin, n_end) for all M rows: 1-3 quads in one tile row; 4 quads as two passes of 2 (4 quads x 1
+// weight row took 5 loads per 4 dot products and was no faster; 2 x 3: 5 per 6).
 inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
                            const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   const int64_t num_quads = (a.M + 3) / 4;
+  // 4 quads: both passes per 3 weight rows while the 4 packed quads fit half of L1 (K <= 768: at K = 576, 13-16
+  // rows ran 1.3x M = 1's time against 1.5x with whole blocks), else per block (K = 1536: 1.8x against 2.0x).
+  const int64_t sub = 32 * a.K <= (24 << 10) ? 3 : kFewRowsNBlock;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kFewRowsNBlock) {
     const int64_t n1 = std::min(n_end, n0 + kFewRowsNBlock);
     switch (num_quads) {
@@ -175,8 +177,11 @@ inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c1
       case 2: few_rows_pass<2, 3>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
       case 3: few_rows_pass<3, 2>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
       default:
-        few_rows_pass<2, 3>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch);
-        few_rows_pass<2, 3>(out, xq, w, bias, a, 2, n0, n1, 0);
+        for (int64_t s0 = n0; s0 < n1; s0 += sub) {
+          const int64_t s1 = std::min(n1, s0 + sub);
+          few_rows_pass<2, 3>(out, xq, w, bias, a, 0, s0, s1, kFewRowsPrefetch);
+          few_rows_pass<2, 3>(out, xq, w, bias, a, 2, s0, s1, 0);
+        }
         break;
     }
   }
