@@ -42,6 +42,11 @@ Session 14: `--head-type hydra` (hydra_heads.py: each head also reads the token 
 teacher-forced on the text's tokens, evaluated drafting sequentially as served) on the same cached answers,
 `--lr 3e-3 --batch-size 256 --weight-decay 0.1`, best at step 450: held-out 0.385 / 0.225 / 0.139, chain_head1 0.327,
 chain_accepted_len 1.51 (Medusa heads on the same data: 1.30).
+Session 15: `--data distill` (medusa_prompts.py, medusa_distill.py): 2400 varied prompts answered by pagellm in bf16
+(1800 greedy, 600 sampled, 263k trained positions, states recorded as served), Hydra heads with the same settings,
+1000 steps, kept by the held-out served chain length (`selection_score`; 1.485 at step 1000, still rising slowly);
+held-out (160 prompts on unseen topics / passages / modules) top-1 0.374 / 0.189 / 0.112, chain 1.49, fitted 4-node
+tree 1.63, 12-node 1.82 (`fitted_trees`).
 
 Measured on the default model (SmolLM2-135M, 3 heads, shared LM head, 2 busy CPU cores), held-out top-1
 of heads 1/2/3: `--data kjv` 300 steps x 256 positions at lr 1e-3: 0.09 / 0.06 / 0.04 (22 min on loaded
