@@ -67,6 +67,8 @@ METHODS: dict[str, Callable[[int, argparse.Namespace], dict | None]] = {
     "medusa_b": lambda k, args: {**METHODS["medusa"](k, args), "model": args.medusa_heads_b},
     # the heads' top-k candidate tree (medusa_tree.py, --medusa-tree) for greedy rows, verified in one step; k >= depth
     "medusa_tree": lambda k, args: {**METHODS["medusa"](k, args), "tree": args.medusa_tree},
+    # the second heads' tree (--medusa-tree-b): two trainings' trees A/B in one run
+    "medusa_b_tree": lambda k, args: {**METHODS["medusa_b"](k, args), "tree": args.medusa_tree_b},
 }
 
 def workloads(tok, n: int) -> dict[str, list[list[int]]]:
@@ -224,7 +226,10 @@ def main() -> None:
     ap.add_argument("--medusa-heads", default="/tmp/medusa-smollm2", help="heads from `pagellm train-medusa --output`")
     ap.add_argument("--medusa-heads-b", default=None, help="medusa_b: a second heads directory (A/B of trainings)")
     ap.add_argument("--medusa-tree", default="default",
-                    help="medusa_tree: a named tree (default: 12 nodes, depth 3) or a JSON list of top-k paths")
+                    help="medusa_tree: a named tree (default: 12 nodes, depth 3; heads / heads:N: one fitted to the "
+                         "heads by pagellm train-medusa) or a JSON list of top-k paths")
+    ap.add_argument("--medusa-tree-b", default="default",
+                    help="medusa_b_tree: the tree for --medusa-heads-b (as --medusa-tree; \"heads\": their fitted tree)")
     ap.add_argument("--draft-options", type=json.loads, default={},
                     help='draft_model: extra speculative_config keys as JSON, e.g. \'{"num_layers": 20}\'')
     ap.add_argument("--adaptive", choices=["on", "off"], default="on",
@@ -238,8 +243,9 @@ def main() -> None:
                     help="import pagellm from this python/ dir (another checkout's package with its built _C): the "
                          "'before' arm of a before/after pair of runs")
     args = ap.parse_args()
-    if args.medusa_tree.lstrip().startswith("["):
-        args.medusa_tree = json.loads(args.medusa_tree)
+    for name in ("medusa_tree", "medusa_tree_b"):
+        if getattr(args, name).lstrip().startswith("["):
+            setattr(args, name, json.loads(getattr(args, name)))
     if args.pagellm_src:
         import bench_step_profile
 

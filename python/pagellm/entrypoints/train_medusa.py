@@ -4,6 +4,7 @@
     pagellm train-medusa --output DIR --model ./my-llama --data kjv --num-heads 4 --steps 600
     pagellm train-medusa --output DIR --data chat --num-train-seqs 256 --steps 1000   # heads for chat serving
     pagellm train-medusa --output DIR --data chat --head-type hydra                  # heads that read their drafts
+    pagellm train-medusa --output DIR --data distill --num-train-seqs 2400 --head-type hydra  # many varied prompts
 
 The heads load with LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
 "model": DIR}). Layout of DIR: spec_decode/medusa_heads.py.
@@ -12,6 +13,7 @@ The heads load with LLM(model, speculative_config={"method": "medusa", "num_spec
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 
@@ -21,13 +23,17 @@ def run(a: argparse.Namespace) -> int:
 
     config = MedusaTrainConfig(num_heads=a.num_heads, num_layers=a.num_layers, share_lm_head=not a.own_lm_heads,
                                steps=a.steps, seq_len=a.seq_len, num_train_seqs=a.num_train_seqs, lr=a.lr,
+                               num_eval_seqs=a.num_eval_seqs,
                                batch_size=a.batch_size, data=a.data, seed=a.seed, weight_decay=a.weight_decay,
                                draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every,
-                               head_type=a.head_type)
+                               head_type=a.head_type, sampled_fraction=a.sampled_fraction,
+                               sample_temperature=a.sample_temperature, tree_row_cost=a.tree_row_cost)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
-    out, _ = train_medusa(a.output, a.model, config, progress=lambda msg: print(f"[medusa] {msg}", flush=True),
-                          answer_fn=answer_fn, data_cache=a.data_cache)
+    say = lambda msg: print(f"[medusa] {msg}", flush=True)  # noqa: E731
+    record_fn = engine_recorder(a.model, a.answer_dtype, a.answer_batch, say) if a.data == "distill" else None
+    out, _ = train_medusa(a.output, a.model, config, progress=say, answer_fn=answer_fn, data_cache=a.data_cache,
+                          record_fn=record_fn)
     print(f"[medusa] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 
@@ -50,6 +56,25 @@ def engine_answers(model: str | None, dtype: str):
     return answer
 
 
+def engine_recorder(model: str | None, dtype: str, max_num_seqs: int, say):
+    """`--data distill`'s answers and hidden states, recorded while pagellm answers (spec_decode/medusa_distill.py);
+    an engine per call, shut down after it (the heads train with its memory free)."""
+
+    def record(prompts: list[list[int]], answer_len: int, temperature: float) -> list:
+        from pagellm import LLM  # noqa: PLC0415
+        from pagellm.spec_decode.medusa_distill import record_answers  # noqa: PLC0415
+
+        llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs)
+        try:
+            return record_answers(llm, prompts, answer_len, temperature, say=say)
+        finally:
+            llm.shutdown()
+            del llm
+            gc.collect()  # the engine's reference cycles kept each call's KV cache (4 GiB on CPU) alive: 12 GB by the third
+
+    return record
+
+
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, HEAD_TYPE_NAMES, MedusaTrainConfig  # noqa: PLC0415
 
@@ -68,16 +93,28 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=d.steps)
     p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per training window")
     p.add_argument("--num-train-seqs", type=int, default=d.num_train_seqs, help="training windows")
+    p.add_argument("--num-eval-seqs", type=int, default=d.num_eval_seqs, help="held-out windows / questions")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="AdamW weight decay (hydra heads on a few hundred answers overfit: 0.1 helped)")
     p.add_argument("--data", default=d.data, choices=DATA_SOURCES,
                    help="kjv | pydoc: text on this machine; self: the model's own greedy continuations of KJV "
-                        "prompts; chat: the model's own answers to chat-templated questions")
+                        "prompts; chat: the model's own answers to chat-templated questions; distill: pagellm's answers "
+                        "(greedy and sampled) to many varied prompts (chat, KJV, Python docs and source), hidden "
+                        "states recorded as served")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--answer-dtype", default="bfloat16",
                    help="--data chat: the dtype pagellm answers the questions in (the one you serve with)")
+    p.add_argument("--answer-batch", type=int, default=64,
+                   help="--data distill: sequences the answering engine runs at once")
+    p.add_argument("--sampled-fraction", type=float, default=d.sampled_fraction,
+                   help="--data distill: share of training prompts answered by sampling (labels: the greedy tokens)")
+    p.add_argument("--sample-temperature", type=float, default=d.sample_temperature,
+                   help="--data distill: temperature of the sampled answers (top-p 0.95)")
+    p.add_argument("--tree-row-cost", type=float, default=d.tree_row_cost,
+                   help="verify cost per extra query row relative to a plain step (benchmarks/bench_verify_rows.py's "
+                        "c): picks the fitted tree that '\"tree\": \"heads\"' serves")
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="> 0: draft only the N most frequent tokens of the training labels (a [N, H] LM head "
                         "product per step instead of the whole vocabulary's)")

@@ -97,7 +97,7 @@ class MedusaProposer(BaseProposer):
             lm_head = draft_vocab_lm_head(load_lm_head_weight(context.model_files), heads.draft_vocab)
         else:
             lm_head = target_lm_head(context) if heads.share_lm_head else None
-        tree = tree_from_options(config.options)
+        tree = tree_from_options(config.options, heads.training_info.get("trees") or {})
         if tree is None:
             return cls(config.num_speculative_tokens, heads, lm_head)
         if tree.depth > config.num_speculative_tokens:

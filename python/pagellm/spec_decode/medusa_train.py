@@ -42,6 +42,11 @@ Session 14: `--head-type hydra` (hydra_heads.py: each head also reads the token 
 teacher-forced on the text's tokens, evaluated drafting sequentially as served) on the same cached answers,
 `--lr 3e-3 --batch-size 256 --weight-decay 0.1`, best at step 450: held-out 0.385 / 0.225 / 0.139, chain_head1 0.327,
 chain_accepted_len 1.51 (Medusa heads on the same data: 1.30).
+Session 15: `--data distill` (medusa_prompts.py, medusa_distill.py): 2400 varied prompts answered by pagellm in bf16
+(1800 greedy, 600 sampled, 263k trained positions, states recorded as served), Hydra heads with the same settings,
+1000 steps, kept by the held-out served chain length (`selection_score`; 1.485 at step 1000, still rising slowly);
+held-out (160 prompts on unseen topics / passages / modules) top-1 0.374 / 0.189 / 0.112, chain 1.49, fitted 4-node
+tree 1.63, 12-node 1.82 (`fitted_trees`).
 
 Measured on the default model (SmolLM2-135M, 3 heads, shared LM head, 2 busy CPU cores), held-out top-1
 of heads 1/2/3: `--data kjv` 300 steps x 256 positions at lr 1e-3: 0.09 / 0.06 / 0.04 (22 min on loaded
@@ -68,7 +73,9 @@ from torch.nn import functional as F
 
 from pagellm.spec_decode.hydra_heads import HEAD_TYPES, HydraHeads
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head
-from pagellm.spec_decode.medusa_train_data import AnswerFn, MedusaTrainConfig, cached_training_data, training_data
+from pagellm.spec_decode.medusa_tree_fit import fit_trees
+from pagellm.spec_decode.medusa_train_data import (AnswerFn, MedusaTrainConfig, RecordFn, cached_training_data,
+                                                   training_data)
 
 MEDUSA_DECAY = 0.8  # Medusa's medusa_decay_coefficient: later heads weigh less
 
@@ -129,18 +136,21 @@ def evaluate(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_
     """Top-1 accuracy per head (and the base LM head's next-token accuracy) on every usable position.
     `lm_head` scores `vocab` (see head_predictions): pass the serving LM head and the serving dtype's hidden
     states and these are the heads' served draft rates (a label outside `vocab` counts as a miss).
-    `base_lm_head`: the target's full LM head (default lm_head)."""
+    `base_lm_head`: the target's full LM head (default lm_head; False: the base's accuracy is not computed, a
+    [positions, vocabulary] product that does not change while the heads train)."""
     flat, labels = head_targets(token_ids, heads.num_heads, positions)
     h = hidden.reshape(-1, hidden.shape[-1])[flat]
-    base_lm_head = base_lm_head or lm_head
+    base_lm_head = lm_head if base_lm_head is None else base_lm_head
     hits, base_correct = [], 0
     for i in range(0, len(flat), 512):
         next_tok = token_ids.reshape(-1)[flat[i : i + 512] + 1]
-        hits.append(head_predictions(heads, lm_head, h[i : i + 512], vocab, next_tok) == labels[i : i + 512])
-        base_correct += int((base_lm_head(h[i : i + 512]).argmax(-1) == next_tok).sum())
+        hits.append(head_predictions(heads, lm_head, h[i : i + 512].float(), vocab, next_tok) == labels[i : i + 512])
+        if base_lm_head is not False:
+            base_correct += int((base_lm_head(h[i : i + 512].float()).argmax(-1) == next_tok).sum())
     hits_all = torch.cat(hits) if hits else torch.zeros(0, heads.num_heads, dtype=torch.bool)
     acc = {f"head{k + 1}": float(c) / max(1, len(flat)) for k, c in enumerate(hits_all.sum(0).float())}
-    return {"base": base_correct / max(1, len(flat)), **acc, **chain_walk(flat, hits_all)}
+    base = {} if base_lm_head is False else {"base": base_correct / max(1, len(flat))}
+    return {**base, **acc, **chain_walk(flat, hits_all)}
 
 
 def chain_walk(flat: torch.Tensor, hits: torch.Tensor) -> dict[str, float]:
@@ -161,6 +171,12 @@ def chain_walk(flat: torch.Tensor, hits: torch.Tensor) -> dict[str, float]:
     return {"chain_head1": first / max(1, steps), "chain_accepted_len": 1 + accepted / max(1, steps)}
 
 
+def selection_score(acc: dict[str, float]) -> float:
+    """What the trainer keeps the best heads by: the held-out mean accepted length of a served chain
+    (`chain_accepted_len`, chain_walk: the benchmark's measure) when evaluated, else heads_score."""
+    return acc["chain_accepted_len"] if "chain_accepted_len" in acc else heads_score(acc)
+
+
 def heads_score(acc: dict[str, float]) -> float:
     """Expected drafts accepted per chain step if the heads erred independently: acc1 + acc1*acc2 + ... (the
     held-out score the trainer keeps the best heads by)."""
@@ -175,14 +191,17 @@ def heads_score(acc: dict[str, float]) -> float:
 def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.Tensor,
                 config: MedusaTrainConfig, progress: Callable[[str], None] | None = None,
                 positions: torch.Tensor | None = None, vocab: torch.Tensor | None = None,
-                evaluate_fn: Callable[[], dict[str, float]] | None = None) -> list[float]:
-    """AdamW on the heads only, `config.steps` batches of random usable positions. hidden [N, T, H] fp32
-    (precomputed), token_ids [N, T] (`positions`: see head_targets). `lm_head` scores `vocab` (None: the whole
-    vocabulary; see label_indices). `evaluate_fn` (held-out accuracies, see evaluate): called every
-    config.eval_every steps and at the end; the heads keep the weights of its best heads_score (a few hundred
-    steps over a few hundred answers overfit: train top-1 0.6 while held-out peaks and falls).
-    Returns the loss of every step."""
-    flat, labels = head_targets(token_ids, heads.num_heads, positions)
+                evaluate_fn: Callable[[], dict[str, float]] | None = None,
+                label_ids: torch.Tensor | None = None) -> list[float]:
+    """AdamW on the heads only, `config.steps` batches of random usable positions. hidden [N, T, H] (precomputed;
+    fp32 or bf16, each batch widened to fp32), token_ids [N, T] (`positions`: see head_targets). `label_ids`
+    [N, T]: the token the target would choose at each position (default token_ids; a sampled answer's differ,
+    medusa_distill.greedy_labels): head k of position t learns label_ids[t + k + 2] reading token_ids. `lm_head`
+    scores `vocab` (None: the whole vocabulary; see label_indices). `evaluate_fn` (held-out accuracies, see
+    evaluate): called every config.eval_every steps and at the end; the heads keep the weights of its best
+    selection_score (a few hundred steps over a few hundred answers overfit: train top-1 0.6 while held-out
+    peaks and falls). Returns the loss of every step."""
+    flat, labels = head_targets(token_ids if label_ids is None else label_ids, heads.num_heads, positions)
     labels = label_indices(labels, vocab, heads.vocab_size)
     inputs = head_inputs(token_ids, flat, heads.num_heads)
     h_all = hidden.reshape(-1, hidden.shape[-1])
@@ -194,7 +213,7 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
     for step in range(config.steps):
         heads.train()
         pick = torch.randint(len(flat), (min(config.batch_size, len(flat)),), generator=gen)
-        loss = medusa_loss(heads.teacher_forced(h_all[flat[pick]], inputs[pick], lm_head), labels[pick])
+        loss = medusa_loss(heads.teacher_forced(h_all[flat[pick]].float(), inputs[pick], lm_head), labels[pick])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -204,7 +223,7 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
             progress(f"step {step + 1}/{config.steps} loss {losses[-1]:.3f}")
         if evaluate_fn and config.eval_every and ((step + 1) % config.eval_every == 0 or step == config.steps - 1):
             heads.eval()
-            score = heads_score(evaluate_fn())
+            score = selection_score(evaluate_fn())
             if score > best[0]:
                 best = (score, {k: v.detach().clone() for k, v in heads.state_dict().items()}, step + 1)
             if progress:
@@ -249,10 +268,12 @@ def frozen_lm_head(base) -> Callable[[torch.Tensor], torch.Tensor]:
 def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
                  progress: Callable[[str], None] | None = None,
                  answer_fn: AnswerFn | None = None,
-                 data_cache: str | Path | None = None) -> tuple[Path, dict[str, float]]:
+                 data_cache: str | Path | None = None,
+                 record_fn: RecordFn | None = None) -> tuple[Path, dict[str, float]]:
     """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies
     (the served way: draft vocabulary, bf16 hidden states and LM-head rows). `answer_fn`: see
-    chat_training_data (`--data chat` only). `data_cache`: a directory keeping the token ids and hidden states
+    chat_training_data (`--data chat` only); `record_fn`: see distill_training_data (`--data distill` only).
+    `data_cache`: a directory keeping the token ids and hidden states
     (per model and data settings), so that another run with other training settings skips the answers."""
     config = config or MedusaTrainConfig()
     config.check()
@@ -262,8 +283,9 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     files, base = load_base(model)
     hf = files.hf_config
     data = cached_training_data(data_cache, model, config,
-                        lambda: {held_out: training_data(base, files.tokenizer, config, held_out, say, answer_fn)
-                                 for held_out in (False, True)})
+                        lambda: {held_out: training_data(base, files.tokenizer, config, held_out, say, answer_fn,
+                                                         record_fn)
+                                 for held_out in (True, False)})  # the short held-out set first
     say(f"hidden states of {data[False][0].numel()} train / {data[True][0].numel()} held-out tokens "
         f"in {time.perf_counter() - t0:.0f}s")
     heads = HEAD_TYPES[config.head_type](int(hf.hidden_size), int(hf.vocab_size), config.num_heads, config.num_layers,
@@ -274,11 +296,13 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     weight = base.get_output_embeddings().weight.detach().float()
     if not config.share_lm_head:
         heads.init_lm_heads_from(weight)
-    (train_ids, train_hidden, train_pos), (eval_ids, eval_hidden, eval_pos) = data[False], data[True]
-    train_hidden = train_hidden.to(torch.bfloat16).float()  # what the engine hands the heads: bf16 states
+    (train_ids, train_hidden, train_pos, *train_labels), (eval_ids, eval_hidden, eval_pos, *_) = data[False], data[True]
+    train_labels = train_labels[0] if train_labels else None  # --data distill: the target's greedy tokens
+    train_hidden = train_hidden.to(torch.bfloat16)  # what the engine hands the heads: bf16 states
     vocab = None
     if config.draft_vocab_size:  # chosen first: the heads train over the rows the proposer will score
-        vocab = frequent_tokens(head_targets(train_ids, config.num_heads, train_pos)[1],
+        vocab = frequent_tokens(head_targets(train_ids if train_labels is None else train_labels, config.num_heads,
+                                             train_pos)[1],
                                 min(config.draft_vocab_size, int(hf.vocab_size)))
         heads.set_draft_vocab(vocab)
         vocab = heads.draft_vocab
@@ -286,12 +310,16 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     served = served_evaluation(heads, weight, eval_hidden, eval_ids, eval_pos)
     before = served()
     losses = train_heads(heads, train_lm_head, train_hidden, train_ids, config, progress=say, positions=train_pos,
-                         vocab=vocab, evaluate_fn=served)
+                         vocab=vocab, evaluate_fn=served, label_ids=train_labels)
     acc = served()
+    trees = fitted_trees(heads, weight, eval_hidden, eval_ids, eval_pos, config.tree_row_cost)
+    say("fitted trees (held-out served accepted length): " + ", ".join(
+        f"{n}: {t['accepted_len']:.3f}" for n, t in trees.items() if n != "served") + f"; served: {trees['served']}")
     if vocab is not None:
         acc["draft_vocab_coverage"] = vocab_coverage(head_targets(eval_ids, config.num_heads, eval_pos)[1], vocab)
     heads.training_info = {**asdict(config), "final_loss": losses[-1], "held_out_top1": acc,
                            "held_out_top1_untrained": before, "best_step": heads.training_info.get("best_step"),
+                           "trees": trees,
                            "seconds": round(time.perf_counter() - t0, 1)}
     say("held-out top-1 (served way): " + ", ".join(f"{k} {v:.3f}" for k, v in acc.items()))
     return heads.save(output), acc
@@ -304,10 +332,33 @@ def served_lm_head(heads: MedusaHeads, lm_weight: torch.Tensor) -> Callable[[tor
     return lambda x: F.linear(x, lm_weight)
 
 
+def fitted_trees(heads: MedusaHeads, lm_weight: torch.Tensor, hidden: torch.Tensor, token_ids: torch.Tensor,
+                 positions: torch.Tensor | None, row_cost: float, max_positions: int = 6000) -> dict:
+    """medusa_tree_fit.fit_trees on (at most max_positions of) the held-out positions, the served way, plus
+    "served": the size whose accepted length per verify cost (1 + row_cost per node) is best: `"tree": "heads"`."""
+    flat, _ = head_targets(token_ids, heads.num_heads, positions)
+    if len(flat) > max_positions:  # whole answers first: the walk needs consecutive positions
+        flat = flat[:max_positions]
+    vocab = heads.draft_vocab
+    trees = fit_trees(heads, served_lm_head(heads, lm_weight), hidden.to(torch.bfloat16), token_ids, flat,
+                      None if vocab is None else (lambda i: vocab[i]))
+    sizes = [n for n in trees if n != "chain"]
+    trees["served"] = max(sizes, key=lambda n: trees[n]["accepted_len"] / (1 + row_cost * int(n)))
+    return trees
+
+
 def served_evaluation(heads: MedusaHeads, lm_weight: torch.Tensor, hidden: torch.Tensor, token_ids: torch.Tensor,
                       positions: torch.Tensor | None) -> Callable[[], dict[str, float]]:
     """() -> held-out accuracies computed as the engine drafts: hidden states rounded to bf16 (the engine serves
     in bf16), the proposer's LM head (served_lm_head) mapped back to token ids, the heads in fp32."""
-    hidden = hidden.to(torch.bfloat16).float()
+    hidden = hidden.to(torch.bfloat16)  # widened per chunk (evaluate): a held-out set of distilled answers is large
     lm_head, full = served_lm_head(heads, lm_weight), (lambda x: F.linear(x, lm_weight))
-    return lambda: evaluate(heads, lm_head, hidden, token_ids, positions, vocab=heads.draft_vocab, base_lm_head=full)
+    base: dict[str, float] = {}
+
+    def run() -> dict[str, float]:
+        acc = evaluate(heads, lm_head, hidden, token_ids, positions, vocab=heads.draft_vocab,
+                       base_lm_head=False if base else full)
+        base.setdefault("base", acc.pop("base", None))
+        return {"base": base["base"], **acc}
+
+    return run

@@ -1,6 +1,8 @@
-"""The settings (`MedusaTrainConfig`) and data `pagellm train-medusa` trains Medusa heads on (medusa_train.py): token windows of the machine's
-texts (`kjv`, `pydoc`), the base model's own greedy continuations of KJV prompts (`self`), or its answers to
-chat-templated questions (`chat`, medusa_chat_data.py), each with the base's final normed hidden states
+"""The settings (`MedusaTrainConfig`) and data `pagellm train-medusa` trains Medusa heads on (medusa_train.py): token
+windows of the machine's texts (`kjv`, `pydoc`), the base model's own greedy continuations of KJV prompts (`self`),
+its answers to chat-templated questions (`chat`, medusa_chat_data.py), or pagellm's own answers to many varied
+prompts with the hidden states it served them with (`distill`: medusa_prompts.py, medusa_distill.py); the others
+with the base's final normed hidden states
 (HF transformers, float32: `model.model(...).last_hidden_state`, what pagellm's ModelRunner returns for the
 same weights), computed once per run or kept in a cache directory (`--data-cache`).
 """
@@ -17,7 +19,7 @@ from typing import Callable
 
 import torch
 
-DATA_SOURCES = ("kjv", "pydoc", "self", "chat")
+DATA_SOURCES = ("kjv", "pydoc", "self", "chat", "distill")
 HEAD_TYPE_NAMES = ("medusa", "hydra")  # hydra_heads.HEAD_TYPES (named here: the data module imports no heads)
 SELF_PROMPT_LEN = 16  # tokens of text before the base model's own continuation (--data self)
 
@@ -42,6 +44,12 @@ class MedusaTrainConfig:
     eval_every: int = 50  # > 0: evaluate every N steps, keep the heads of the best held-out score (0: the last)
     seed: int = 0
     head_type: str = "medusa"  # "hydra": heads that read the drafted tokens (hydra_heads.py)
+    # --data distill: the share of training prompts answered by sampling (the rest greedy; held out: greedy)
+    sampled_fraction: float = 0.25
+    sample_temperature: float = 0.7
+    # the verify step's cost per extra query row, relative to a plain step (bench_verify_rows.py's c; session 14,
+    # 2-core EPYC: 0.05-0.07): sizes the tree stored as "served" (medusa_tree_fit.py)
+    tree_row_cost: float = 0.06
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -60,6 +68,11 @@ class MedusaTrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if not self.tree_row_cost >= 0:
+            raise ValueError(f"tree_row_cost must be >= 0, got {self.tree_row_cost}")
+        if not 0.0 <= self.sampled_fraction <= 1.0 or not self.sample_temperature > 0:
+            raise ValueError(f"sampled_fraction must be in [0, 1] and sample_temperature > 0, got "
+                             f"{self.sampled_fraction}, {self.sample_temperature}")
         if self.draft_vocab_size < 0 or (self.draft_vocab_size and not self.share_lm_head):
             raise ValueError(f"draft_vocab_size must be >= 0 and needs a shared LM head, got {self.draft_vocab_size}")
 
@@ -183,9 +196,42 @@ def chat_training_data(base, tokenizer, config: MedusaTrainConfig, held_out: boo
     return torch.tensor([sum(seqs, [])]), hidden[None], positions
 
 
+# (prompts, answer_len, temperature) -> medusa_distill.DistillSequence per prompt (the engine's answers and states)
+RecordFn = Callable[[list[list[int]], int, float], list]
+
+
+def distill_training_data(tokenizer, config: MedusaTrainConfig, held_out: bool, say: Callable[[str], None],
+                          record_fn: RecordFn | None) -> tuple[torch.Tensor, ...]:
+    """`--data distill`: ([1, S] token ids, [1, S, H] bf16 hidden states, flat trained positions, [1, S] greedy
+    labels) of the engine's answers to medusa_prompts' prompts, recorded as served (medusa_distill.py). Each answer
+    is kept from its prompt's last token on (earlier positions never train), answers laid end to end. Training: a
+    `sampled_fraction` of the prompts answered by sampling; held out: greedy answers only."""
+    from pagellm.spec_decode.medusa_chat_data import chat_prompt_ids  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_prompts import distill_prompts  # noqa: PLC0415
+
+    if record_fn is None:
+        raise ValueError("--data distill needs the engine's answers (record_fn, entrypoints/train_medusa.py)")
+    count = config.num_eval_seqs if held_out else config.num_train_seqs
+    prompts = chat_prompt_ids(tokenizer, distill_prompts(count, held_out, config.seed))
+    num_sampled = 0 if held_out else int(round(len(prompts) * config.sampled_fraction))
+    say(f"distillation: the engine answers {len(prompts)} {'held-out ' if held_out else ''}prompts "
+        f"({num_sampled} sampled at temperature {config.sample_temperature}, up to {config.seq_len} tokens each)")
+    seqs = record_fn(prompts[num_sampled:], config.seq_len, 0.0)
+    if num_sampled:
+        seqs += record_fn(prompts[:num_sampled], config.seq_len, config.sample_temperature)
+    cut = [s.prompt_len - 1 for s in seqs]
+    ids = [s.token_ids[c:] for s, c in zip(seqs, cut)]
+    positions = ragged_positions([len(q) for q in ids], [0] * len(ids), config.num_heads)
+    hidden = torch.cat([s.hidden[c:].to(torch.bfloat16) for s, c in zip(seqs, cut)])  # what the proposer is handed
+    return (torch.tensor([sum(ids, [])]), hidden[None],
+            positions, torch.tensor([sum((s.label_ids[c:] for s, c in zip(seqs, cut)), [])]))
+
+
 def training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool, say: Callable[[str], None],
-                   answer_fn: AnswerFn | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(token ids, hidden states, trained positions or None) of the training or held-out set."""
+                   answer_fn: AnswerFn | None, record_fn: RecordFn | None = None) -> tuple[torch.Tensor, ...]:
+    """(token ids, hidden states, trained positions or None[, greedy labels]) of the training or held-out set."""
+    if config.data == "distill":
+        return distill_training_data(tokenizer, config, held_out, say, record_fn)
     if config.data == "chat":
         return chat_training_data(base, tokenizer, config, held_out, say, answer_fn)
     ids = torch.tensor(build_windows(tokenizer, config, held_out), dtype=torch.long)
@@ -200,6 +246,8 @@ def cached_training_data(cache: str | Path | None, model: str | None, config: Me
     if cache is None:
         return compute()
     keys = ("data", "seq_len", "num_train_seqs", "num_eval_seqs", "num_heads", "seed")
+    if config.data == "distill":
+        keys += ("sampled_fraction", "sample_temperature")
     key = hashlib.sha256(json.dumps([str(model), *(getattr(config, k) for k in keys)]).encode()).hexdigest()[:16]
     path = Path(cache).expanduser() / f"medusa-data-{key}.pt"
     if path.is_file():

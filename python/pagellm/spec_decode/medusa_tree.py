@@ -2,7 +2,8 @@
 (the proposer: medusa.MedusaTreeProposer).
 
     LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": "/path/to/heads",
-                                   "tree": "default"})        # or "mc_sim_7b_63", or a list of paths
+                                   "tree": "default"})        # or "mc_sim_7b_63", a list of paths, or "heads" /
+                                                              # "heads:N": fitted to the heads (medusa_tree_fit.py)
 
 A tree is a list of paths as in Medusa's `medusa_choices`: path (i_0, .., i_d) is the node whose token is
 head d's (i_d)-th most likely token, under the node (i_0, .., i_{d-1}); every prefix of a path is a path. Nodes
@@ -102,7 +103,34 @@ def _check_path(path: Any) -> tuple[int, ...]:
     return tuple(path)
 
 
-def tree_from_options(options: Mapping[str, Any]) -> MedusaTree | None:
-    """The `tree` option of a medusa speculative_config (None: chain drafts). ValueError for a bad tree."""
+HEADS_TREE = "heads"  # "heads" / "heads:N": a tree the trainer fitted to these heads (medusa_tree_fit.py)
+
+
+def _fitted_size(spec: str) -> str | None:
+    """"heads" -> None (the trainer's "served" size), "heads:N" -> "N"; ValueError for another "heads..." form."""
+    if spec == HEADS_TREE:
+        return None
+    size = spec[len(HEADS_TREE) + 1 :]
+    if not spec.startswith(HEADS_TREE + ":") or not size.isdigit():
+        raise ValueError(f"Medusa tree {spec!r}: use 'heads' or 'heads:N' (N: a node count the trainer fitted)")
+    return str(int(size))
+
+
+def tree_from_options(options: Mapping[str, Any], fitted: Mapping[str, Any] | None = None) -> MedusaTree | None:
+    """The `tree` option of a medusa speculative_config (None: chain drafts). ValueError for a bad tree.
+    "heads" / "heads:N" name a tree fitted to the heads at training (`fitted`: their medusa_config.json's
+    training "trees"); without `fitted` only the form is checked (None), for check_options."""
     spec = options.get("tree")
+    if isinstance(spec, str) and spec.startswith(HEADS_TREE):
+        size = _fitted_size(spec)
+        if fitted is None:
+            return None
+        if not fitted:
+            raise ValueError(f"Medusa tree {spec!r}: these heads carry no fitted trees (medusa_config.json "
+                             "training.trees; retrain with pagellm train-medusa) - give a tree instead")
+        size = str(fitted.get("served")) if size is None else size
+        if size not in fitted or size in ("served", "chain"):
+            raise ValueError(f"Medusa tree {spec!r}: fitted sizes are "
+                             f"{sorted(int(n) for n in fitted if n.isdigit())}")
+        return MedusaTree.from_spec([list(p) for p in fitted[size]["paths"]])
     return None if spec is None else MedusaTree.from_spec(spec)
