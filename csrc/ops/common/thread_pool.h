@@ -4,9 +4,13 @@
 // the range, so on a machine where another process is busy the OS parks a spinning worker on the busy
 // core and every region waits a whole time slice for that worker's slice (batch-1 decode went 37x slower
 // with one busy process on 2 cores). Here:
-//   * the range is cut into several chunks per thread, claimed from one atomic counter by the caller and
-//     the workers alike, so a worker the OS does not run simply claims nothing and the others finish
-//     the range; a preempted worker delays only the chunk it holds;
+//   * the range is cut into several chunks per thread, claimed dynamically by the caller and the workers
+//     alike, so a worker the OS does not run simply claims nothing and the others finish the range; a
+//     preempted worker delays only the chunk it holds;
+//   * (home_sections) each thread first claims, in order, the chunks of its own contiguous section of the
+//     range (thread t: the t-th of num_threads), then takes the others' remaining chunks from their ends:
+//     a weight stream at batch 1 then reads one contiguous run per thread, which the hardware and the
+//     kernels' software prefetch (rows ahead, past a chunk's end) follow, instead of interleaved chunks;
 //   * workers join a region only while it is open: the caller never waits for a worker that has not
 //     started, only for chunks already claimed;
 //   * idle workers spin briefly (the gaps between one decode step's kernels) and then sleep on a futex,
@@ -31,6 +35,8 @@ struct ThreadPoolSettings {
   int chunks_per_thread = 4;  // a region is cut into at most num_threads * this many chunks
   int max_backoff_ms = 200;   // after stalls on a preempted worker, regions run on the caller alone for up
                               // to this long (5 ms, doubling while stalls continue); 0: never
+  bool home_sections = true;  // each thread claims its own contiguous section's chunks first (false: all
+                              // threads claim from one counter in range order, interleaved)
 };
 
 // The CPUs this process may run on (sched_getaffinity), ascending; never empty.
