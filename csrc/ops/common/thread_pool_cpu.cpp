@@ -151,6 +151,16 @@ class ThreadPool {
     return {(range + chunk - 1) / chunk, chunk, 0};
   }
 
+  int64_t prefetched_bytes() const { return prefetched_bytes_.load(std::memory_order_relaxed); }
+
+  // prefetch_next: fields are atomics because a worker may read them while the caller replaces them; a
+  // torn (pointer, length) pair only prefetches the wrong bytes.
+  void set_prefetch(const void* ptr, int64_t bytes) {
+    prefetch_ptr_.store(reinterpret_cast<uintptr_t>(ptr), std::memory_order_relaxed);
+    prefetch_bytes_.store(std::max<int64_t>(bytes, 0), std::memory_order_relaxed);
+    prefetch_gen_.fetch_add(1, std::memory_order_release);
+  }
+
   void after_fork_in_child() {
     // Only the forking thread exists in the child: forget the workers (their stacks are gone with them).
     workers_.clear();
@@ -279,10 +289,41 @@ class ThreadPool {
     return nullptr;
   }
 
+  // A worker's progress through its share of the prefetch_next range.
+  struct PrefetchCursor {
+    uint64_t gen = 0;
+    uintptr_t next = 0, end = 0;
+  };
+
+  // Prefetches the rest of this worker's share of the named range, 1 KiB at a time (a region that opens
+  // waits at most that long for this worker), until it is done or a region after `seen` opens.
+  void prefetch_share(uint32_t seen, int index, PrefetchCursor& c) {
+    const uint64_t gen = prefetch_gen_.load(std::memory_order_acquire);
+    if (gen != c.gen) {
+      c.gen = gen;
+      const uintptr_t base = prefetch_ptr_.load(std::memory_order_relaxed);
+      const uint64_t bytes = static_cast<uint64_t>(prefetch_bytes_.load(std::memory_order_relaxed));
+      const uint64_t n = static_cast<uint64_t>(settings_.num_threads);
+      c.next = (base + bytes * index / n) & ~uintptr_t{63};
+      c.end = std::min<uintptr_t>(base + bytes * (index + 1) / n, c.next + uint64_t(settings_.prefetch_kb) * 1024);
+    }
+    constexpr uintptr_t kStep = 1024, kLine = 64;
+    while (c.next < c.end) {
+      if (epoch_.load(std::memory_order_relaxed) != seen) return;
+      const uintptr_t stop = std::min(c.end, c.next + kStep);
+      for (uintptr_t p = c.next; p < stop; p += kLine) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+      prefetched_bytes_.fetch_add(static_cast<int64_t>(stop - c.next), std::memory_order_relaxed);
+      c.next = stop;
+    }
+  }
+
   void worker_loop(uint32_t seen, int index) {
     const auto spin = std::chrono::microseconds(settings_.spin_us);  // fixed while this worker lives
+    const bool prefetch = settings_.prefetch_kb > 0;
+    PrefetchCursor cursor;
     tls_in_region = true;  // a body run here that calls parallel_for runs inline
     for (;;) {
+      if (prefetch) prefetch_share(seen, index, cursor);
       const auto deadline = std::chrono::steady_clock::now() + spin;
       int polls = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
@@ -341,6 +382,10 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
   std::atomic<uint32_t> epoch_{0};  // futex word: bumped per region (and to stop the workers)
   std::atomic<int> sleepers_{0};
+  std::atomic<uintptr_t> prefetch_ptr_{0};  // prefetch_next's range, and a count of its calls
+  std::atomic<int64_t> prefetch_bytes_{0};
+  std::atomic<uint64_t> prefetch_gen_{0};
+  std::atomic<int64_t> prefetched_bytes_{0};
   std::atomic<uint64_t> claim_{0};            // the region's chunks, one counter (home_sections false)
   std::unique_ptr<SectionClaim[]> sections_;  // one per thread (home_sections true)
   std::atomic<int64_t> chunks_done_{0};
@@ -376,6 +421,8 @@ void configure_thread_pool(const ThreadPoolSettings& s) {
   require(s.spin_us >= 0 && s.spin_us <= 1000000, "spin_us must be in [0, 1000000], got " + std::to_string(s.spin_us));
   require(s.max_backoff_ms >= 0 && s.max_backoff_ms <= 10000,
           "max_backoff_ms must be in [0, 10000], got " + std::to_string(s.max_backoff_ms));
+  require(s.prefetch_kb >= 0 && s.prefetch_kb <= 65536,
+          "prefetch_kb must be in [0, 65536], got " + std::to_string(s.prefetch_kb));
   require(s.chunks_per_thread >= 1 && s.chunks_per_thread <= 64,
           "chunks_per_thread must be in [1, 64], got " + std::to_string(s.chunks_per_thread));
   ThreadPool::instance().configure(s);
@@ -388,6 +435,10 @@ int thread_pool_num_threads() { return tls_in_region ? 1 : ThreadPool::instance(
 bool in_thread_pool_region() { return tls_in_region; }
 
 int64_t thread_pool_num_stalls() { return ThreadPool::instance().num_stalls(); }
+
+void prefetch_next(const void* ptr, int64_t bytes) { ThreadPool::instance().set_prefetch(ptr, bytes); }
+
+int64_t thread_pool_prefetched_bytes() { return ThreadPool::instance().prefetched_bytes(); }
 
 namespace detail {
 void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body) {

@@ -216,6 +216,8 @@ TEST_F(ThreadPoolTest, SettingsAreValidatedBeforeAnythingChanges) {
   EXPECT_THROW(configure_thread_pool({2, true, -5, 4}), std::invalid_argument);
   EXPECT_THROW(configure_thread_pool({2, true, 50, 0}), std::invalid_argument);
   EXPECT_THROW(configure_thread_pool({2, true, 50, 4, -1}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 4, 200, true, -1}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 4, 200, true, 70000}), std::invalid_argument);
   EXPECT_EQ(thread_pool_settings().num_threads, 3);
   configure_thread_pool({0, true, 50, 4});
   EXPECT_EQ(thread_pool_settings().num_threads, static_cast<int>(allowed_cpus().size()));
@@ -245,6 +247,28 @@ TEST_F(ThreadPoolTest, AStalledWorkerSendsTheNextRegionsToTheCallerAlone) {
   const Calls c = check_cover(0, 64, 1);  // within the 5 ms back-off: the caller alone, still every index
   EXPECT_EQ(c.threads.size(), 1u);
   EXPECT_EQ(*c.threads.begin(), caller);
+}
+
+// prefetch_next: an idle worker prefetches its share of the named range (worker 1 of 2: the second half, up
+// to prefetch_kb) between regions; a range that is not mapped memory is only prefetched, never read.
+TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
+  configure_thread_pool({2, false, 1000, 4, 0, true, 64});
+  std::vector<char> buf(1 << 20);
+  const int64_t before = thread_pool_prefetched_bytes();
+  prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
+  for (int round = 0; round < 200 && thread_pool_prefetched_bytes() - before < (64 << 10); ++round) {
+    check_cover(0, 64, 1);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  EXPECT_EQ(thread_pool_prefetched_bytes() - before, 64 << 10) << "prefetch_kb of the worker's half, once";
+  prefetch_next(reinterpret_cast<const void*>(uintptr_t{64}), int64_t{1} << 40);  // unmapped: must not fault
+  for (int round = 0; round < 20; ++round) check_cover(0, 64, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  configure_thread_pool({2, false, 1000, 4, 0, true, 0});  // off: nothing more is prefetched
+  const int64_t off = thread_pool_prefetched_bytes();
+  prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
+  for (int round = 0; round < 20; ++round) check_cover(0, 64, 1);
+  EXPECT_EQ(thread_pool_prefetched_bytes(), off);
 }
 
 TEST_F(ThreadPoolTest, ConfigureInsideABodyIsRefused) {
