@@ -15,8 +15,8 @@ Arms (`_C.configure_thread_pool` between rounds; the workers restart, the weight
             weight between regions (`prefetch_kb`; the default); prefetch128 / prefetch512: other amounts
 Each round runs, per arm, one greedy request of --output-len new tokens after a 256-token prompt through
 LLMEngine.step and times every decode step (prefill untimed); arm order rotates per round. Per arm: the
-median step over all rounds, the median of the round medians, the fastest step, and the ratio to the
-first arm. With --competitor spin a Python busy loop runs during the rounds as well (the TPOT under one
+median step over all rounds, the median of the round medians, the 10th-percentile and fastest step (on a
+loaded machine: the steps the OS let run undisturbed), and the ratios to the first arm. With --competitor spin a Python busy loop runs during the rounds as well (the TPOT under one
 competing process must stay <= 2x the quiet one; compare with a run without it). The 1-min load average
 is printed before and after.
 """
@@ -58,11 +58,16 @@ def main() -> None:
     ap.add_argument("--model-size", default="default", choices=["default", "1b"])
     ap.add_argument("--arms", default="chunks,sections,prefetch", help=f"comma list of {sorted(ARMS)}")
     ap.add_argument("--competitor", choices=["none", "spin"], default="none")
+    ap.add_argument("--max-load", type=float, default=0.0,
+                    help="wait (up to --wait-s) for the 1-min load average to drop below this first; 0: don't")
+    ap.add_argument("--wait-s", type=float, default=600.0)
     args = ap.parse_args()
     arms = args.arms.split(",")
     if not arms or any(a not in ARMS for a in arms):
         raise SystemExit(f"--arms: each of {sorted(ARMS)}")
 
+    if args.max_load > 0:
+        print(C.wait_for_load(args.max_load, args.wait_s, poll_s=15.0), flush=True)
     prompt = list(range(100, 356))
     llm = B.make_llm(args.model_size, args.dtype, 512)
     for arm in arms:  # warm-up: step graphs captured, every arm's workers started once
@@ -90,13 +95,15 @@ def main() -> None:
     print(f"model {args.model_size} {args.dtype}, {args.rounds} rounds x {args.output_len} steps, competitor "
           f"{args.competitor}; 1-min load {load0[0]:.2f} -> {load1[0]:.2f}")
     base = statistics.median(steps[arms[0]])
+    base_p10 = statistics.quantiles(steps[arms[0]], n=10)[0]
     rows = []
     for a in arms:
         med = statistics.median(steps[a])
-        rows.append([a, med * 1e3, statistics.median(round_medians[a]) * 1e3, min(steps[a]) * 1e3, med / base,
-                     " ".join(f"{m * 1e3:.2f}" for m in round_medians[a])])
-    print(C.md_table(["arm", "median step ms", "median of rounds ms", "fastest ms", f"/ {arms[0]}",
-                      "round medians ms"], rows))
+        p10 = statistics.quantiles(steps[a], n=10)[0]
+        rows.append([a, med * 1e3, statistics.median(round_medians[a]) * 1e3, p10 * 1e3, min(steps[a]) * 1e3,
+                     med / base, p10 / base_p10, " ".join(f"{m * 1e3:.2f}" for m in round_medians[a])])
+    print(C.md_table(["arm", "median step ms", "median of rounds ms", "p10 ms", "fastest ms", f"/ {arms[0]}",
+                      "p10 ratio", "round medians ms"], rows))
     from pagellm import _C
 
     info = _C.thread_pool_info()

@@ -19,9 +19,9 @@
 //     regions run on the caller alone for a few milliseconds, doubling while it keeps happening, so a
 //     busy machine costs at most what one thread would;
 //   * (prefetch_kb) a worker left idle between regions (while the caller runs a layer's small ops) prefetches
-//     its home section's share of the memory the caller named with prefetch_next (the next projection's
-//     weight), so the DRAM keeps streaming through the step's non-streaming parts; it stops as soon as
-//     a region opens;
+//     the first bytes of each thread's home section of the memory the caller named with prefetch_next (the
+//     next projection's weight), so the DRAM keeps streaming through the step's non-streaming parts; it
+//     stops as soon as a region opens;
 //   * with bind, each worker is pinned to one CPU of the process's affinity mask (sched_getaffinity);
 //     the calling thread is never pinned (threads it creates later would inherit the mask).
 // Torch-free (tested by thread_pool_test.cpp without torch); csrc/ops/common/parallel.h is what kernels use.
@@ -41,8 +41,9 @@ struct ThreadPoolSettings {
                               // to this long (5 ms, doubling while stalls continue); 0: never
   bool home_sections = true;  // each thread claims its own contiguous section's chunks first (false: all
                               // threads claim from one counter in range order, interleaved)
-  int prefetch_kb = 256;      // how much of its share of a prefetch_next range an idle worker prefetches
-                              // (KiB; ~ what DRAM delivers in a layer's gap, well inside L2); 0: never
+  int prefetch_kb = 256;      // how much of a prefetch_next range the idle workers prefetch (KiB, all home
+                              // sections together; ~ what DRAM delivers in a layer's gap, well inside L2);
+                              // 0: never
 };
 
 // The CPUs this process may run on (sched_getaffinity), ascending; never empty.
@@ -68,9 +69,9 @@ int64_t thread_pool_num_stalls();
 bool in_thread_pool_region();
 
 // Names the memory the next regions will stream, [ptr, ptr + bytes) (the next projection's weight): from
-// the next region on, each worker, when it has no chunk to run, prefetches up to prefetch_kb of its home
-// section's share of it (worker i of n threads: the i-th n-th), stopping whenever a region opens and
-// resuming after it, until a later prefetch_next replaces the range. Prefetch instructions only: a stale
+// the next region on, the workers, when they have no chunk to run, prefetch the first prefetch_kb / n of
+// each of the n threads' home sections of it (the i-th n-th of the range: what thread i will stream),
+// stopping whenever a region opens and resuming after it, until a later prefetch_next replaces the range. Prefetch instructions only: a stale
 // or wrong range costs bandwidth, never a fault, and changes no result.
 void prefetch_next(const void* ptr, int64_t bytes);
 

@@ -289,26 +289,40 @@ class ThreadPool {
     return nullptr;
   }
 
-  // A worker's progress through its share of the prefetch_next range.
+  // A worker's progress through its part of the prefetch_next range.
   struct PrefetchCursor {
     uint64_t gen = 0;
+    uintptr_t base = 0;
+    uint64_t bytes = 0;
+    int section = 0;  // the home section being prefetched
     uintptr_t next = 0, end = 0;
   };
 
-  // Prefetches the rest of this worker's share of the named range, 1 KiB at a time (a region that opens
-  // waits at most that long for this worker), until it is done or a region after `seen` opens.
+  // Prefetches the rest of this worker's part of the named range, 1 KiB at a time (a region that opens
+  // waits at most that long for this worker), until it is done or a region after `seen` opens. The part:
+  // the first prefetch_kb / num_threads of each home section the range will be cut into, the sections
+  // dealt round-robin to the workers, the caller's (section 0) first. Every section, not only the
+  // worker's own: a region whose sections are single chunks (a 576 x 576 projection) lasts as long as
+  // its slowest section, so a head start on one of them alone gains nothing.
   void prefetch_share(uint32_t seen, int index, PrefetchCursor& c) {
+    const int nthreads = settings_.num_threads;
     const uint64_t gen = prefetch_gen_.load(std::memory_order_acquire);
     if (gen != c.gen) {
-      c.gen = gen;
-      const uintptr_t base = prefetch_ptr_.load(std::memory_order_relaxed);
-      const uint64_t bytes = static_cast<uint64_t>(prefetch_bytes_.load(std::memory_order_relaxed));
-      const uint64_t n = static_cast<uint64_t>(settings_.num_threads);
-      c.next = (base + bytes * index / n) & ~uintptr_t{63};
-      c.end = std::min<uintptr_t>(base + bytes * (index + 1) / n, c.next + uint64_t(settings_.prefetch_kb) * 1024);
+      c = PrefetchCursor{gen, prefetch_ptr_.load(std::memory_order_relaxed),
+                         static_cast<uint64_t>(prefetch_bytes_.load(std::memory_order_relaxed)),
+                         index - 1 - (nthreads - 1), 0, 0};
     }
+    const uint64_t per_section = uint64_t(settings_.prefetch_kb) * 1024 / nthreads;
     constexpr uintptr_t kStep = 1024, kLine = 64;
-    while (c.next < c.end) {
+    for (;;) {
+      if (c.next >= c.end) {  // the next of this worker's sections, if any
+        if (c.section + (nthreads - 1) >= nthreads) return;
+        c.section += nthreads - 1;
+        const uintptr_t first = (c.base + c.bytes * c.section / nthreads) & ~uintptr_t{63};
+        c.next = first;
+        c.end = std::min<uintptr_t>(c.base + c.bytes * (c.section + 1) / nthreads, first + per_section);
+        continue;
+      }
       if (epoch_.load(std::memory_order_relaxed) != seen) return;
       const uintptr_t stop = std::min(c.end, c.next + kStep);
       for (uintptr_t p = c.next; p < stop; p += kLine) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
