@@ -10,9 +10,9 @@ Arms (`_C.configure_thread_pool` between rounds; the workers restart, the weight
   chunks    every thread claims the region's chunks from one counter, in range order (interleaved: the
             pool before session 15)
   sections  each thread runs its own contiguous section of the range first, then helps from the others'
-            ends (`home_sections`), no prefetch
-  prefetch  sections, and the idle worker prefetches up to 256 KiB of its share of the next projection's
-            weight between regions (`prefetch_kb`; the default); prefetch128 / prefetch512: other amounts
+            ends (`home_sections`), no prefetch: the defaults
+  prefetch  sections, and the idle worker prefetches the first 256 KiB (over all sections) of the next
+            projection's weight between regions (`prefetch_kb`); prefetch128 / prefetch512: other amounts
 Each round runs, per arm, one greedy request of --output-len new tokens after a 256-token prompt through
 LLMEngine.step and times every decode step (prefill untimed); arm order rotates per round. Per arm: the
 median step over all rounds, the median of the round medians, the 10th-percentile and fastest step (on a

@@ -41,9 +41,10 @@ struct ThreadPoolSettings {
                               // to this long (5 ms, doubling while stalls continue); 0: never
   bool home_sections = true;  // each thread claims its own contiguous section's chunks first (false: all
                               // threads claim from one counter in range order, interleaved)
-  int prefetch_kb = 256;      // how much of a prefetch_next range the idle workers prefetch (KiB, all home
-                              // sections together; ~ what DRAM delivers in a layer's gap, well inside L2);
-                              // 0: never
+  int prefetch_kb = 0;        // how much of a prefetch_next range the idle workers prefetch (KiB, all home
+                              // sections together; 256 ~ what DRAM delivers in a layer's gap, well inside
+                              // L2); 0: never (the default until a quiet-machine A/B shows a gain: loaded
+                              // runs in session 15 hinted at a loss, benchmarks/README.md)
 };
 
 // The CPUs this process may run on (sched_getaffinity), ascending; never empty.
