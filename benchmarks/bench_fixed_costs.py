@@ -47,7 +47,8 @@ def set_threads(n: int) -> None:
 
     s = _C.thread_pool_info()
     _C.configure_thread_pool(num_threads=n, bind=s["bind"], spin_us=s["spin_us"],
-                             chunks_per_thread=s["chunks_per_thread"], max_backoff_ms=s["max_backoff_ms"])
+                             chunks_per_thread=s["chunks_per_thread"], max_backoff_ms=s["max_backoff_ms"],
+                             home_sections=s["home_sections"], prefetch_kb=s["prefetch_kb"])
 
 
 def step_graph_probe(reps: int) -> dict:

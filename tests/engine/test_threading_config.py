@@ -24,7 +24,8 @@ def restore_threading():
     saved, torch_threads = dict(_C.thread_pool_info()), torch.get_num_threads()
     yield
     _C.configure_thread_pool(saved["num_threads"], bind=saved["bind"], spin_us=saved["spin_us"],
-                             chunks_per_thread=saved["chunks_per_thread"], max_backoff_ms=saved["max_backoff_ms"])
+                             chunks_per_thread=saved["chunks_per_thread"], max_backoff_ms=saved["max_backoff_ms"],
+                             home_sections=saved["home_sections"], prefetch_kb=saved["prefetch_kb"])
     torch.set_num_threads(torch_threads)
 
 
@@ -69,7 +70,8 @@ def test_apply_threading_sizes_the_pool_and_torch(restore_threading):
 def test_pool_refuses_bad_settings_without_changing_them(restore_threading):
     _C.configure_thread_pool(1)
     for kw in ({"num_threads": -1}, {"num_threads": 5000}, {"num_threads": 1, "spin_us": -1},
-               {"num_threads": 1, "chunks_per_thread": 0}, {"num_threads": 1, "max_backoff_ms": -1}):
+               {"num_threads": 1, "chunks_per_thread": 0}, {"num_threads": 1, "max_backoff_ms": -1},
+               {"num_threads": 1, "prefetch_kb": -1}):
         with pytest.raises(ValueError, match="configure_thread_pool"):
             _C.configure_thread_pool(**kw)
     assert _C.thread_pool_info()["num_threads"] == 1
@@ -88,9 +90,10 @@ def test_openmp_defaults_never_override_the_user():
         assert env == before
 
 
-@pytest.mark.parametrize("num_threads,bind,chunks", [(1, True, 4), (2, True, 1), (2, False, 4), (8, False, 64)])
-def test_kernels_agree_with_the_reference_at_every_pool_setting(restore_threading, num_threads, bind, chunks):
-    _C.configure_thread_pool(num_threads, bind=bind, chunks_per_thread=chunks)
+@pytest.mark.parametrize("num_threads,bind,chunks,home", [(1, True, 4, True), (2, True, 1, True), (2, False, 4, True),
+                                                          (8, False, 64, True), (2, True, 4, False), (3, False, 2, False)])
+def test_kernels_agree_with_the_reference_at_every_pool_setting(restore_threading, num_threads, bind, chunks, home):
+    _C.configure_thread_pool(num_threads, bind=bind, chunks_per_thread=chunks, home_sections=home)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 512, generator=g)
     w = torch.randn(2051, 512, generator=g)  # odd N: a partial last tile
@@ -104,6 +107,42 @@ def test_kernels_agree_with_the_reference_at_every_pool_setting(restore_threadin
     expected = torch.empty_like(rows)
     reference.rms_norm(expected, rows, weight, 1e-6)
     torch.testing.assert_close(normed, expected)
+
+
+def test_next_weight_prefetch_runs_and_changes_no_bits(restore_threading):
+    """M = 1 linears called in a repeating order (a decode step's projections): with home sections and
+    prefetch_kb the pool's idle worker prefetches the weight that comes next (prefetched_bytes grows), and
+    every output is bitwise the one of the interleaved pool without prefetch."""
+    import time
+
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(n, k, generator=g).to(torch.bfloat16) for n, k in ((963, 576), (576, 576), (3072, 576), (577, 1536))]
+    xs = [torch.randn(1, w.shape[1], generator=g).to(torch.bfloat16) for w in ws]
+
+    def run(rounds: int) -> list[torch.Tensor]:
+        outs = []
+        for _ in range(rounds):
+            for x, w in zip(xs, ws):
+                out = torch.empty(1, w.shape[0], dtype=torch.bfloat16)
+                torch.ops.pagellm.linear_small_m(out, x, w, None)
+                outs.append(out)
+                time.sleep(2e-4)  # the gap a layer's small ops leave: the worker's time to prefetch
+        return outs
+
+    _C.configure_thread_pool(2, home_sections=False, prefetch_kb=0)
+    expected = run(3)
+    _C.configure_thread_pool(2, home_sections=True, prefetch_kb=64)
+    before = _C.thread_pool_info()["prefetched_bytes"]
+    got = run(3)
+    for _ in range(20):  # a worker the OS did not run in the gaps prefetches nothing: try a few more rounds
+        if _C.thread_pool_info()["prefetched_bytes"] > before:
+            break
+        run(1)
+    assert _C.thread_pool_info()["prefetched_bytes"] > before
+    for e, o in zip(expected, got):
+        assert torch.equal(e, o)
+    for x, w, o in zip(xs, ws, got[-4:]):
+        torch.testing.assert_close(o.float(), x.float() @ w.float().T, rtol=2e-2, atol=5e-2)
 
 
 def test_worker_applies_env_and_refuses_bad_values(tiny_llama_dir, monkeypatch, restore_threading):

@@ -4,9 +4,13 @@
 // the range, so on a machine where another process is busy the OS parks a spinning worker on the busy
 // core and every region waits a whole time slice for that worker's slice (batch-1 decode went 37x slower
 // with one busy process on 2 cores). Here:
-//   * the range is cut into several chunks per thread, claimed from one atomic counter by the caller and
-//     the workers alike, so a worker the OS does not run simply claims nothing and the others finish
-//     the range; a preempted worker delays only the chunk it holds;
+//   * the range is cut into several chunks per thread, claimed dynamically by the caller and the workers
+//     alike, so a worker the OS does not run simply claims nothing and the others finish the range; a
+//     preempted worker delays only the chunk it holds;
+//   * (home_sections) each thread first claims, in order, the chunks of its own contiguous section of the
+//     range (thread t: the t-th of num_threads), then takes the others' remaining chunks from their ends:
+//     a weight stream at batch 1 then reads one contiguous run per thread, which the hardware and the
+//     kernels' software prefetch (rows ahead, past a chunk's end) follow, instead of interleaved chunks;
 //   * workers join a region only while it is open: the caller never waits for a worker that has not
 //     started, only for chunks already claimed;
 //   * idle workers spin briefly (the gaps between one decode step's kernels) and then sleep on a futex,
@@ -14,6 +18,10 @@
 //   * when the caller still had to wait long for a worker's chunk (the OS preempted it), the next
 //     regions run on the caller alone for a few milliseconds, doubling while it keeps happening, so a
 //     busy machine costs at most what one thread would;
+//   * (prefetch_kb) a worker left idle between regions (while the caller runs a layer's small ops) prefetches
+//     the first bytes of each thread's home section of the memory the caller named with prefetch_next (the
+//     next projection's weight), so the DRAM keeps streaming through the step's non-streaming parts; it
+//     stops as soon as a region opens;
 //   * with bind, each worker is pinned to one CPU of the process's affinity mask (sched_getaffinity);
 //     the calling thread is never pinned (threads it creates later would inherit the mask).
 // Torch-free (tested by thread_pool_test.cpp without torch); csrc/ops/common/parallel.h is what kernels use.
@@ -31,6 +39,12 @@ struct ThreadPoolSettings {
   int chunks_per_thread = 4;  // a region is cut into at most num_threads * this many chunks
   int max_backoff_ms = 200;   // after stalls on a preempted worker, regions run on the caller alone for up
                               // to this long (5 ms, doubling while stalls continue); 0: never
+  bool home_sections = true;  // each thread claims its own contiguous section's chunks first (false: all
+                              // threads claim from one counter in range order, interleaved)
+  int prefetch_kb = 0;        // how much of a prefetch_next range the idle workers prefetch (KiB, all home
+                              // sections together; 256 ~ what DRAM delivers in a layer's gap, well inside
+                              // L2); 0: never (the default until a quiet-machine A/B shows a gain: loaded
+                              // runs in session 15 hinted at a loss, benchmarks/README.md)
 };
 
 // The CPUs this process may run on (sched_getaffinity), ascending; never empty.
@@ -54,6 +68,16 @@ int64_t thread_pool_num_stalls();
 
 // True on a thread that is running a parallel_for body (there, parallel_for runs inline).
 bool in_thread_pool_region();
+
+// Names the memory the next regions will stream, [ptr, ptr + bytes) (the next projection's weight): from
+// the next region on, the workers, when they have no chunk to run, prefetch the first prefetch_kb / n of
+// each of the n threads' home sections of it (the i-th n-th of the range: what thread i will stream),
+// stopping whenever a region opens and resuming after it, until a later prefetch_next replaces the range. Prefetch instructions only: a stale
+// or wrong range costs bandwidth, never a fault, and changes no result.
+void prefetch_next(const void* ptr, int64_t bytes);
+
+// Bytes the workers have prefetched for prefetch_next so far (all ranges together).
+int64_t thread_pool_prefetched_bytes();
 
 namespace detail {
 // A non-owning reference to the body: fn(ctx, begin, end).

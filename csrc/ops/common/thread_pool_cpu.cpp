@@ -13,6 +13,7 @@
 #include <chrono>
 #include <climits>
 #include <exception>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -45,6 +46,13 @@ inline uint64_t pack_claim(uint32_t epoch, uint64_t num_chunks, uint64_t next) {
 
 using Clock = std::chrono::steady_clock;
 
+// One thread's home section of a region's chunks (home_sections): [epoch:32 | end:16 | next:16], chunks
+// [next, end) unclaimed. The owner claims at next, the other threads at end - 1, so while nobody has to
+// help, the owner's chunks run in range order on one thread. One cache line each: owners do not share.
+struct alignas(64) SectionClaim {
+  std::atomic<uint64_t> word{0};
+};
+
 // num_chunks chunks: the first `num_long` of length + 1, the rest of length (the last clipped to the range).
 struct ChunkPlan {
   int64_t num_chunks = 1, length = 1, num_long = 0;
@@ -69,6 +77,7 @@ class ThreadPool {
     settings_ = s;
     if (settings_.num_threads == 0) settings_.num_threads = static_cast<int>(allowed_cpus().size());
     num_threads_.store(settings_.num_threads, std::memory_order_relaxed);
+    sections_.reset(new SectionClaim[settings_.num_threads]);
   }
 
   ThreadPoolSettings settings() {
@@ -107,12 +116,18 @@ class ThreadPool {
     chunks_done_.store(0, std::memory_order_relaxed);
     const uint32_t epoch = epoch_.load(std::memory_order_relaxed) + 1;
     claim_.store(pack_claim(epoch, num_chunks, 0), std::memory_order_release);
+    if (settings_.home_sections) {
+      for (int t = 0; t < nthreads; ++t) {
+        const uint64_t first = t * num_chunks / nthreads, last = (t + 1) * num_chunks / nthreads;
+        sections_[t].word.store(pack_claim(epoch, last, first), std::memory_order_release);
+      }
+    }
     epoch_.store(epoch, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       futex_wake(&epoch_, static_cast<int>(std::min<int64_t>(nthreads - 1, num_chunks - 1)));
     }
     tls_in_region = true;
-    const int64_t own_chunks = work(epoch);
+    const int64_t own_chunks = work(epoch, 0);
     tls_in_region = false;
     const auto t_own_done = Clock::now();
     wait_done(num_chunks);
@@ -136,6 +151,16 @@ class ThreadPool {
     return {(range + chunk - 1) / chunk, chunk, 0};
   }
 
+  int64_t prefetched_bytes() const { return prefetched_bytes_.load(std::memory_order_relaxed); }
+
+  // prefetch_next: fields are atomics because a worker may read them while the caller replaces them; a
+  // torn (pointer, length) pair only prefetches the wrong bytes.
+  void set_prefetch(const void* ptr, int64_t bytes) {
+    prefetch_ptr_.store(reinterpret_cast<uintptr_t>(ptr), std::memory_order_relaxed);
+    prefetch_bytes_.store(std::max<int64_t>(bytes, 0), std::memory_order_relaxed);
+    prefetch_gen_.fetch_add(1, std::memory_order_release);
+  }
+
   void after_fork_in_child() {
     // Only the forking thread exists in the child: forget the workers (their stacks are gone with them).
     workers_.clear();
@@ -147,6 +172,7 @@ class ThreadPool {
   ThreadPool() {
     settings_.num_threads = static_cast<int>(allowed_cpus().size());
     num_threads_.store(settings_.num_threads);
+    sections_.reset(new SectionClaim[settings_.num_threads]);
     pthread_atfork(nullptr, nullptr, [] { instance().after_fork_in_child(); });
   }
 
@@ -185,31 +211,52 @@ class ThreadPool {
     ++num_stalls_;
   }
 
-  // Claims and runs chunks of region `epoch` until none is left (or a later region started); how many.
-  int64_t work(uint32_t epoch) {
-    int64_t done = 0;
-    uint64_t w = claim_.load(std::memory_order_acquire);
+  // Claims one chunk of region `epoch` from a claim word [epoch | end:16 | next:16]: the one at next
+  // (from_end false) or at end - 1; -1 when none is left or the word belongs to another region.
+  static int64_t claim(std::atomic<uint64_t>& word, uint32_t epoch, bool from_end) {
+    uint64_t w = word.load(std::memory_order_acquire);
     for (;;) {
-      if (static_cast<uint32_t>(w >> 32) != epoch) return done;
-      const uint64_t num_chunks = (w >> 16) & 0xFFFF, next = w & 0xFFFF;
-      if (next >= num_chunks) return done;
-      if (!claim_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
-      // Chunk `next` of this region is ours: the caller waits for it, so the fields below are this region's.
-      const int64_t i = static_cast<int64_t>(next);
-      const int64_t b = begin_ + plan_.start(i), e = std::min(end_, begin_ + plan_.start(i + 1));
-      if (!failed_.load(std::memory_order_relaxed)) {
-        try {
-          body_.fn(body_.ctx, b, e);
-        } catch (...) {
-          std::lock_guard<std::mutex> lk(error_mu_);
-          if (!error_) error_ = std::current_exception();
-          failed_.store(true, std::memory_order_relaxed);
-        }
+      if (static_cast<uint32_t>(w >> 32) != epoch) return -1;
+      const uint64_t end = (w >> 16) & 0xFFFF, next = w & 0xFFFF;
+      if (next >= end) return -1;
+      const uint64_t taken = from_end ? w - (uint64_t{1} << 16) : w + 1;
+      if (word.compare_exchange_weak(w, taken, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        return static_cast<int64_t>(from_end ? end - 1 : next);
       }
-      chunks_done_.fetch_add(1, std::memory_order_acq_rel);
-      ++done;
-      w = claim_.load(std::memory_order_acquire);
     }
+  }
+
+  // Chunk i of the current region: claimed by this thread, so the caller waits for it and the fields
+  // below are this region's.
+  void run_chunk(int64_t i) {
+    const int64_t b = begin_ + plan_.start(i), e = std::min(end_, begin_ + plan_.start(i + 1));
+    if (!failed_.load(std::memory_order_relaxed)) {
+      try {
+        body_.fn(body_.ctx, b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(error_mu_);
+        if (!error_) error_ = std::current_exception();
+        failed_.store(true, std::memory_order_relaxed);
+      }
+    }
+    chunks_done_.fetch_add(1, std::memory_order_acq_rel);
+  }
+
+  // Claims and runs chunks of region `epoch` until none is left (or a later region started); how many.
+  // `self`: this thread's home section (the caller 0, worker i i).
+  int64_t work(uint32_t epoch, int self) {
+    int64_t done = 0;
+    if (!settings_.home_sections) {
+      for (int64_t i; (i = claim(claim_, epoch, false)) >= 0; ++done) run_chunk(i);
+      return done;
+    }
+    const int nthreads = settings_.num_threads;
+    for (int64_t i; (i = claim(sections_[self].word, epoch, false)) >= 0; ++done) run_chunk(i);
+    for (int d = 1; d < nthreads; ++d) {  // then help the others, from their sections' ends
+      std::atomic<uint64_t>& word = sections_[(self + d) % nthreads].word;
+      for (int64_t i; (i = claim(word, epoch, true)) >= 0; ++done) run_chunk(i);
+    }
+    return done;
   }
 
   // The caller's wait for chunks that workers hold: spin briefly, then yield the core (a preempted
@@ -228,7 +275,7 @@ class ThreadPool {
   static void* worker_entry(void* arg) {
     auto* start = static_cast<WorkerStart*>(arg);
     ThreadPool& pool = *start->pool;
-    const int cpu = start->cpu;
+    const int cpu = start->cpu, index = start->index;
     const uint32_t first_epoch = start->epoch;
     delete start;
     pthread_setname_np(pthread_self(), "pagellm-pool");
@@ -238,14 +285,59 @@ class ThreadPool {
       CPU_SET(cpu, &set);
       pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: unpinned on failure
     }
-    pool.worker_loop(first_epoch);
+    pool.worker_loop(first_epoch, index);
     return nullptr;
   }
 
-  void worker_loop(uint32_t seen) {
+  // A worker's progress through its part of the prefetch_next range.
+  struct PrefetchCursor {
+    uint64_t gen = 0;
+    uintptr_t base = 0;
+    uint64_t bytes = 0;
+    int section = 0;  // the home section being prefetched
+    uintptr_t next = 0, end = 0;
+  };
+
+  // Prefetches the rest of this worker's part of the named range, 1 KiB at a time (a region that opens
+  // waits at most that long for this worker), until it is done or a region after `seen` opens. The part:
+  // the first prefetch_kb / num_threads of each home section the range will be cut into, the sections
+  // dealt round-robin to the workers, the caller's (section 0) first. Every section, not only the
+  // worker's own: a region whose sections are single chunks (a 576 x 576 projection) lasts as long as
+  // its slowest section, so a head start on one of them alone gains nothing.
+  void prefetch_share(uint32_t seen, int index, PrefetchCursor& c) {
+    const int nthreads = settings_.num_threads;
+    const uint64_t gen = prefetch_gen_.load(std::memory_order_acquire);
+    if (gen != c.gen) {
+      c = PrefetchCursor{gen, prefetch_ptr_.load(std::memory_order_relaxed),
+                         static_cast<uint64_t>(prefetch_bytes_.load(std::memory_order_relaxed)),
+                         index - 1 - (nthreads - 1), 0, 0};
+    }
+    const uint64_t per_section = uint64_t(settings_.prefetch_kb) * 1024 / nthreads;
+    constexpr uintptr_t kStep = 1024, kLine = 64;
+    for (;;) {
+      if (c.next >= c.end) {  // the next of this worker's sections, if any
+        if (c.section + (nthreads - 1) >= nthreads) return;
+        c.section += nthreads - 1;
+        const uintptr_t first = (c.base + c.bytes * c.section / nthreads) & ~uintptr_t{63};
+        c.next = first;
+        c.end = std::min<uintptr_t>(c.base + c.bytes * (c.section + 1) / nthreads, first + per_section);
+        continue;
+      }
+      if (epoch_.load(std::memory_order_relaxed) != seen) return;
+      const uintptr_t stop = std::min(c.end, c.next + kStep);
+      for (uintptr_t p = c.next; p < stop; p += kLine) __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+      prefetched_bytes_.fetch_add(static_cast<int64_t>(stop - c.next), std::memory_order_relaxed);
+      c.next = stop;
+    }
+  }
+
+  void worker_loop(uint32_t seen, int index) {
     const auto spin = std::chrono::microseconds(settings_.spin_us);  // fixed while this worker lives
+    const bool prefetch = settings_.prefetch_kb > 0;
+    PrefetchCursor cursor;
     tls_in_region = true;  // a body run here that calls parallel_for runs inline
     for (;;) {
+      if (prefetch) prefetch_share(seen, index, cursor);
       const auto deadline = std::chrono::steady_clock::now() + spin;
       int polls = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
@@ -257,7 +349,7 @@ class ThreadPool {
       }
       seen = epoch_.load(std::memory_order_acquire);
       if (stop_.load(std::memory_order_acquire)) return;
-      work(seen);
+      work(seen, index);
     }
   }
 
@@ -265,7 +357,7 @@ class ThreadPool {
     const std::vector<int> cpus = allowed_cpus();
     stop_.store(false);
     for (int i = 1; i < settings_.num_threads; ++i) {
-      auto* start = new WorkerStart{this, settings_.bind ? cpus[i % cpus.size()] : -1, epoch_.load()};
+      auto* start = new WorkerStart{this, settings_.bind ? cpus[i % cpus.size()] : -1, epoch_.load(), i};
       pthread_t t;
       if (pthread_create(&t, nullptr, &ThreadPool::worker_entry, start) != 0) {
         delete start;
@@ -290,6 +382,7 @@ class ThreadPool {
     ThreadPool* pool;
     int cpu;
     uint32_t epoch;
+    int index;  // its home section
   };
 
   Clock::time_point solo_until_{};  // regions before this run on the caller alone (note_stall)
@@ -303,7 +396,12 @@ class ThreadPool {
   std::atomic<bool> stop_{false};
   std::atomic<uint32_t> epoch_{0};  // futex word: bumped per region (and to stop the workers)
   std::atomic<int> sleepers_{0};
-  std::atomic<uint64_t> claim_{0};
+  std::atomic<uintptr_t> prefetch_ptr_{0};  // prefetch_next's range, and a count of its calls
+  std::atomic<int64_t> prefetch_bytes_{0};
+  std::atomic<uint64_t> prefetch_gen_{0};
+  std::atomic<int64_t> prefetched_bytes_{0};
+  std::atomic<uint64_t> claim_{0};            // the region's chunks, one counter (home_sections false)
+  std::unique_ptr<SectionClaim[]> sections_;  // one per thread (home_sections true)
   std::atomic<int64_t> chunks_done_{0};
   std::atomic<bool> failed_{false};
   std::mutex error_mu_;
@@ -337,6 +435,8 @@ void configure_thread_pool(const ThreadPoolSettings& s) {
   require(s.spin_us >= 0 && s.spin_us <= 1000000, "spin_us must be in [0, 1000000], got " + std::to_string(s.spin_us));
   require(s.max_backoff_ms >= 0 && s.max_backoff_ms <= 10000,
           "max_backoff_ms must be in [0, 10000], got " + std::to_string(s.max_backoff_ms));
+  require(s.prefetch_kb >= 0 && s.prefetch_kb <= 65536,
+          "prefetch_kb must be in [0, 65536], got " + std::to_string(s.prefetch_kb));
   require(s.chunks_per_thread >= 1 && s.chunks_per_thread <= 64,
           "chunks_per_thread must be in [1, 64], got " + std::to_string(s.chunks_per_thread));
   ThreadPool::instance().configure(s);
@@ -349,6 +449,10 @@ int thread_pool_num_threads() { return tls_in_region ? 1 : ThreadPool::instance(
 bool in_thread_pool_region() { return tls_in_region; }
 
 int64_t thread_pool_num_stalls() { return ThreadPool::instance().num_stalls(); }
+
+void prefetch_next(const void* ptr, int64_t bytes) { ThreadPool::instance().set_prefetch(ptr, bytes); }
+
+int64_t thread_pool_prefetched_bytes() { return ThreadPool::instance().prefetched_bytes(); }
 
 namespace detail {
 void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -48,10 +49,52 @@ class ThreadPoolTest : public ::testing::Test {
 };
 
 TEST_F(ThreadPoolTest, CoversEveryIndexOnceForManyShapes) {
-  configure_thread_pool({4, false, 50, 4});
-  for (int64_t n : {1, 2, 3, 7, 16, 100, 1000, 4097}) {
-    for (int64_t grain : {1, 3, 16, 64, 5000}) check_cover(10, 10 + n, grain);
+  for (bool home_sections : {true, false}) {
+    for (int nthreads : {2, 3, 4}) {
+      configure_thread_pool({nthreads, false, 50, 4, 200, home_sections});
+      for (int64_t n : {1, 2, 3, 7, 16, 100, 1000, 4097}) {
+        for (int64_t grain : {1, 3, 16, 64, 5000}) check_cover(10, 10 + n, grain);
+      }
+    }
   }
+}
+
+// With home sections each thread starts at the first chunk of its own contiguous section and runs it in
+// range order; what it then takes from another thread's section comes from that section's end.
+TEST_F(ThreadPoolTest, HomeSectionsRunInRangeOrderPerThread) {
+  configure_thread_pool({2, false, 1000, 4, 0, true});  // no stall backoff: every region uses the pool
+  bool worker_ran = false;
+  for (int round = 0; round < 40; ++round) {
+    std::mutex mu;
+    std::map<std::thread::id, std::vector<int64_t>> begins;  // each thread's chunks, in the order it ran them
+    parallel_for(0, 80, 10, [&](int64_t b, int64_t e) {  // 8 chunks of 10: [0, 40) the caller's, [40, 80) the worker's
+      EXPECT_EQ(e - b, 10);
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+      std::lock_guard<std::mutex> lk(mu);
+      begins[std::this_thread::get_id()].push_back(b);
+    });
+    for (const auto& [id, v] : begins) {
+      const bool caller = id == std::this_thread::get_id();
+      worker_ran |= !caller;
+      const int64_t home = caller ? 0 : 40;
+      ASSERT_FALSE(v.empty());
+      size_t k = 0;
+      for (; k < v.size() && v[k] >= home && v[k] < home + 40; ++k) EXPECT_EQ(v[k], home + 10 * static_cast<int64_t>(k));
+      if (caller) {
+        EXPECT_EQ(v[0], 0) << "the caller starts at chunk 0";
+      }
+      for (size_t j = k; j < v.size(); ++j) {
+        EXPECT_TRUE(v[j] < home || v[j] >= home + 40) << "a home chunk after a stolen one";
+        if (j > k) {
+          EXPECT_EQ(v[j], v[j - 1] - 10) << "stolen chunks come from the section's end, descending";
+        }
+      }
+      if (!caller) {
+        EXPECT_EQ(v[0], 40) << "the worker starts at its section's first chunk";
+      }
+    }
+  }
+  EXPECT_TRUE(worker_ran);
 }
 
 TEST_F(ThreadPoolTest, EmptyAndShortRangesRunInline) {
@@ -173,6 +216,8 @@ TEST_F(ThreadPoolTest, SettingsAreValidatedBeforeAnythingChanges) {
   EXPECT_THROW(configure_thread_pool({2, true, -5, 4}), std::invalid_argument);
   EXPECT_THROW(configure_thread_pool({2, true, 50, 0}), std::invalid_argument);
   EXPECT_THROW(configure_thread_pool({2, true, 50, 4, -1}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 4, 200, true, -1}), std::invalid_argument);
+  EXPECT_THROW(configure_thread_pool({2, true, 50, 4, 200, true, 70000}), std::invalid_argument);
   EXPECT_EQ(thread_pool_settings().num_threads, 3);
   configure_thread_pool({0, true, 50, 4});
   EXPECT_EQ(thread_pool_settings().num_threads, static_cast<int>(allowed_cpus().size()));
@@ -202,6 +247,36 @@ TEST_F(ThreadPoolTest, AStalledWorkerSendsTheNextRegionsToTheCallerAlone) {
   const Calls c = check_cover(0, 64, 1);  // within the 5 ms back-off: the caller alone, still every index
   EXPECT_EQ(c.threads.size(), 1u);
   EXPECT_EQ(*c.threads.begin(), caller);
+}
+
+// prefetch_next: an idle worker prefetches the first prefetch_kb / 2 of both halves of the named range (the
+// two threads' home sections) between regions; a range that is not mapped memory is only prefetched, never read.
+TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
+  configure_thread_pool({2, false, 1000, 4, 0, true, 64});
+  std::vector<char> buf(1 << 20);
+  const int64_t before = thread_pool_prefetched_bytes();
+  prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
+  for (int round = 0; round < 200 && thread_pool_prefetched_bytes() - before < (64 << 10); ++round) {
+    check_cover(0, 64, 1);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  EXPECT_EQ(thread_pool_prefetched_bytes() - before, 64 << 10) << "prefetch_kb over the two halves, once";
+  prefetch_next(reinterpret_cast<const void*>(uintptr_t{64}), int64_t{1} << 40);  // unmapped: must not fault
+  for (int round = 0; round < 20; ++round) check_cover(0, 64, 1);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  configure_thread_pool({3, false, 1000, 4, 0, true, 48});  // three sections, dealt to two workers
+  const int64_t three = thread_pool_prefetched_bytes();
+  prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
+  for (int round = 0; round < 400 && thread_pool_prefetched_bytes() - three < (48 << 10); ++round) {
+    check_cover(0, 64, 1);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  EXPECT_EQ(thread_pool_prefetched_bytes() - three, 48 << 10) << "16 KiB of each of the three sections";
+  configure_thread_pool({2, false, 1000, 4, 0, true, 0});  // off: nothing more is prefetched
+  const int64_t off = thread_pool_prefetched_bytes();
+  prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
+  for (int round = 0; round < 20; ++round) check_cover(0, 64, 1);
+  EXPECT_EQ(thread_pool_prefetched_bytes(), off);
 }
 
 TEST_F(ThreadPoolTest, ConfigureInsideABodyIsRefused) {

@@ -11,6 +11,7 @@
 #include "ops/linear/linear_cpu_kernels.h"
 #include "ops/linear/linear_cpu_gemm.h"
 #include "ops/linear/linear_cpu_few_rows.h"
+#include "ops/linear/next_weight_hints.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -86,6 +87,11 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   if (linear_trivial(out, in)) return;
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   LinearArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0)};
+  if (M == 1 && use_thread_pool()) {  // batch-1 decode: let the idle worker start on the next weight early
+    const WeightRange next = NextWeightHints::for_this_thread().advance(
+        {in.w.data_ptr(), ((N - 1) * in.w.stride(0) + K) * static_cast<int64_t>(in.w.element_size())});
+    if (next.ptr != nullptr) pagellm::prefetch_next(next.ptr, next.bytes);
+  }
 #ifdef PAGELLM_GEMM_QUAD
   if (x.scalar_type() == at::kBFloat16 && M >= kLinearFewRowsMinM && M <= kLinearFewRowsMaxM) {  // verify rows
     linear_few_rows_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
