@@ -21,7 +21,6 @@
 
 #ifdef PAGELLM_GEMM_QUAD
 #include <cstring>
-#include <memory>
 
 namespace pagellm::cpu {
 
@@ -44,27 +43,9 @@ inline void few_rows_pack(c10::BFloat16* xp, const c10::BFloat16* x, const Linea
         const int64_t row = 4 * q + i;
         v[i] = row < a.M ? (__m512i)bf16x32_load(x + row * a.ldx + k, a.K - k).v : _mm512_setzero_si512();
       }
-      const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44), t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
-      const __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44), t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
-      _mm512_storeu_si512(dst + t * 128 + 0, _mm512_shuffle_i64x2(t0, t2, 0x88));
-      _mm512_storeu_si512(dst + t * 128 + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
-      _mm512_storeu_si512(dst + t * 128 + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
-      _mm512_storeu_si512(dst + t * 128 + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+      store_quad_chunk(dst + t * 128, v);
     }
   }
-}
-
-// The calling thread's buffer for the packed quads (grown, never shrunk; 64-byte aligned). The pool's workers
-// read it while the caller waits in parallel_for.
-inline c10::BFloat16* few_rows_scratch(int64_t elems) {
-  thread_local std::unique_ptr<c10::BFloat16[]> buf;
-  thread_local int64_t cap = 0;
-  if (cap < elems) {
-    buf.reset(new c10::BFloat16[elems + 32]);
-    cap = elems;
-  }
-  const auto p = reinterpret_cast<uintptr_t>(buf.get());
-  return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
 }
 
 // 16 sums, lane 4L + c = row L of (quad q0 + q, weight row n0 + n) pair c of cs[0..3] (q * NW + n), + their
@@ -190,7 +171,8 @@ inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c1
 inline void linear_few_rows_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                                  const c10::BFloat16* bias, const LinearArgs& a) {
   const int64_t num_quads = (a.M + 3) / 4;
-  c10::BFloat16* xq = few_rows_scratch(num_quads * quad_stride(a.K));
+  // The caller packs x once into its own buffer; the pool's workers read it while the caller waits in parallel_for.
+  c10::BFloat16* xq = quad_scratch<struct FewRowsScratch>(num_quads * quad_stride(a.K));
   few_rows_pack(xq, x, a);
   // Blocks split across threads, ~>= 256 KiB of weight per chunk as the one-row schedule: small matrices inline.
   const int64_t blocks = (a.N + kFewRowsNBlock - 1) / kFewRowsNBlock;

@@ -16,7 +16,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <memory>
 
 #ifdef PAGELLM_LINEAR_DPBF16
 namespace pagellm::cpu {
@@ -217,17 +216,6 @@ inline void gemm_block_quad(c10::BFloat16* out, const c10::BFloat16* x, const c1
   if (mq < m1) gemm_block_bf16(out, x, w, bias, a, mq, m1, n0, n1);
 }
 
-// The calling thread's buffer for one x block's packed quads (grown, never shrunk; 64-byte aligned).
-inline c10::BFloat16* gemm_quad_scratch(int64_t elems) {
-  thread_local std::unique_ptr<c10::BFloat16[]> buf;
-  thread_local int64_t cap = 0;
-  if (cap < elems) {
-    buf.reset(new c10::BFloat16[elems + 32]);
-    cap = elems;
-  }
-  const auto p = reinterpret_cast<uintptr_t>(buf.get());
-  return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
-}
 #endif
 
 inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
@@ -258,7 +246,7 @@ inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c
       const int64_t n0 = bn * nblk, n1 = std::min(a.N, (bn + 1) * nblk);
 #ifdef PAGELLM_GEMM_QUAD
       thread_local Packed packed;
-      c10::BFloat16* xq = gemm_quad_scratch(mblk * quad_stride(a.K) / 4);
+      c10::BFloat16* xq = quad_scratch<struct GemmQuadScratch>(mblk * quad_stride(a.K) / 4);
       if (packed.call != call || packed.bm != bm) {
         gemm_pack_quads(xq, x, a, m0, (m1 - m0) / 4);
         packed = {call, bm};

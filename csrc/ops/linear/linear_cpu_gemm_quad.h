@@ -16,7 +16,9 @@
 
 #if defined(PAGELLM_LINEAR_DPBF16) && defined(PAGELLM_AVX512)
 #define PAGELLM_GEMM_QUAD 1
+#include <cstdint>
 #include <cstring>
+#include <memory>
 
 namespace pagellm::cpu {
 
@@ -24,6 +26,31 @@ constexpr int kQuadTileQuads = 3;  // 3 quads (12 rows) x 2 weight rows: 24 accu
 
 // Elements of one packed quad: 4 rows x K rounded up to 32 (the tail chunk zero-filled as the masked loads do).
 inline int64_t quad_stride(int64_t K) { return (K + 31) / 32 * 128; }
+
+// One 32-element K chunk of four rows (v[r]) stored as the quad layout's four vectors: a 4 x 4 transpose of
+// 128-bit blocks, vector j = (row 0 quarter j, row 1 quarter j, row 2 ..., row 3 ...).
+inline void store_quad_chunk(c10::BFloat16* dst, const __m512i v[4]) {
+  const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44), t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44), t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
+  _mm512_storeu_si512(dst + 0, _mm512_shuffle_i64x2(t0, t2, 0x88));
+  _mm512_storeu_si512(dst + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
+  _mm512_storeu_si512(dst + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
+  _mm512_storeu_si512(dst + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+}
+
+// The calling thread's buffer for packed quads (grown, never shrunk; 64-byte aligned), one per Tag type so that
+// the GEMM's remembered (call, block) packing and the few-row path never share a buffer.
+template <class Tag>
+inline c10::BFloat16* quad_scratch(int64_t elems) {
+  thread_local std::unique_ptr<c10::BFloat16[]> buf;
+  thread_local int64_t cap = 0;
+  if (cap < elems) {
+    buf.reset(new c10::BFloat16[elems + 32]);
+    cap = elems;
+  }
+  const auto p = reinterpret_cast<uintptr_t>(buf.get());
+  return reinterpret_cast<c10::BFloat16*>((p + 63) & ~uintptr_t{63});
+}
 
 // xp[quad q][chunk t][quarter j][row r][8] = x[m0 + 4q + r][32t + 8j + e] (0 past K), rows [m0, m0 + 4 * num_quads).
 inline void gemm_pack_quads(c10::BFloat16* xp, const c10::BFloat16* x, const LinearArgs& a, int64_t m0,
@@ -36,13 +63,7 @@ inline void gemm_pack_quads(c10::BFloat16* xp, const c10::BFloat16* x, const Lin
       const int64_t k = 32 * t;
       __m512i v[4];
       for (int i = 0; i < 4; ++i) v[i] = (__m512i)bf16x32_load(r + i * a.ldx + k, a.K - k).v;
-      // 4 x 4 transpose of 128-bit blocks: out j = (row 0 quarter j, row 1 quarter j, row 2 ..., row 3 ...)
-      const __m512i t0 = _mm512_shuffle_i64x2(v[0], v[1], 0x44), t1 = _mm512_shuffle_i64x2(v[0], v[1], 0xEE);
-      const __m512i t2 = _mm512_shuffle_i64x2(v[2], v[3], 0x44), t3 = _mm512_shuffle_i64x2(v[2], v[3], 0xEE);
-      _mm512_storeu_si512(dst + t * 128 + 0, _mm512_shuffle_i64x2(t0, t2, 0x88));
-      _mm512_storeu_si512(dst + t * 128 + 32, _mm512_shuffle_i64x2(t0, t2, 0xDD));
-      _mm512_storeu_si512(dst + t * 128 + 64, _mm512_shuffle_i64x2(t1, t3, 0x88));
-      _mm512_storeu_si512(dst + t * 128 + 96, _mm512_shuffle_i64x2(t1, t3, 0xDD));
+      store_quad_chunk(dst + t * 128, v);
     }
   }
 }
