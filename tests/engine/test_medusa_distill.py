@@ -47,7 +47,7 @@ def test_prompts_are_seeded_varied_and_disjoint_from_the_held_out_and_bench_sets
     assert not set(train) & set(held)
     sys.path.insert(0, str(BENCHMARKS))
     try:
-        from bench_spec_decode import CHAT_QUESTIONS
+        from spec_workloads import CHAT_QUESTIONS  # the chat prompts bench_spec_decode runs
     finally:
         sys.path.remove(str(BENCHMARKS))
     assert not set(CHAT_QUESTIONS) & (set(train) | set(held))
