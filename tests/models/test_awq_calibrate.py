@@ -256,26 +256,34 @@ def test_cli_refuses_bad_input(tmp_path, tiny_llama_dir, capsys):
 
 
 # ------------------------------------------------------------------------------------------- pagellm loads it
-def test_quantized_directory_loads_in_pagellm_and_generates(tmp_path, tiny_llama_dir, tiny_tokenizer):
-    """LLM(dir) (quantization_config says awq) scores a prompt as HF transformers does with the directory's
-    dequantized weights (fp32, log-probs within 1e-3), and generates greedily the same tokens."""
+def _assert_prompt_logprobs_match_hf(out, tiny_llama_dir, tiny_tokenizer, max_tokens):
+    """LLM(out) scores a prompt as HF transformers does with out's dequantized weights (fp32, log-probs within
+    1e-3); returns (the RequestOutput of max_tokens greedy tokens, the HF reference model, the prompt ids)."""
     from pagellm import LLM, SamplingParams
-    from pagellm.entrypoints.quantize import quantize_model_awq
     from transformers import AutoModelForCausalLM
 
-    out = quantize_model_awq(str(tiny_llama_dir), tmp_path / "awq", group_size=32, num_samples=4, seq_len=32,
-                             dtype="float32")
     reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
     reference.load_state_dict(_dequantized_state_dict(out), strict=True)
     prompt = tiny_tokenizer("Tell me about the sea. Once upon a time", add_special_tokens=False)["input_ids"]
     llm = LLM(str(out), dtype="float32", max_model_len=128, kv_cache_memory_gb=0.05, seed=0)
-    params = SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, prompt_logprobs=0)
     result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
     with torch.no_grad():
         logprobs = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], dim=-1)
     for pos in range(1, len(prompt)):
         want = logprobs[pos - 1, prompt[pos]].item()
         assert result.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(want, abs=1e-3)
+    return result, reference, prompt
+
+
+def test_quantized_directory_loads_in_pagellm_and_generates(tmp_path, tiny_llama_dir, tiny_tokenizer):
+    """LLM(dir) (quantization_config says awq) scores a prompt as HF transformers does with the directory's
+    dequantized weights (fp32, log-probs within 1e-3), and generates greedily the same tokens."""
+    from pagellm.entrypoints.quantize import quantize_model_awq
+
+    out = quantize_model_awq(str(tiny_llama_dir), tmp_path / "awq", group_size=32, num_samples=4, seq_len=32,
+                             dtype="float32")
+    result, reference, prompt = _assert_prompt_logprobs_match_hf(out, tiny_llama_dir, tiny_tokenizer, max_tokens=6)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(6):

@@ -169,25 +169,13 @@ def test_gptq_calibrated_directory_reproduces_the_model_and_beats_rtn_rounding(t
 def test_gptq_directory_loads_in_pagellm_like_hf(tmp_path, tiny_llama_dir, tiny_tokenizer):
     """`quantize_model_awq(rounding="gptq")`'s directory: LLM(dir) scores a prompt as HF transformers does
     with the directory's dequantized weights (fp32, log-probs within 1e-3)."""
-    from test_awq_calibrate import _dequantized_state_dict
-    from transformers import AutoModelForCausalLM
+    from test_awq_calibrate import _assert_prompt_logprobs_match_hf
 
-    from pagellm import LLM, SamplingParams
     from pagellm.entrypoints.quantize import quantize_model_awq
 
     out = quantize_model_awq(str(tiny_llama_dir), tmp_path / "gptq", group_size=32, num_samples=4, seq_len=32,
                              dtype="float32", rounding="gptq")
-    reference = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
-    reference.load_state_dict(_dequantized_state_dict(out), strict=True)
-    prompt = tiny_tokenizer("Tell me about the sea. Once upon a time", add_special_tokens=False)["input_ids"]
-    llm = LLM(str(out), dtype="float32", max_model_len=128, kv_cache_memory_gb=0.05, seed=0)
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
-    with torch.no_grad():
-        logprobs = torch.log_softmax(reference(torch.tensor([prompt])).logits[0], dim=-1)
-    for pos in range(1, len(prompt)):
-        want = logprobs[pos - 1, prompt[pos]].item()
-        assert result.prompt_logprobs[pos][prompt[pos]].logprob == pytest.approx(want, abs=1e-3)
+    _assert_prompt_logprobs_match_hf(out, tiny_llama_dir, tiny_tokenizer, max_tokens=1)
 
 
 def test_cli_refuses_an_unknown_rounding(tmp_path, tiny_llama_dir, capsys):
