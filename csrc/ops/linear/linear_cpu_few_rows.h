@@ -58,12 +58,8 @@ inline void few_rows_store(c10::BFloat16* out, __m512 v, const int* cs, const fl
     const __m128 b4 = _mm_setr_ps(bias[cs[0] % NW], bias[cs[1] % NW], bias[cs[2] % NW], bias[cs[3] % NW]);
     v = _mm512_add_ps(v, _mm512_broadcast_f32x4(b4));
   }
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
   alignas(32) uint16_t h[16];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi32_epi16(r));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), round_bf16_like_c10(v));
   if constexpr (NW == 4) {  // cs = (q, 0..3): row 4q + L's outputs n0..n0+3 are h[4L..4L+3]
     const int64_t row0 = 4 * (q0 + cs[0] / NW);
     for (int L = 0; L < 4 && row0 + L < a.M; ++L) std::memcpy(out + (row0 + L) * a.ldo + n0, h + 4 * L, 8);

@@ -84,12 +84,8 @@ inline void gemm_store_rows_bf16(c10::BFloat16* out, const float* s, const float
 #ifdef PAGELLM_AVX512
   __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (4 * rows)) - 1u), s);
   if (bias4) v = _mm512_add_ps(v, _mm512_broadcast_f32x4(_mm_loadu_ps(bias4)));
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
   alignas(32) uint64_t h[4];  // row i's 4 bf16 values
-  _mm256_store_si256(reinterpret_cast<__m256i*>(h), _mm512_cvtepi32_epi16(r));
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), round_bf16_like_c10(v));
   for (int i = 0; i < rows; ++i) std::memcpy(out + (m0 + i) * a.ldo + n0, &h[i], sizeof(uint64_t));
 #else
   for (int i = 0; i < rows; ++i)

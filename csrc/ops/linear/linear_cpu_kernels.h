@@ -28,6 +28,18 @@ inline void linear_store(T* p, float v) {
   *p = static_cast<T>(v);
 }
 
+#ifdef PAGELLM_AVX512
+// 16 fp32 lanes rounded as linear_store's static_cast<c10::BFloat16> rounds them (nearest-even, denormals kept,
+// NaN -> 0x7fc0): the vector store of the many-row schedules, so each output keeps the one-row kernel's bits.
+inline __m256i round_bf16_like_c10(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 // ---------------------------------------------------------------- generic (fp32 FMA) tile
 template <int MR, int NR, typename T>
 inline void linear_tile_fma(T* out, const T* x, const T* w, const T* bias, const LinearArgs& a, int64_t m0,
