@@ -45,6 +45,7 @@ from pagellm.logger import init_logger
 from pagellm.lora.engine_lora import EngineLoRA, LoRAEngineMethods
 from pagellm.outputs import RequestOutput
 from pagellm.sampling import Sampler, SamplingRow, build_sampling_metadata, compute_prompt_logprobs
+from pagellm.sampling.metadata import plain_greedy_metadata
 from pagellm.spec_decode import BaseProposer
 from pagellm.sampling_params import SamplingParams
 
@@ -315,16 +316,22 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
 
     def _build_sampling_rows(
         self, seq_ids: list[str], sampling_rows: np.ndarray
-    ) -> tuple[list[SampleTarget], list[SamplingRow], list[int] | None]:
+    ) -> tuple[list[SampleTarget], list[SamplingRow] | None, list[int] | None]:
         """One SamplingRow per sampled token. A finished prefill of an n > 1 request expands into n rows
         over the same logits; children are created only once their tokens are applied. Returns the
-        targets, the rows and, when something expanded, the logits row each sampling row reads."""
+        targets, the rows and, when something expanded, the logits row each sampling row reads. When
+        every row is plain greedy (RequestState.plain_greedy: nothing expands) the rows are None: the
+        tokens are the argmax of the logits rows, with no sampling metadata built."""
+        seq_of = self.output_processor.seq
+        if all(seq_of(seq_ids[r])[0].plain_greedy for r in sampling_rows):  # argmax rows: no SamplingRow needed
+            return [SampleTarget(st, seq.index, False) for st, seq in map(seq_of, (seq_ids[r] for r in sampling_rows))], \
+                None, None
         targets: list[SampleTarget] = []
         rows: list[SamplingRow] = []
         logit_rows: list[int] = []
         expanded = False
         for k, r in enumerate(sampling_rows):
-            st, seq = self.output_processor.seq(seq_ids[r])
+            st, seq = seq_of(seq_ids[r])
             expand = seq.index == 0 and st.params.n > 1 and len(st.seqs) == 1
             expanded |= expand
             for i in range(st.params.n) if expand else [seq.index]:
@@ -337,9 +344,13 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         return targets, rows, logit_rows if expanded else None
 
     def _sample(
-        self, logits: torch.Tensor, rows: list[SamplingRow], logit_rows: list[int] | None
+        self, logits: torch.Tensor, rows: list[SamplingRow] | None, logit_rows: list[int] | None
     ) -> tuple[list[int], tuple[list, list, list] | None]:
-        """Sampled token ids, and (token ids, logprobs, ranks) lists per row when logprobs were asked for."""
+        """Sampled token ids, and (token ids, logprobs, ranks) lists per row when logprobs were asked for.
+        rows None: every logits row is plain greedy (the Sampler's all-greedy argmax, no per-row metadata)."""
+        if rows is None:
+            md = plain_greedy_metadata(len(logits), self.vocab_size)
+            return (self.sampler(logits, md).sampled_token_ids.tolist() if len(logits) else []), None
         if not rows:
             return [], None
         if logit_rows is not None:

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from pagellm.engine.detokenizer import IncrementalDetokenizer, StopStringChecker, decode_tokens
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagellm.sampling.metadata import is_plain_greedy
 from pagellm.sampling_params import SamplingParams
 
 FINISH_STOP = "stop"
@@ -58,6 +59,9 @@ class RequestState:
         if params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
         self.seqs: list[SequenceState] = [self._new_seq(0)]
+        # one sequence sampled as the argmax of the raw logits, nothing else asked of the sampler (the engine's greedy
+        # fast path: no SamplingRow, no metadata)
+        self.plain_greedy = params.n == 1 and is_plain_greedy(params)
 
     # ------------------------------------------------------------------ sequences
     def _new_seq(self, index: int) -> SequenceState:

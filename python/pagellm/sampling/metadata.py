@@ -26,8 +26,8 @@ class SamplingMetadata:
     vocab_size: int
     all_greedy: bool
     all_random: bool
-    temperature: torch.Tensor  # float32 [N]; greedy rows hold 1.0 (never divided)
-    greedy_mask: torch.Tensor  # bool [N]
+    temperature: torch.Tensor | None  # float32 [N]; greedy rows hold 1.0 (never divided); None: plain_greedy_metadata
+    greedy_mask: torch.Tensor | None  # bool [N]; None: plain_greedy_metadata
     top_k: torch.Tensor | None  # int64 [N], vocab_size where off
     top_p: torch.Tensor | None  # float32 [N]
     min_p: torch.Tensor | None  # float32 [N]
@@ -52,6 +52,20 @@ class SamplingMetadata:
     any_processed: bool = False
     logits_rows: torch.Tensor | None = None  # bool [N]: rows in a *_logits logprobs_mode
     any_logits: bool = False
+
+
+def is_plain_greedy(p: SamplingParams) -> bool:
+    """Whether a request's every token is the argmax of the raw logits and the sampler owes it nothing else: greedy,
+    no logprobs, no logit bias, no min_tokens mask, no penalties (build_sampling_metadata would set none of them)."""
+    return (p.temperature == 0.0 and p.logprobs is None and not p.logit_bias and not p.min_tokens
+            and p.presence_penalty == 0 and p.frequency_penalty == 0 and p.repetition_penalty == 1.0)
+
+
+def plain_greedy_metadata(num_rows: int, vocab_size: int) -> SamplingMetadata:
+    """Metadata of rows that are all plain greedy (`is_plain_greedy`): the Sampler takes its argmax path, which reads
+    nothing per row, so no tensors are built (the engine's per-step fast path)."""
+    return SamplingMetadata(num_rows=num_rows, vocab_size=vocab_size, all_greedy=True, all_random=False,
+                            temperature=None, greedy_mask=None, top_k=None, top_p=None, min_p=None)
 
 
 def _pad(rows: list[Sequence[int]], pad: int, device) -> torch.Tensor:

@@ -3,11 +3,13 @@ temperature/min-p/top-k/top-p filters, the row argmax and logprob gathering (all
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from pagellm.sampling.metadata import SamplingMetadata
+from pagellm.sampling.top_k_top_p import apply_top_k_top_p, apply_top_k_top_p_sorted  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -68,26 +70,6 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (with -inf) tokens outside each row's top-k and nucleus. Ties at the k-th value are kept."""
-    if top_k is None and top_p is None:
-        return logits
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
-        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
-        mask |= sorted_logits == float("-inf")
-    if top_p is not None:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cum = probs.cumsum(dim=-1)
-        # drop a token when the mass strictly before it already reaches top_p (the first is always kept)
-        mask |= (cum - probs) >= top_p.unsqueeze(1)
-        mask[:, 0] = False
-    full_mask = torch.empty_like(mask).scatter_(1, sorted_idx, mask)
-    return logits.masked_fill(full_mask, float("-inf"))
-
-
 def has_logit_processors(md: SamplingMetadata) -> bool:
     """Whether some row has a logit bias, a min_tokens mask or a penalty."""
     return md.bias_rows is not None or md.min_tok_rows is not None or md.repetition_penalty is not None
@@ -114,8 +96,10 @@ SMALL_ROWS = 16  # up to this many rows, the torch fallback reduces row by row (
 _ARGMAX_OP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@functools.cache
 def _argmax_op():
-    """torch.ops.pagellm.argmax_rows when the compiled ops are loaded, else None."""
+    """torch.ops.pagellm.argmax_rows when the compiled ops are loaded, else None (looked up once: the torch.ops
+    namespace lookup costs microseconds a step)."""
     from pagellm import ops
 
     return torch.ops.pagellm.argmax_rows if ops.ops_available()[0] else None

@@ -1,0 +1,171 @@
+"""The per-step host path's fast paths give what the general paths give (issue 22, session 16):
+
+* top-k / top-p by value thresholds (sampling/top_k_top_p.py) == the index sort, bit for bit, on random rows with
+  bf16-style ties at odd vocabulary sizes; both branches (threshold, sorted fallback) are exercised;
+* the engine's plain-greedy path (no SamplingRow, no metadata) and the sampler's top-k / top-p path give the same
+  tokens, text and logprobs as the general paths for the same seeds: greedy, seeded top-k / top-p / both / min-p,
+  n = 2, logprobs, stop strings;
+* the detokenizer's direct Rust decode == the tokenizer's decode, and text deltas are unchanged;
+* the decode graphs' persistent padded block tables hold exactly the scheduler's table, zero-padded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.sampling import top_k_top_p as tktp
+
+pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)")
+
+from pagellm import LLM, SamplingParams  # noqa: E402
+
+
+def _random_case(g: torch.Generator, n: int, v: int, case: int):
+    scale = (0.5, 3.0, 12.0)[case % 3]
+    x = (torch.randn(n, v, generator=g) * scale).to(torch.bfloat16).float() / (1.0, 0.7, 1.3)[case % 3]
+    top_k = torch.randint(1, max(2, v // 3), (n,), generator=g) if case % 4 else None
+    if top_k is not None and case % 7 == 0:
+        top_k[0] = v  # top-k off for one row of the batch (the sampler passes vocab_size)
+    top_p = torch.rand(n, generator=g) * 0.9 + 0.1 if case % 4 != 1 else None
+    if top_p is not None and case % 6 == 0:
+        top_p[0] = 1.0
+    if case % 11 == 5:
+        x[0, : v // 2] = float("-inf")  # a min-p / bias-style mask before the filters
+    return x, top_k, top_p
+
+
+@pytest.mark.parametrize("v", [37, 1000, 4099])
+def test_top_k_top_p_by_value_equals_sorted(monkeypatch, v):
+    calls = {"sorted": 0}
+    sorted_path = tktp.apply_top_k_top_p_sorted
+
+    def counting(*args):
+        calls["sorted"] += 1
+        return sorted_path(*args)
+
+    monkeypatch.setattr(tktp, "apply_top_k_top_p_sorted", counting)
+    g = torch.Generator().manual_seed(v)
+    num_cases = 0
+    for case in range(120):
+        x, top_k, top_p = _random_case(g, 1 + case % 5, v, case)
+        if top_k is None and top_p is None:
+            continue
+        num_cases += 1
+        want = sorted_path(x.clone(), top_k, top_p)
+        got = tktp.apply_top_k_top_p(x.clone(), top_k, top_p)
+        assert torch.equal(got, want), (v, case)
+    # both branches ran: value thresholds for most cases, the index sort where a tie straddled the nucleus cut
+    assert 0 < calls["sorted"] < num_cases
+
+
+def test_top_k_top_p_nan_and_other_dtypes_take_the_sorted_path():
+    x = torch.randn(2, 300)
+    x[1, 7] = float("nan")
+    top_k, top_p = torch.tensor([5, 9]), torch.tensor([0.8, 0.5])
+    assert torch.equal(tktp.apply_top_k_top_p(x.clone(), top_k, top_p).isnan(),
+                       tktp.apply_top_k_top_p_sorted(x.clone(), top_k, top_p).isnan())
+    xd = torch.randn(3, 200, dtype=torch.float64)
+    assert torch.equal(tktp.apply_top_k_top_p(xd, top_k.repeat(2)[:3], None),
+                       tktp.apply_top_k_top_p_sorted(xd, top_k.repeat(2)[:3], None))
+
+
+# ------------------------------------------------------------------------------------------------ the engine
+PROMPTS = [[5, 17, 42, 99, 7], [250, 31, 64, 12, 8, 9, 10], [3, 4]]
+PARAMS = {
+    "greedy": dict(temperature=0.0),
+    "greedy_logprobs": dict(temperature=0.0, logprobs=3),
+    "top_k": dict(temperature=0.9, top_k=20, seed=11),
+    "top_p": dict(temperature=1.1, top_p=0.8, seed=12),
+    "top_k_top_p": dict(temperature=0.7, top_k=50, top_p=0.9, seed=13, logprobs=2),
+    "min_p_top_p": dict(temperature=1.0, min_p=0.05, top_p=0.95, seed=14),
+    "n2": dict(temperature=0.8, top_p=0.9, top_k=30, n=2, seed=15),
+    "unseeded": dict(temperature=0.9, top_k=25, top_p=0.85),
+    "stop": dict(temperature=0.0, stop=["a", "e"]),
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    # bfloat16: bf16 logits have many exact ties, so the sorted fallback runs too
+    return LLM(str(tiny_llama_dir), dtype="bfloat16", max_model_len=128, num_kv_blocks=256, seed=0)
+
+
+def _generate(llm: LLM, kw: dict):
+    sp = SamplingParams(max_tokens=24, ignore_eos=True, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+              None if c.logprobs is None else [{t: (lp.logprob, lp.rank, lp.decoded_token) for t, lp in d.items()}
+                                               for d in c.logprobs]) for c in o.outputs] for o in outs]
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+def test_fast_paths_give_the_general_paths_tokens(llm, monkeypatch, name):
+    """Same engine seed and request seeds: the fast paths (this session) against the general ones (forced)."""
+    import pagellm.engine.detokenizer as detok
+    import pagellm.engine.output_processor as op
+    import pagellm.sampling.processors as proc
+
+    eng = llm.llm_engine
+    eng.sampler.generator.manual_seed(0)  # unseeded rows draw from the engine's generator: start both runs alike
+    fast = _generate(llm, PARAMS[name])
+    monkeypatch.setattr(op, "is_plain_greedy", lambda p: False)
+    monkeypatch.setattr(proc, "apply_top_k_top_p", tktp.apply_top_k_top_p_sorted)
+    monkeypatch.setattr(detok, "backend_decoder", lambda tok: None)
+    eng.sampler.generator.manual_seed(0)
+    general = _generate(llm, PARAMS[name])
+    assert fast == general
+    assert all(len(c[0]) > 0 for o in fast for c in o)
+
+
+def test_plain_greedy_skips_the_sampling_metadata(llm, monkeypatch):
+    import pagellm.engine.llm_engine as le
+
+    built = []
+    real = le.build_sampling_metadata
+    monkeypatch.setattr(le, "build_sampling_metadata", lambda rows, *a, **k: built.append(len(rows)) or real(rows, *a, **k))
+    _generate(llm, PARAMS["greedy"])
+    assert built == []
+    _generate(llm, PARAMS["greedy_logprobs"])  # logprobs: the general path
+    assert built and all(n >= 1 for n in built)
+
+
+def test_backend_decoder_matches_decode(tiny_tokenizer):
+    from pagellm.engine.detokenizer import IncrementalDetokenizer, backend_decoder, decode_tokens
+
+    fast = backend_decoder(tiny_tokenizer)
+    assert fast is not None  # the tests' tokenizer is transformers' own fast class
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, len(tiny_tokenizer), (400,), generator=g).tolist()
+    for skip in (True, False):
+        for i in range(0, len(ids), 9):
+            assert fast(ids[i : i + 9], skip_special_tokens=skip) == decode_tokens(tiny_tokenizer, ids[i : i + 9], skip)
+    d = IncrementalDetokenizer(tiny_tokenizer, ids[:5])
+    deltas = "".join(d.update([t]) for t in ids[5:]) + d.flush()
+    assert deltas == d.output_text and len(deltas) > 0
+
+
+def test_backend_decoder_refuses_overridden_decode(tiny_tokenizer):
+    from pagellm.engine.detokenizer import backend_decoder
+
+    class Custom(type(tiny_tokenizer)):
+        def _decode(self, token_ids, **kwargs):  # a model-specific decode must be honoured
+            return "x"
+
+    tok = Custom(tokenizer_object=tiny_tokenizer.backend_tokenizer)
+    assert backend_decoder(tok) is None
+    assert backend_decoder(object()) is None
+
+
+def test_padded_tables_buffer_is_reused_and_exact(llm):
+    runner = llm.llm_engine.runner
+    g = torch.Generator().manual_seed(5)
+    seen = {}
+    for width in (3, 5, 2, 7, 3):
+        tables = torch.randint(1, 100, (4, width), generator=g, dtype=torch.int32)
+        out = runner._pad_tables(tables, 8, 0)
+        assert out.shape == (4, 8) and torch.equal(out[:, :width], tables) and not out[:, width:].any()
+        seen.setdefault(id(out), 0)
+    assert len(seen) == 1  # one buffer for (4 rows, 8 columns)
+    same = torch.ones(2, 8, dtype=torch.int32)
+    assert runner._pad_tables(same, 8, 0) is same  # already the padded width: no copy
