@@ -7,9 +7,10 @@
     python benchmarks/bench_step_profile.py --ab-baseline /tmp/head/python   # before/after, interleaved
         # (/tmp/head/python: `git archive <commit> python/pagellm` + the built _C*.so copied into its pagellm/)
 
-One request at a time through LLMEngine.add_request / step (greedy, ignore_eos, detokenized unless
---no-detokenize), prompt --prompt-len tokens, --output-len new tokens. Every decode step (the prefill step
-excluded) is split by instance-level timers around the engine's own functions (engine code untouched):
+One request at a time (or --batch N together) through LLMEngine.add_request / step (greedy, or --sampling
+sampled / top-p / greedy-lp / sampled-lp; ignore_eos, detokenized unless --no-detokenize), prompt --prompt-len
+tokens, --output-len new tokens; --clock cpu times everything in the calling thread's CPU time. Every decode
+step (the prefill step excluded) is split by instance-level timers around the engine's own functions (engine code untouched):
 
     scheduler.schedule | step bookkeeping (_begin_rows) | input preparation (metadata, tensors, padding)
     | forward (step-graph replay, or eager) | LM head (compute_logits) | sampling rows | sampler
@@ -40,21 +41,24 @@ PHASES = ("scheduler.schedule", "step bookkeeping", "input preparation", "forwar
 
 
 class StepTimers:
-    """Accumulated seconds per phase; `wrap` times a callable under a phase name."""
+    """Accumulated seconds per phase; `wrap` times a callable under a phase name. `clock`: time.perf_counter (wall)
+    or time.thread_time (the calling thread's CPU time: robust to preemption on a shared machine, and the host path
+    runs on the calling thread; the forward's figure is then the caller's share of the pool's work)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.active = False
+        self.clock = clock
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
             if not self.active:
                 return fn(*args, **kwargs)
-            t = time.perf_counter()
+            t = self.clock()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.seconds[phase] += time.perf_counter() - t
+                self.seconds[phase] += self.clock() - t
         return timed
 
     def reset(self) -> None:
@@ -132,22 +136,37 @@ def phases_per_step(seconds: dict[str, float], step_s: float, steps: int) -> dic
     return {k: s.get(k, 0.0) / steps * 1e3 for k in PHASES}
 
 
-def decode_run(eng, prompt: list[int], n_out: int, rid: str, detokenize: bool, timers: StepTimers) -> dict:
-    """One request; the prefill step untimed; returns per-step phase ms, TPOT and the step wall times."""
+SAMPLING = {  # --sampling modes: what each request asks of the sampler
+    "greedy": dict(temperature=0.0),
+    "greedy-lp": dict(temperature=0.0, logprobs=5),
+    "sampled": dict(temperature=0.8, top_p=0.95, top_k=50, seed=7),
+    "sampled-lp": dict(temperature=0.8, top_p=0.95, top_k=50, seed=7, logprobs=5),
+    "top-p": dict(temperature=0.8, top_p=0.95, seed=7),
+}
+
+
+def decode_run(eng, prompt: list[int], n_out: int, rid: str, detokenize: bool, timers: StepTimers,
+               sampling: str = "greedy", batch: int = 1) -> dict:
+    """`batch` requests at once; the steps until each has its first token untimed; returns per-step phase ms, TPOT
+    and the step times (on the timers' clock)."""
     from pagellm import SamplingParams
 
-    sp = SamplingParams(max_tokens=n_out, ignore_eos=True, temperature=0.0, detokenize=detokenize)
-    eng.add_request(rid, {"prompt_token_ids": prompt}, sp)
-    eng.step()  # prefill + first token
+    sp = SamplingParams(max_tokens=n_out, ignore_eos=True, detokenize=detokenize, **SAMPLING[sampling])
+    for b in range(batch):
+        eng.add_request(f"{rid}-{b}", {"prompt_token_ids": prompt}, sp)
+    states = list(eng.output_processor.requests.values())
+    while not all(st.seqs[0].output_token_ids for st in states):
+        eng.step()  # prefill + first token
     timers.reset()
     timers.active = True
     step_times, per_step = [], []
+    clock = timers.clock
     try:
         while eng.has_unfinished_requests():
             before = dict(timers.seconds)
-            t = time.perf_counter()
+            t = clock()
             eng.step()
-            step_times.append(time.perf_counter() - t)
+            step_times.append(clock() - t)
             per_step.append(phases_per_step({k: v - before.get(k, 0.0) for k, v in timers.seconds.items()},
                                             step_times[-1], 1))
     finally:
@@ -237,7 +256,7 @@ def use_pagellm_from(src: str) -> None:
     sys.path.insert(0, src)
 
 
-def make_llm(model_size: str, dtype: str, max_model_len: int):
+def make_llm(model_size: str, dtype: str, max_model_len: int, batch: int = 1):
     from pagellm import LLM
 
     path = None
@@ -245,24 +264,27 @@ def make_llm(model_size: str, dtype: str, max_model_len: int):
         import bench_quant_ppl as Q
 
         path = str(Q.random_1b_model())
-    return LLM(model=path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=1, kv_cache_memory_gb=0.25,
+    # the default model's KV: 23 KB a token; room for `batch` sequences of max_model_len
+    kv_gb = max(0.25, batch * max_model_len * 23040 * 1.2 / 2**30)
+    return LLM(model=path, dtype=dtype, max_model_len=max_model_len, max_num_seqs=batch, kv_cache_memory_gb=kv_gb,
                block_size=16, seed=0)
 
 
 def measure(label: str, args, prompt: list[int], bw_gbs: float) -> dict:
     model_size, dtype = label.split(":")
     print(f"\n=== {label} ===", flush=True)
-    llm = make_llm(model_size, dtype, args.prompt_len + args.output_len + 16)
+    llm = make_llm(model_size, dtype, args.prompt_len + args.output_len + 16, args.batch)
     eng = llm.llm_engine
     eng.warmup(prompt_lens=(args.prompt_len,), max_tokens=4)
-    timers = StepTimers()
+    timers = StepTimers(time.thread_time if args.clock == "cpu" else time.perf_counter)
     undo = instrument(eng, timers)
+    run_args = (not args.no_detokenize, timers, args.sampling, args.batch)
     try:
-        decode_run(eng, prompt, 8, "warm", not args.no_detokenize, timers)  # step graph captured
+        decode_run(eng, prompt, 8, "warm", *run_args)  # step graph captured
         runs = []
         for i in range(args.repeats):
             eng.reset_prefix_cache()
-            runs.append(decode_run(eng, prompt, args.output_len, f"r{i}", not args.no_detokenize, timers))
+            runs.append(decode_run(eng, prompt, args.output_len, f"r{i}", *run_args))
             print(f"[{label}] run {i}: TPOT {runs[-1]['tpot_ms']:.2f} ms", flush=True)
     finally:
         undo()
@@ -299,7 +321,9 @@ def render(data: dict) -> str:
            f"{data['env']['cpu']}, {data['env']['torch_threads']} torch threads, load at start "
            f"{data['load'][0]:.2f}; prompt {data['prompt_len']}, {data['output_len']} new tokens, "
            f"{data['repeats']} runs (median); copy bandwidth {data['bandwidth']['best_gbs']:.1f} GB/s (best, "
-           f"read + write); detokenize={not data['no_detokenize']}.", "", "## Per-step wall time (ms)", ""]
+           f"read + write); detokenize={not data['no_detokenize']}; sampling {data.get('sampling', 'greedy')}, batch "
+           f"{data.get('batch', 1)}, clock {data.get('clock', 'wall')}.", "",
+           f"## Per-step {'thread CPU' if data.get('clock') == 'cpu' else 'wall'} time (ms)", ""]
     headers = ["phase"] + [r["label"] for r in res]
     rows = [[p] + [f"{r['phases_ms'][p]:.3f}" for r in res] for p in PHASES]
     rows.append(["**step (TPOT)**"] + [f"**{r['tpot_ms']:.2f}**" for r in res])
@@ -379,6 +403,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=10, help="op kinds listed before the rest are summed")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-detokenize", action="store_true")
+    ap.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy",
+                    help="what each request asks of the sampler (sampled: temperature 0.8, top-p 0.95, top-k 50, "
+                         "seeded; -lp: 5 logprobs)")
+    ap.add_argument("--batch", type=int, default=1, help="requests decoded together (max_num_seqs)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="cpu: phases and steps in the calling thread's CPU time (a busy shared machine)")
     ap.add_argument("--no-ops", action="store_true", help="skip the torch.profiler split of the forward")
     ap.add_argument("--pagellm-src", default=None,
                     help="import pagellm from this python/ dir instead (another checkout with its built _C, for "
@@ -411,6 +441,7 @@ def main() -> None:
     tag = args.tag or args.model_size
     data = {"tag": tag, "env": C.env_info(), "load": load, "bandwidth": bw, "prompt_len": args.prompt_len,
             "output_len": args.output_len, "repeats": args.repeats, "no_detokenize": args.no_detokenize,
+            "sampling": args.sampling, "batch": args.batch, "clock": args.clock,
             "results": results}
     md = render(data)
     print("\n" + md)

@@ -11,6 +11,8 @@ rest of the batch; unseeded rows share the engine's generator.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pagellm.sampling.logprobs_mode import logprob_values
@@ -34,6 +36,24 @@ from pagellm.sampling.rejection import verify_drafts
 from pagellm.sampling.typical import TypicalAcceptance
 
 
+@contextlib.contextmanager
+def one_intra_op_thread():
+    """torch's intra-op parallelism off for the sampler's ops. Its vocabulary-wide elementwise ops (49k floats a row:
+    ~10-40 us each on one thread) pass ATen's grain size, so each was an OpenMP region; right after a forward the
+    kernels' pool threads still hold the cores (spin before sleep), and a region waits for them: the batch-1 sampled
+    step's sampler took 17-20 ms of CPU (95-130 ms wall) on the loaded 2-core machine, 2.1-2.3 ms (8-10 ms) with one
+    thread (session 16, bench in benchmarks/README.md). Same ops, same results: only the threading changes."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 class Sampler(torch.nn.Module):
     """Batched sampler. `generator` draws the noise of unseeded rows (seeded from LLM(seed=...))."""
 
@@ -54,6 +74,12 @@ class Sampler(torch.nn.Module):
         """logits [N, V] in the model dtype; everything past a plain argmax runs in float32."""
         if md.all_greedy and md.max_num_logprobs is None and not has_logit_processors(md):
             return SamplerOutput(sampled_token_ids=argmax_rows(logits))  # exact in any dtype: no widening
+        if logits.device.type != "cpu":
+            return self._forward(logits, md)
+        with one_intra_op_thread():
+            return self._forward(logits, md)
+
+    def _forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = logits.to(torch.float32)
         processed = apply_logit_processors(logits, md)
         greedy_tokens = argmax_rows(processed) if not md.all_random else None
@@ -75,7 +101,10 @@ class Sampler(torch.nn.Module):
                draft_probs: torch.Tensor | None = None):
         """Verify draft tokens: target_logits [sum(1 + k_i), V], k_i drafts per row, md with one row per
         target position -> VerifyOutput (accepted drafts + one token per row); see sampling/rejection.py."""
-        return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
+        if target_logits.device.type != "cpu":
+            return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
+        with one_intra_op_thread():
+            return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
 
     def _sample(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1): a draw from probs (Gumbel-max in another guise)."""
