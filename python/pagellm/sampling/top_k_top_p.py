@@ -40,13 +40,17 @@ def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, t
     return logits.masked_fill(full_mask, _NEG_INF)
 
 
-def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor | None:
-    """Per row the smallest kept value (float32 [N, 1]), or None when some row's kept set is not a value threshold."""
-    values = torch.from_numpy(-np.sort(-logits.numpy(), axis=-1))  # descending; -x is exact
+def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor | None,
+                     top_p: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row the smallest kept value (float32 [N, 1]) and whether the row's kept set is exactly the values >= it
+    (bool [N]; False: a NaN, a nucleus cut inside a run of tied values, or a mask that is not a prefix)."""
+    x = logits.numpy()
+    exact = torch.from_numpy(~np.isnan(x).any(axis=1))
+    values = torch.from_numpy(-np.sort(-x, axis=-1))  # descending; -x is exact
     if top_k is not None:
         kth = values.gather(1, (top_k - 1).clamp(min=0).unsqueeze(1))
         if top_p is None:
-            return kth
+            return kth, exact
         values = values.masked_fill(values < kth, _NEG_INF)
     probs = torch.softmax(values, dim=-1)
     cum = probs.cumsum(dim=-1)
@@ -55,29 +59,27 @@ def _keep_thresholds(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: to
         mask |= values == _NEG_INF
     mask[:, 0] = False  # last, as in the sorted path
     num_kept = (~mask).sum(dim=1)
-    # a prefix: the kept positions are exactly the first num_kept
-    if bool(mask[:, :-1].gt(mask[:, 1:]).any()):
-        return None
-    last = (num_kept - 1).unsqueeze(1)
-    threshold = values.gather(1, last)
+    exact &= ~mask[:, :-1].gt(mask[:, 1:]).any(dim=1)  # a prefix: the kept positions are the first num_kept
+    threshold = values.gather(1, (num_kept - 1).unsqueeze(1))
     after = values.gather(1, num_kept.clamp(max=values.shape[1] - 1).unsqueeze(1))
-    # the first dropped value must be strictly smaller (rows that keep everything have nothing after)
-    splits_ties = (after == threshold) & (num_kept < values.shape[1]).unsqueeze(1)
-    if bool(splits_ties.any()) or bool(torch.isinf(threshold).any()):
-        return None
-    return threshold
+    # the first dropped value must be strictly smaller (a row that keeps everything has nothing after)
+    exact &= ~((after == threshold) & (num_kept < values.shape[1]).unsqueeze(1)).squeeze(1)
+    exact &= ~torch.isinf(threshold).squeeze(1)
+    return threshold, exact
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """`apply_top_k_top_p_sorted`'s result (the same tensor, bit for bit), through value thresholds where it can:
-    float32 CPU logits [N, V] without NaN; anything else, or a row whose kept set is not a threshold, sorts."""
+    float32 CPU logits [N, V]; other tensors sort, and so do the rows whose kept set is not a threshold (rows are
+    independent in the sorted path, so those rows alone are sorted)."""
     if top_k is None and top_p is None:
         return logits
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.shape[1] == 0:
         return apply_top_k_top_p_sorted(logits, top_k, top_p)
-    if bool(torch.isnan(logits).any()):
-        return apply_top_k_top_p_sorted(logits, top_k, top_p)
-    threshold = _keep_thresholds(logits.contiguous(), top_k, top_p)
-    if threshold is None:
-        return apply_top_k_top_p_sorted(logits, top_k, top_p)
-    return logits.masked_fill(logits < threshold, _NEG_INF)
+    threshold, exact = _keep_thresholds(logits.contiguous(), top_k, top_p)
+    out = logits.masked_fill(logits < threshold, _NEG_INF)
+    if not bool(exact.all()):
+        rows = (~exact).nonzero().flatten()
+        out[rows] = apply_top_k_top_p_sorted(logits[rows], None if top_k is None else top_k[rows],
+                                             None if top_p is None else top_p[rows])
+    return out
