@@ -323,15 +323,14 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         every row is plain greedy (RequestState.plain_greedy: nothing expands) the rows are None: the
         tokens are the argmax of the logits rows, with no sampling metadata built."""
         seq_of = self.output_processor.seq
-        if all(seq_of(seq_ids[r])[0].plain_greedy for r in sampling_rows):  # argmax rows: no SamplingRow needed
-            return [SampleTarget(st, seq.index, False) for st, seq in map(seq_of, (seq_ids[r] for r in sampling_rows))], \
-                None, None
+        states = [seq_of(seq_ids[r]) for r in np.asarray(sampling_rows).tolist()]
+        if all(st.plain_greedy for st, _ in states):  # argmax rows: no SamplingRow needed
+            return [SampleTarget(st, seq.index, False) for st, seq in states], None, None
         targets: list[SampleTarget] = []
         rows: list[SamplingRow] = []
         logit_rows: list[int] = []
         expanded = False
-        for k, r in enumerate(sampling_rows):
-            st, seq = seq_of(seq_ids[r])
+        for k, (st, seq) in enumerate(states):
             expand = seq.index == 0 and st.params.n > 1 and len(st.seqs) == 1
             expanded |= expand
             for i in range(st.params.n) if expand else [seq.index]:
