@@ -10,7 +10,8 @@
 One request at a time (or --batch N together) through LLMEngine.add_request / step (greedy, or --sampling
 sampled / top-p / greedy-lp / sampled-lp; ignore_eos, detokenized unless --no-detokenize), prompt --prompt-len
 tokens, --output-len new tokens; --clock cpu times everything in the calling thread's CPU time. Every decode
-step (the prefill step excluded) is split by instance-level timers around the engine's own functions (engine code untouched):
+step (the prefill step excluded) is split by instance-level timers around the engine's own functions (engine code
+untouched):
 
     scheduler.schedule | step bookkeeping (_begin_rows) | input preparation (metadata, tensors, padding)
     | forward (step-graph replay, or eager) | LM head (compute_logits) | sampling rows | sampler

@@ -123,7 +123,11 @@ def test_plain_greedy_skips_the_sampling_metadata(llm, monkeypatch):
 
     built = []
     real = le.build_sampling_metadata
-    monkeypatch.setattr(le, "build_sampling_metadata", lambda rows, *a, **k: built.append(len(rows)) or real(rows, *a, **k))
+    def counting(rows, *args, **kwargs):
+        built.append(len(rows))
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(le, "build_sampling_metadata", counting)
     _generate(llm, PARAMS["greedy"])
     assert built == []
     _generate(llm, PARAMS["greedy_logprobs"])  # logprobs: the general path

@@ -141,7 +141,8 @@ class ModelRunner:
         inputs = [input_ids, positions, md.slot_mapping, self._pad_tables(md.block_tables, padded, 0), md.seq_lens,
                   md.query_start_loc]
         extra = len(md.group_slot_mappings)  # a hybrid cache's groups 1..: their slot mappings, then their tables
-        inputs += [*md.group_slot_mappings, *(self._pad_tables(t, padded, g + 1) for g, t in enumerate(md.group_block_tables))]
+        inputs += [*md.group_slot_mappings,
+                   *(self._pad_tables(t, padded, g + 1) for g, t in enumerate(md.group_block_tables))]
 
         def step(ins: list[torch.Tensor]) -> torch.Tensor:
             step_md = replace(md, slot_mapping=ins[2], block_tables=ins[3], seq_lens=ins[4], query_start_loc=ins[5],

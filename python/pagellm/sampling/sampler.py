@@ -101,10 +101,11 @@ class Sampler(torch.nn.Module):
                draft_probs: torch.Tensor | None = None):
         """Verify draft tokens: target_logits [sum(1 + k_i), V], k_i drafts per row, md with one row per
         target position -> VerifyOutput (accepted drafts + one token per row); see sampling/rejection.py."""
+        args = (target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
         if target_logits.device.type != "cpu":
-            return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
+            return verify_drafts(*args)
         with one_intra_op_thread():
-            return verify_drafts(target_logits, draft_token_ids, md, draft_probs, self.generator, self.typical_acceptance)
+            return verify_drafts(*args)
 
     def _sample(self, probs: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """argmax(probs / q), q ~ Exp(1): a draw from probs (Gumbel-max in another guise)."""

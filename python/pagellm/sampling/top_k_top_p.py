@@ -20,7 +20,8 @@ import torch
 _NEG_INF = float("-inf")
 
 
-def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p_sorted(logits: torch.Tensor, top_k: torch.Tensor | None,
+                             top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (with -inf) tokens outside each row's top-k and nucleus. Ties at the k-th value are kept."""
     if top_k is None and top_p is None:
         return logits
