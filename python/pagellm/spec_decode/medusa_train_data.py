@@ -56,8 +56,10 @@ class MedusaTrainConfig:
     sampled_fraction: float = 0.25
     sample_temperature: float = 0.7
     # the verify step's cost per extra query row, relative to a plain step (bench_verify_rows.py's c; session 14,
-    # 2-core EPYC: 0.05-0.07): sizes the tree stored as "served" (medusa_tree_fit.py)
-    tree_row_cost: float = 0.06
+    # 2-core EPYC: 0.05-0.07; session 16, Hydra heads served at batch 1 on chat, bench_spec_paired.py: a step of 4 / 5 /
+    # 7 / 9 / 13 rows cost 1.22 / 1.26 / 1.26 / 1.39 / 1.55x a plain one, the heads and bookkeeping included, ~0.035 a
+    # row): sizes the tree stored as "served" (medusa_tree_fit.py)
+    tree_row_cost: float = 0.035
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
