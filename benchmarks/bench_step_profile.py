@@ -49,7 +49,7 @@ class StepTimers:
     def __init__(self, clock=time.perf_counter) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self.active = False
-        self.clock = clock
+        self.clock = clock  # time.thread_time: this thread's CPU time (a loaded machine's waits left out)
 
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):

@@ -16,6 +16,8 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 from test_draft_tokens import _assert_all_blocks_free, _generate, _greedy, _make_llm, _tie_free_prompts  # noqa: E402
 
 from pagellm.spec_decode import ProposerContext, SpeculativeConfig  # noqa: E402
+from pagellm.ops import quant_reference  # noqa: E402
+from pagellm.quantization.int8 import quantize_weight_rows  # noqa: E402
 from pagellm.spec_decode.medusa import MedusaProposer, draft_vocab_lm_head  # noqa: E402
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import MedusaTrainConfig, frequent_tokens, train_medusa, vocab_coverage  # noqa: E402
@@ -61,8 +63,18 @@ def test_draft_vocab_lm_head_is_the_full_heads_rows():
     gen = torch.Generator().manual_seed(0)
     weight, x = torch.randn(301, HIDDEN, generator=gen), torch.randn(7, HIDDEN, generator=gen)
     ids = torch.randperm(301, generator=gen)[:53].sort().values
-    got = draft_vocab_lm_head(weight, ids)(x)
-    torch.testing.assert_close(got, (x @ weight.t())[:, ids], rtol=2e-2, atol=0.15)  # bf16 rows and inputs
+    head = draft_vocab_lm_head(weight, ids)
+    got = head(x)
+    assert got.dtype == torch.float32 and got.shape == (7, 53)
+    # int8 rows against int8 inputs: exactly the op's pure-torch reference over those rows ...
+    q, scale = quantize_weight_rows(weight[ids])
+    expect = torch.empty(7, 53)
+    quant_reference.int8_linear(expect, x, q, scale, None, 0.0)
+    torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-4)
+    # ... which is the full LM head's columns of those ids to int8 rounding
+    torch.testing.assert_close(got, (x @ weight.t())[:, ids], rtol=2e-2, atol=0.15)
+    xb = x.to(torch.bfloat16)  # any float dtype, any leading dims: widened to fp32 rows first
+    torch.testing.assert_close(head(xb[None]), head(xb.float())[None], rtol=0, atol=0)
 
 
 def test_frequent_tokens_and_coverage_count_labels():

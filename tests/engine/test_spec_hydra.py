@@ -13,7 +13,8 @@ from torch.nn import functional as F
 
 from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads
-from pagellm.spec_decode.medusa_train import MedusaTrainConfig, head_inputs, head_targets, medusa_loss, train_heads
+from pagellm.spec_decode.medusa_train import (LR_FLOOR, MedusaTrainConfig, head_inputs, head_targets, init_heads_from,
+                                               lr_factor, medusa_loss, train_heads)
 
 H, V, K, LAYERS = 37, 53, 3, 2  # odd sizes
 
@@ -28,14 +29,21 @@ def _random_hydra(num_layers: int = LAYERS, seed: int = 0, hidden: int = H, voca
     return heads
 
 
-def _reference_state(heads: HydraHeads, i: int, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Head i by hand: the token block's weight split into its z and embedding halves, then plain ResBlocks."""
-    w, b = heads.hydra_head[i][0].linear.weight, heads.hydra_head[i][0].linear.bias
+def _reference_state(heads: HydraHeads, i: int, z: torch.Tensor, tokens: torch.Tensor,
+                     draft: bool = False) -> torch.Tensor:
+    """Head i by hand: the token block's weight split into its z and embedding halves, then plain ResBlocks.
+    `draft`: as drafting computes it, each product's operands (weights, bias, state) and result rounded to bf16
+    (fp32 sums inside); the SiLU and the state's sum in fp32."""
+    r = (lambda t: t.to(torch.bfloat16).float()) if draft else (lambda t: t)
+    w, b = r(heads.hydra_head[i][0].linear.weight), r(heads.hydra_head[i][0].linear.bias)
     e = heads.embed_weight[tokens].float()
-    z = z + F.silu(z @ w[:, :H].t() + e @ w[:, H:].t() + b)
+    z = z + F.silu(r(r(z) @ w[:, :H].t() + e @ w[:, H:].t() + b))
     for block in list(heads.hydra_head[i])[1:]:
-        z = z + F.silu(z @ block.linear.weight.t() + block.linear.bias)
+        z = z + F.silu(r(r(z) @ r(block.linear.weight).t() + r(block.linear.bias)))
     return z
+
+
+DRAFT_TOL = {"rtol": 1e-2, "atol": 2e-3}  # a bf16 product's result may round one ulp apart (another sum order)
 
 
 def test_teacher_forced_logits_match_the_reference():
@@ -58,10 +66,11 @@ def test_draft_chain_feeds_each_head_the_previous_draft():
     for row in range(4):
         z, tok = hidden[row : row + 1], last[row : row + 1]
         for i in range(K):
-            z = _reference_state(heads, i, z, tok)
+            z = _reference_state(heads, i, z, tok, draft=True)
             tok = vocab[(z @ lm[vocab].t()).argmax(-1)]
             assert int(got[row, i]) == int(tok)
-    # teacher forcing with the drafts as the text gives the same argmaxes: train and serve are one computation
+    # teacher forcing (fp32 products) with the drafts as the text gives the same argmaxes on these tie-free inputs:
+    # train and serve are one computation up to the drafting products' bf16 operands
     teacher = heads.teacher_forced(hidden, torch.cat([last[:, None], got[:, :-1]], 1), lambda x: x @ lm[vocab].t())
     assert torch.equal(vocab[teacher.argmax(-1)], got)
 
@@ -72,18 +81,65 @@ def test_draft_tree_nodes_are_their_parents_top_k():
     hidden, last = torch.randn(3, H), torch.randint(0, V, (3,))
     got = heads.draft_tree(hidden, last, parents, ranks, lambda x: x @ lm.t())
     for row in range(3):
-        root = _reference_state(heads, 0, hidden[row : row + 1], last[row : row + 1])
+        root = _reference_state(heads, 0, hidden[row : row + 1], last[row : row + 1], draft=True)
         states, depth, tokens = {-1: root}, {-1: -1}, []
         for j, (p, r) in enumerate(zip(parents, ranks)):
             tok = (states[p] @ lm.t()).topk(r + 1, dim=-1).indices[:, r]
             tokens.append(int(tok))
             depth[j] = depth[p] + 1
             if depth[j] + 1 < K:
-                states[j] = _reference_state(heads, depth[j] + 1, states[p], tok)
+                states[j] = _reference_state(heads, depth[j] + 1, states[p], tok, draft=True)
         assert got[row].tolist() == tokens
     # the tree's first-rank path is the greedy chain
     chain = heads.draft_chain(hidden, last, lambda x: x @ lm.t())
     assert torch.equal(got[:, [0, 3, 6]], chain)
+
+
+def test_drafting_weights_follow_the_parameters():
+    """Drafting's bf16 weight copies are remade when the parameters change in place (an optimizer step, a load):
+    a training's evaluation drafts with the weights of the moment."""
+    heads, lm = _random_hydra(num_layers=1), torch.randn(V, H)
+    hidden, last = torch.randn(3, H), torch.randint(0, V, (3,))
+
+    def states() -> torch.Tensor:
+        return heads.step(0, hidden, last, draft=True)
+
+    before = states()
+    torch.testing.assert_close(before, _reference_state(heads, 0, hidden, last, draft=True), **DRAFT_TOL)
+    with torch.no_grad():
+        heads.hydra_head[0][0].linear.weight.mul_(-1.0)
+        heads.hydra_head[0][0].linear.bias.add_(0.5)
+    after = states()
+    assert not torch.allclose(after, before)
+    torch.testing.assert_close(after, _reference_state(heads, 0, hidden, last, draft=True), **DRAFT_TOL)
+    other = _random_hydra(num_layers=1, seed=9)
+    heads.load_state_dict(other.state_dict())
+    torch.testing.assert_close(states(), _reference_state(heads, 0, hidden, last, draft=True), **DRAFT_TOL)
+
+
+def test_lr_schedule_and_continued_training(tmp_path):
+    """lr_factor: a linear warm-up, then 1 (constant) or a half cosine down to LR_FLOOR at the last step;
+    init_from: a training starts from stored heads of the same kind and sizes, other heads are refused."""
+    cosine = MedusaTrainConfig(steps=100, warmup_steps=10, lr_schedule="cosine")
+    constant = MedusaTrainConfig(steps=100, warmup_steps=10)
+    assert [lr_factor(s, constant) for s in (0, 9, 10, 99)] == [0.1, 1.0, 1.0, 1.0]
+    got = [lr_factor(s, cosine) for s in range(100)]
+    assert got[:10] == [lr_factor(s, constant) for s in range(10)]
+    assert all(a >= b for a, b in zip(got[10:], got[11:])) and got[99] == pytest.approx(LR_FLOOR)
+    assert got[54] == pytest.approx(LR_FLOOR + (1 - LR_FLOOR) * 0.5, abs=0.02)  # halfway down
+    with pytest.raises(ValueError, match="lr_schedule must be one of"):
+        MedusaTrainConfig(lr_schedule="linear").check()
+    stored = _random_hydra(num_layers=1, seed=5)
+    stored.set_draft_vocab(torch.arange(0, V, 2))
+    stored.save(tmp_path / "stored")
+    fresh = HydraHeads(H, V, num_heads=K, num_layers=1)
+    fresh.set_draft_vocab(torch.arange(0, V, 2))
+    init_heads_from(fresh, str(tmp_path / "stored"))
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), stored.state_dict().values()))
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        init_heads_from(HydraHeads(H, V, num_heads=K, num_layers=1), str(tmp_path / "stored"))
+    with pytest.raises(ValueError, match=r"\(kind, hidden, vocab, heads, layers\)"):
+        init_heads_from(HydraHeads(H, V, num_heads=K, num_layers=2), str(tmp_path / "stored"))
 
 
 def test_medusa_draft_tree_is_each_heads_top_k():

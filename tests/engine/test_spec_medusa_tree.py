@@ -11,7 +11,7 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 
 from test_draft_tokens import _greedy, _make_llm  # noqa: E402
 
-from pagellm.engine.tree_step import greedy_tree_path, reordered_drafts, tree_step_inputs  # noqa: E402
+from pagellm.engine.tree_step import greedy_tree_path, move_kv_slots, reordered_drafts, tree_step_inputs  # noqa: E402
 from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
 from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E402
 
@@ -58,6 +58,42 @@ def test_tree_step_inputs_positions_and_mask():
     expect[1:5, :4] = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     expect[5:7, :2] = torch.tensor([[1, 0], [1, 1]], dtype=torch.bool)
     assert torch.equal(mask, expect)
+
+
+@pytest.mark.parametrize("src,dst", [
+    ([37, 40], [35, 36]),  # a tree path's moves (each node to its depth's slot): row by row in place
+    ([3], [17]),  # across blocks
+    ([20, 21], [21, 22]),  # a source is another move's destination: the gather / scatter path
+    ([5, 6], [9, 9]),  # one destination twice: the gather / scatter path (the last move wins)
+])
+def test_move_kv_slots_reads_every_source_before_writing(src, dst):
+    """move_kv_slots against a whole-cache reference (every source row read first, then every destination written,
+    later moves winning): keys, values and quantized caches' scales, in place and through the gather path."""
+    block_size, gen = 16, torch.Generator().manual_seed(0)
+    shape = (4, 3, block_size, 5)  # [num_blocks, num_kv_heads, block_size, head_dim]
+    tensors = [torch.randn(shape, generator=gen).to(torch.bfloat16), torch.randn(shape, generator=gen),
+               torch.randn(shape[:3], generator=gen)]  # a scale tensor: [num_blocks, num_kv_heads, block_size]
+
+    class Caches:  # the worker's KVCaches as move_kv_slots reads it
+        layer_ids = (0,)
+
+        def __getitem__(self, layer_id):
+            return type("Layer", (), {"key_cache": tensors[0]})()
+
+        def tensors(self):
+            return iter(tensors)
+
+    worker = type("Worker", (), {"runner": type("Runner", (), {"kv_caches": Caches()})()})()
+    expect = []
+    for t in tensors:
+        flat = t.transpose(1, 2).reshape(shape[0] * block_size, *t.shape[1:2], *t.shape[3:]).clone()  # [slots, ...]
+        rows = flat[src].clone()
+        for d, row in zip(dst, rows):
+            flat[d] = row
+        expect.append(flat)
+    move_kv_slots(worker, src, dst)
+    for t, e in zip(tensors, expect):
+        assert torch.equal(t.transpose(1, 2).reshape(e.shape), e)
 
 
 @pytest.mark.parametrize("tree,match", [

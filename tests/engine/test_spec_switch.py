@@ -3,6 +3,7 @@ that are always wrong / always right. Outputs never change, only who drafts."""
 
 from __future__ import annotations
 
+import random
 from statistics import median
 
 import pytest
@@ -35,6 +36,37 @@ def _drive(switch: SpecSwitch, num_rows: int, accepted: int, steps: int, plain_s
             now[0] += 100 * plain_s  # the engine sat idle: never a timing sample
         drafted.append(len(on))
     return drafted
+
+
+def _drive_noisy(switch: SpecSwitch, weights: list[float], steps: int, seed: int) -> list[int]:
+    """One sequence whose every verify accepts 0 .. K drafts with these probabilities (independent draws, like Medusa
+    heads on open chat), on a fake clock: 10 ms a plain step, 0.6 ms per draft token. Returns drafted (0 / 1) per step."""
+    rng = random.Random(seed)
+    now, drafted = [0.0], []
+    switch.clock = lambda: now[0]
+    for _ in range(steps):
+        on = switch.begin_step(["s"], timed=True) and switch.wants_drafts("s", 1)
+        switch.record_proposals(K * on, 0.0, int(on))
+        if on:
+            switch.record_verify("s", K, rng.choices(range(K + 1), weights)[0])
+        now[0] += 0.010 + 0.0006 * K * on
+        drafted.append(int(on))
+    return drafted
+
+
+def test_a_slow_acceptance_memory_keeps_noisy_drafts_that_pay():
+    """Drafts accepted 0.6 per verify on average but 0 in 62 % of verifies, against a cost of 0.18 tokens: they pay.
+    The default weight (0.3) lets a few unlucky verifies switch drafting off, and the re-probe backoff keeps it
+    off; Medusa's 0.03 (MedusaProposer.acceptance_decay) averages them out. Drafts that do not pay (0.1 per
+    verify) still go off with the slow memory."""
+    pays, does_not = [0.62, 0.22, 0.1, 0.06], [0.9, 0.1, 0.0, 0.0]
+    fast = [sum(_drive_noisy(SpecSwitch(K), pays, 400, seed)) for seed in range(3)]
+    slow = [sum(_drive_noisy(SpecSwitch(K, decay=0.03), pays, 400, seed)) for seed in range(3)]
+    assert min(slow) > 0.9 * 400, slow
+    assert max(fast) < 0.7 * 400, fast  # what the switch did to Medusa on chat before session 16
+    for seed in range(3):
+        off = _drive_noisy(SpecSwitch(K, decay=0.03), does_not, 400, seed)
+        assert sum(off[200:]) <= 10, sum(off[200:])  # off, re-probes only
 
 
 def test_always_wrong_drafts_switch_off_but_reprobe():

@@ -83,7 +83,8 @@ class SpecDecodeStep:
         self.proposer = proposer
         self.spec_disable_by_batch_size = disable_by_batch_size
         self._over_batch_limit = False  # the last step was over it: no hidden states gathered (_hidden_state_rows)
-        self.spec_switch = SpecSwitch(proposer.num_speculative_tokens) if proposer is not None and adaptive else None
+        self.spec_switch = (SpecSwitch(proposer.num_speculative_tokens, decay=proposer.acceptance_decay)
+                            if proposer is not None and adaptive else None)
         self.spec_adaptive_k = bool(adaptive_k)
         self.spec_stats = SpecDecodeStats()
 

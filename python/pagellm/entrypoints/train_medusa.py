@@ -27,7 +27,8 @@ def run(a: argparse.Namespace) -> int:
                                batch_size=a.batch_size, data=a.data, seed=a.seed, weight_decay=a.weight_decay,
                                draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every,
                                head_type=a.head_type, sampled_fraction=a.sampled_fraction,
-                               sample_temperature=a.sample_temperature, tree_row_cost=a.tree_row_cost)
+                               sample_temperature=a.sample_temperature, tree_row_cost=a.tree_row_cost,
+                               lr_schedule=a.lr_schedule, init_from=a.init_from)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
     say = lambda msg: print(f"[medusa] {msg}", flush=True)  # noqa: E731
@@ -76,7 +77,7 @@ def engine_recorder(model: str | None, dtype: str, max_num_seqs: int, say):
 
 
 def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
-    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, HEAD_TYPE_NAMES, MedusaTrainConfig  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_train_data import DATA_SOURCES, HEAD_TYPE_NAMES, LR_SCHEDULES, MedusaTrainConfig  # noqa: PLC0415
 
     d = MedusaTrainConfig()
     p = subparsers.add_parser("train-medusa", help="train Medusa heads (speculative decoding) on a frozen model",
@@ -96,6 +97,10 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-eval-seqs", type=int, default=d.num_eval_seqs, help="held-out windows / questions")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="positions per step")
     p.add_argument("--lr", type=float, default=d.lr)
+    p.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
+                   help="after the warm-up: constant, or a half cosine down to 5 %% of --lr at the last step")
+    p.add_argument("--init-from", default=None,
+                   help="start from these heads (a train-medusa output of the same kind, sizes and data): continue")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="AdamW weight decay (hydra heads on a few hundred answers overfit: 0.1 helped)")
     p.add_argument("--data", default=d.data, choices=DATA_SOURCES,

@@ -64,6 +64,10 @@ class BaseProposer(ABC):
     # True: after each step the engine calls observe_hidden_states with the final hidden state that gave
     # each sampled sequence its newest token (heads on the target's hidden states, e.g. medusa)
     needs_hidden_states: bool = False
+    # the adaptive switch's EWMA weight of each verify's accepted count (spec_decode/switch.py): 0.3 follows a text
+    # that turns repetitive or stops being so within a few verifies (n-gram matches); a proposer whose acceptance is
+    # about the same from step to step, each verify a noisy sample of it, sets a smaller weight (a longer memory)
+    acceptance_decay: float = 0.3
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:

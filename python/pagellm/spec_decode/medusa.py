@@ -55,6 +55,12 @@ class MedusaProposer(BaseProposer):
     needs_hidden_states = True
     # like ngram: scoring 1 + k tokens per row is nearly free while CPU decode is weight-bound
     default_disable_by_batch_size = 4
+    # heads accept about as often from one step to the next (open chat: 0 drafts ~60 % of verifies, 1-3 the rest, a
+    # mean of ~0.55): at the switch's default weight 0.3 a few unlucky verifies pushed the average under the cost and
+    # the re-probe backoff kept drafting off for ~70 % of chat steps (session 16, bench_verify_profile: 1.00x with the
+    # switch against 1.32x drafting every step); 0.03 averages over ~60 verifies and still turns off heads that do
+    # not pay (the switch's tests)
+    acceptance_decay = 0.03
 
     def __init__(self, num_speculative_tokens: int, heads: MedusaHeads,
                  lm_head: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:

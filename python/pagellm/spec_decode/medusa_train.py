@@ -63,6 +63,7 @@ a KJV prompt): the gap is the held-out set (greedy KJV continuations, often loop
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -71,7 +72,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from pagellm.spec_decode.hydra_heads import HEAD_TYPES, HydraHeads
+from pagellm.spec_decode.hydra_heads import HEAD_TYPES, HydraHeads, load_draft_heads
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head
 from pagellm.spec_decode.medusa_tree_fit import fit_trees
 from pagellm.spec_decode.medusa_train_data import (AnswerFn, MedusaTrainConfig, RecordFn, cached_training_data,
@@ -207,7 +208,7 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
     h_all = hidden.reshape(-1, hidden.shape[-1])
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
     gen = torch.Generator().manual_seed(config.seed)
     losses, best = [], (float("-inf"), None, 0)
     for step in range(config.steps):
@@ -233,6 +234,37 @@ def train_heads(heads: MedusaHeads, lm_head: Callable, hidden: torch.Tensor, tok
         heads.training_info["best_step"] = best[2]
     heads.eval()
     return losses
+
+
+LR_FLOOR = 0.05  # a cosine schedule ends at this fraction of lr
+
+
+def lr_factor(step: int, config: MedusaTrainConfig) -> float:
+    """The learning rate of `step` (0-based) over config.lr: a linear warm-up, then 1 ("constant") or a half
+    cosine from 1 down to LR_FLOOR at the last step ("cosine")."""
+    warm = max(1, config.warmup_steps)
+    if step < warm:
+        return (step + 1) / warm
+    if config.lr_schedule == "constant":
+        return 1.0
+    done = min(1.0, (step - warm + 1) / max(1, config.steps - warm))
+    return LR_FLOOR + (1.0 - LR_FLOOR) * 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+def init_heads_from(heads: MedusaHeads, directory: str) -> None:
+    """Start a training from stored heads (continue one): ValueError unless they are of the same kind, sizes and
+    draft vocabulary as `heads` (whose draft vocabulary is already chosen)."""
+    src = load_draft_heads(directory, dtype=torch.float32)
+    mine = (type(heads).__name__, heads.hidden_size, heads.vocab_size, heads.num_heads, heads.num_layers)
+    theirs = (type(src).__name__, src.hidden_size, src.vocab_size, src.num_heads, src.num_layers)
+    if mine != theirs:
+        raise ValueError(f"init_from {directory!r}: heads (kind, hidden, vocab, heads, layers) {theirs}, "
+                         f"this training's {mine}")
+    same_vocab = (src.draft_vocab is None and heads.draft_vocab is None) or (
+        src.draft_vocab is not None and heads.draft_vocab is not None and torch.equal(src.draft_vocab, heads.draft_vocab))
+    if not same_vocab:
+        raise ValueError(f"init_from {directory!r}: another draft vocabulary than this training's data gives")
+    heads.load_state_dict(src.state_dict())
 
 
 def frequent_tokens(labels: torch.Tensor, size: int) -> torch.Tensor:
@@ -306,6 +338,8 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
                                 min(config.draft_vocab_size, int(hf.vocab_size)))
         heads.set_draft_vocab(vocab)
         vocab = heads.draft_vocab
+    if config.init_from:
+        init_heads_from(heads, config.init_from)
     train_lm_head = (lambda x: F.linear(x, weight[vocab])) if vocab is not None else frozen_lm_head(base)
     served = served_evaluation(heads, weight, eval_hidden, eval_ids, eval_pos)
     before = served()

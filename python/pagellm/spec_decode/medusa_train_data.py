@@ -24,6 +24,9 @@ HEAD_TYPE_NAMES = ("medusa", "hydra")  # hydra_heads.HEAD_TYPES (named here: the
 SELF_PROMPT_LEN = 16  # tokens of text before the base model's own continuation (--data self)
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclass
 class MedusaTrainConfig:
     """Hyper-parameters; the defaults take a few minutes on 2 CPU cores for the default model."""
@@ -39,6 +42,11 @@ class MedusaTrainConfig:
     lr: float = 5e-3  # ResBlocks start at zero: a few hundred steps need a brisk rate
     weight_decay: float = 0.0
     warmup_steps: int = 20
+    # "cosine": after the warm-up the rate decays along a half cosine to LR_FLOOR x lr at the last step (s15's
+    # held-out score was still creeping up at a constant rate; a decay lets a longer run settle)
+    lr_schedule: str = "constant"
+    # heads to start from (a `train-medusa` output of the same kind, sizes and draft vocabulary): continue a training
+    init_from: str | None = None
     data: str = "self"  # self-distillation: drafts are judged against the model's outputs, not the text's
     draft_vocab_size: int = 0  # > 0: drafting scores only the most frequent tokens of the training labels
     eval_every: int = 50  # > 0: evaluate every N steps, keep the heads of the best held-out score (0: the last)
@@ -48,8 +56,10 @@ class MedusaTrainConfig:
     sampled_fraction: float = 0.25
     sample_temperature: float = 0.7
     # the verify step's cost per extra query row, relative to a plain step (bench_verify_rows.py's c; session 14,
-    # 2-core EPYC: 0.05-0.07): sizes the tree stored as "served" (medusa_tree_fit.py)
-    tree_row_cost: float = 0.06
+    # 2-core EPYC: 0.05-0.07; session 16, Hydra heads served at batch 1 on chat, bench_spec_paired.py: a step of 4 / 5 /
+    # 7 / 9 / 13 rows cost 1.22 / 1.26 / 1.26 / 1.39 / 1.55x a plain one, the heads and bookkeeping included, ~0.035 a
+    # row): sizes the tree stored as "served" (medusa_tree_fit.py)
+    tree_row_cost: float = 0.035
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -68,6 +78,8 @@ class MedusaTrainConfig:
             raise ValueError(f"eval_every must be >= 0, got {self.eval_every}")
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
         if not self.tree_row_cost >= 0:
             raise ValueError(f"tree_row_cost must be >= 0, got {self.tree_row_cost}")
         if not 0.0 <= self.sampled_fraction <= 1.0 or not self.sample_temperature > 0:

@@ -7,7 +7,9 @@ and return on average `accepted` more tokens (an EWMA of its recent verifies). T
 
     (accepted - 0.1) * plain_s(n) / n  >  k * extra_s + proposer_s / num_proposed
 
-(k: the request's recent mean number of drafts per verify, an EWMA: a proposer whose draft length follows
+(accepted: an EWMA of weight `decay`, the proposer's `acceptance_decay`: 0.3 by default, 0.03 for Medusa / Hydra heads,
+whose per-verify counts are noise around a steady mean; k: the request's recent mean number of drafts per verify, an
+EWMA: a proposer whose draft length follows
 the match, ngram's default, often drafts fewer than num_speculative_tokens) and not otherwise, re-probing every `probe_every` steps so that a request whose text turns repetitive gets
 its drafts back (a request whose re-probes keep failing waits up to 8x longer). At batch 1 this is "tokens
 per verify (1 + accepted) over the verify's cost relative to a plain step (1 + k * extra_s / plain_s) above
