@@ -173,3 +173,70 @@ def test_padded_tables_buffer_is_reused_and_exact(llm):
     assert len(seen) == 1  # one buffer for (4 rows, 8 columns)
     same = torch.ones(2, 8, dtype=torch.int32)
     assert runner._pad_tables(same, 8, 0) is same  # already the padded width: no copy
+
+
+# ------------------------------------------------------------------------------- plain-greedy verify steps
+def test_greedy_verify_without_metadata_equals_general():
+    """verify_drafts with plain_greedy_metadata (no per-row tensors) accepts what the general greedy metadata
+    accepts: bf16 logits with ties, drafts agreeing with the argmax for a random prefix, k = 0..6 per row."""
+    from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
+    from pagellm.sampling.metadata import plain_greedy_metadata
+    from pagellm.sampling.rejection import verify_drafts
+
+    g = torch.Generator().manual_seed(3)
+    accepted = 0
+    for case in range(40):
+        vocab = (37, 1000, 4099)[case % 3]
+        ks = torch.randint(0, 7, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g).tolist()
+        n = sum(1 + k for k in ks)
+        logits = (torch.randn(n, vocab, generator=g) * 2).to(torch.bfloat16)
+        target = logits.float().argmax(dim=1).tolist()
+        drafts, start = [], 0
+        for k in ks:
+            agree = int(torch.randint(0, k + 1, (1,), generator=g))
+            row = [target[start + j] if j < agree else (target[start + j] + 1) % vocab for j in range(k)]
+            drafts.append(row)
+            start += k + 1
+        params = SamplingParams(temperature=0.0)
+        rows = [SamplingRow(params, [1, 2], [3]) for _ in ks]
+        general = verify_drafts(logits, drafts, build_sampling_metadata(expand_rows_for_verify(rows, drafts), vocab))
+        fast = verify_drafts(logits, drafts, plain_greedy_metadata(n, vocab))
+        assert fast.accepted_token_ids == general.accepted_token_ids
+        assert fast.num_accepted_tokens == general.num_accepted_tokens and fast.logprobs is None
+        accepted += sum(len(a) - 1 for a in fast.accepted_token_ids)
+    assert accepted > 0  # some drafts were accepted, not only first-position rejections
+
+
+@pytest.mark.parametrize("wrong", [None, 0.4])
+def test_plain_greedy_spec_steps_skip_the_metadata(tiny_llama_dir, tiny_tokenizer, monkeypatch, wrong):
+    """A speculative engine whose rows are all plain greedy verifies without SamplingRows or metadata, and gives
+    the tokens of the general verify path (forced), with drafts both accepted and rejected."""
+    import pagellm.engine.output_processor as op
+    import pagellm.engine.spec_step as ss
+    from test_draft_tokens import OracleProposer, _generate, _greedy, _make_llm, _reference
+
+    prompts = [[5, 17, 42, 99, 7], [250, 31, 64, 12, 8, 9, 10], [3, 4]]
+    _, reference, _ = _reference(tiny_llama_dir, prompts, _greedy(20))
+    built = []
+    real = ss.build_sampling_metadata
+
+    def counting(rows, *args, **kwargs):
+        built.append(len(rows))
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(ss, "build_sampling_metadata", counting)
+    results = {}
+    for general in (False, True):
+        if general:
+            monkeypatch.setattr(op, "is_plain_greedy", lambda p: False)
+        llm = _make_llm(tiny_llama_dir)
+        eng = llm.llm_engine
+        eng.set_proposer(OracleProposer(3, reference, len(tiny_tokenizer), p_wrong=wrong or 0.0, seed=1, strict=False))
+        built.clear()
+        results[general] = [o.token_ids for o in _generate(llm, prompts, _greedy(20))]
+        stats = eng.spec_stats
+        assert stats.num_draft_tokens > 0 and stats.num_accepted_draft_tokens > 0
+        assert (stats.num_accepted_draft_tokens < stats.num_draft_tokens) == bool(wrong)
+        assert (built == []) != general  # the general path builds per-position metadata, the fast path none
+    assert results[False] == results[True]
+    assert results[False] == [reference[tuple(p)] for p in prompts]

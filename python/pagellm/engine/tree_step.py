@@ -100,12 +100,14 @@ def typical_tree_path(probs: torch.Tensor, drafts: Sequence[int], parents: Seque
     return longest_accepted_path(parents, (p_draft > rule.thresholds(probs)[pos]).tolist())
 
 
-def typical_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], rows: Sequence[SamplingRow],
-                       spec_logits: torch.Tensor, rule: TypicalAcceptance | None, vocab_size: int) -> dict[int, list[int]]:
+def typical_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None],
+                       rows: Sequence[SamplingRow] | None, spec_logits: torch.Tensor,
+                       rule: TypicalAcceptance | None, vocab_size: int) -> dict[int, list[int]]:
     """Under typical acceptance, the path of every sampled tree row (by spec row index; {} without a rule):
     each node judged on the row's processed target distribution at its parent, the context being the row's
-    outputs plus the node's ancestors. spec_logits [sum(1 + k_i), V]; rows: the spec rows' SamplingRows."""
-    if rule is None:
+    outputs plus the node's ancestors. spec_logits [sum(1 + k_i), V]; rows: the spec rows' SamplingRows (None when
+    every row is plain greedy)."""
+    if rule is None or rows is None:  # rows None: every row plain greedy, none judged by the rule
         return {}
     starts = np.concatenate([[0], np.cumsum([1 + len(d) for d in split.draft_token_ids])])
     picked = [i for i, (row, parents) in enumerate(zip(rows, parents_per_row))

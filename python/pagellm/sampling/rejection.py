@@ -173,8 +173,9 @@ def verify_drafts(target_logits: torch.Tensor, draft_token_ids: Sequence[Sequenc
     """
     _check_inputs(target_logits, draft_token_ids, md, draft_probs)
     t = _Targets(target_logits, md)
-    greedy_rows = md.greedy_mask.tolist()
-    tokens = torch.zeros(target_logits.shape[0], dtype=torch.int64)
+    # plain_greedy_metadata (every row plain greedy) carries no per-row tensors: all rows greedy, no logprobs
+    greedy_rows = md.greedy_mask.tolist() if md.greedy_mask is not None else [True] * md.num_rows
+    tokens = torch.zeros(target_logits.shape[0], dtype=torch.int64) if md.max_num_logprobs is not None else None
     accepted: list[list[int]] = []
     start = draft_start = 0
     for drafts in draft_token_ids:
@@ -186,11 +187,12 @@ def verify_drafts(target_logits: torch.Tensor, draft_token_ids: Sequence[Sequenc
             gen = md.generators.get(start, generator)
             num_ok, token = _sample_row(t, start, drafts, draft_start, draft_probs, gen, typical)
         row = list(drafts[:num_ok]) + [token]
-        if k:  # filler after the emitted token: logprobs there are never read
-            tokens[start : start + k] = torch.tensor(list(drafts), dtype=torch.int64)
-        tokens[start + num_ok] = token
+        if tokens is not None:  # the emitted tokens' positions, for their logprobs
+            if k:  # filler after the emitted token: logprobs there are never read
+                tokens[start : start + k] = torch.tensor(list(drafts), dtype=torch.int64)
+            tokens[start + num_ok] = token
         accepted.append(row)
         start += k + 1
         draft_start += k
-    lp = t.logprobs(md, tokens.to(target_logits.device))
+    lp = None if tokens is None else t.logprobs(md, tokens.to(target_logits.device))
     return VerifyOutput(accepted_token_ids=accepted, num_accepted_tokens=[len(r) for r in accepted], logprobs=lp)
