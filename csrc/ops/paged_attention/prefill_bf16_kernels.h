@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ops/common/transpose_avx512.h"  // (the avx512 library)
@@ -82,6 +83,21 @@ inline void bf16_pv_block(const uint32_t* VB, const uint32_t* PB, const float* c
   }
   for (int d = 0; d < 8; ++d)
     for (int v = 0; v < NV; ++v) vstore(OT + (d0 + d) * Rp + rv + v * kLanes, acc[d][v]);
+}
+
+// Calls block(NV, rv) over the Rp rows in blocks of NV row vectors: 8 keys (or dims) x NV vectors of accumulators.
+// AVX-512: 3 vectors (48 rows, the usual tile: 24 accumulators + 3 row vectors + 1 broadcast of the 32 zmm), so
+// each broadcast feeds 3 vdpbf16ps and no block is left with only 8 accumulator chains (too few to hide the
+// latency); 2 and 1 for the rest. AVX2 (VecF = two ymm, 16 registers) keeps 2 + 1: 3 would spill. Each
+// accumulator sums the same products in the same order whatever NV is, so the bits do not depend on it.
+template <typename Block>
+__attribute__((always_inline)) inline void bf16_row_blocks(int64_t Rp, const Block& block) {
+  int64_t rv = 0;
+#ifdef PAGELLM_AVX512
+  for (; rv + 3 * kLanes <= Rp; rv += 3 * kLanes) block(std::integral_constant<int, 3>{}, rv);
+#endif
+  for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes) block(std::integral_constant<int, 2>{}, rv);
+  if (rv < Rp) block(std::integral_constant<int, 1>{}, rv);
 }
 
 // softmax_update's online softmax over the step's n keys, its probabilities written as bf16 key pairs PB
@@ -191,11 +207,10 @@ inline void prefill_bf16_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefi
   for (int64_t start = a.window_begin(p_first); start <= p_last; start += kBf16Keys) {
     const int64_t n = std::min(kBf16Keys, p_last + 1 - start), n8 = (n + 7) / 8 * 8;
     prefill_bf16_load_kv(a, it, w, start, n, kr);
-    for (int64_t j0 = 0; j0 < n8; j0 += 8) {
-      int64_t rv = 0;
-      for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes) bf16_score_block<2>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
-      if (rv < Rp) bf16_score_block<1>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
-    }
+    for (int64_t j0 = 0; j0 < n8; j0 += 8)
+      bf16_row_blocks(Rp, [&](auto nv, int64_t rv) {
+        bf16_score_block<decltype(nv)::value>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
+      });
     float softmax_scale = a.scale;
     if (a.softcap > 0.f) {
       apply_softcap(w.ST.data(), n * Rp, a.softcap, a.scale);
@@ -205,12 +220,10 @@ inline void prefill_bf16_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefi
     if (boundary) mask_tile(a, w, start, n);
     bf16_softmax_pack(w, n, softmax_scale);
     const int64_t np = (n + 1) / 2;
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {
-      int64_t rv = 0;
-      for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes)
-        bf16_pv_block<2>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
-      if (rv < Rp) bf16_pv_block<1>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
-    }
+    for (int64_t d0 = 0; d0 < D; d0 += 8)
+      bf16_row_blocks(Rp, [&](auto nv, int64_t rv) {
+        bf16_pv_block<decltype(nv)::value>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
+      });
   }
   prefill_bf16_store(a, it, w, q_base);
 }
