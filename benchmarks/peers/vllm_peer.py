@@ -82,6 +82,21 @@ class VllmDriver:
             raise RuntimeError(f"vllm_driver: {ans.get('error')}")
         return ans
 
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the driver's process group so far (the driver, vLLM's engine core and
+        its worker: the group is the driver's own session), summed over the processes alive now; read from
+        /proc. Deltas around a call give the CPU a run took, a steadier figure than wall time on a busy machine."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == self._proc.pid:  # fields[2]: pgrp (the 5th field of /proc/pid/stat)
+                total += int(fields[11]) + int(fields[12])  # utime, stime (14th, 15th)
+        return total / tick
+
     def close(self) -> None:
         self._signal(signal.SIGCONT)
         if self._proc.poll() is None:
