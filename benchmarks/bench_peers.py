@@ -27,6 +27,7 @@ import itertools
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -148,14 +149,20 @@ def offline_throughput(args, pool: list[int], vllm: System | None) -> list[dict]
     note = vllm.note if vllm else "not measured"
     for rnd in range(args.throughput_rounds):
         llm.llm_engine.reset_prefix_cache()  # every round prefills its prompts, as vLLM (no prefix caching) does
-        runs["pagellm bf16"].append({**run_pagellm(llm, reqs), "loadavg": C.loadavg()})
-        print(f"[throughput {rnd + 1}] pagellm {runs['pagellm bf16'][-1]['output_tok_s']:.1f} tok/s", flush=True)
+        cpu0 = time.process_time()  # pagellm's engine runs in this process, on all its threads
+        res = run_pagellm(llm, reqs)
+        runs["pagellm bf16"].append({**res, "cpu_s": time.process_time() - cpu0, "loadavg": C.loadavg()})
+        print(f"[throughput {rnd + 1}] pagellm {res['output_tok_s']:.1f} tok/s, "
+              f"{runs['pagellm bf16'][-1]['cpu_s']:.2f} CPU s", flush=True)
         if use_vllm:
             try:
+                cpu0 = vllm.handle.cpu_seconds()
                 res = vllm.handle.call({"cmd": "throughput", "prompts": [r.prompt_token_ids for r in reqs],
                                          "n_out": args.output_len})
-                runs["vLLM-CPU bf16"].append({**res, "loadavg": C.loadavg()})
-                print(f"[throughput {rnd + 1}] vLLM {res['output_tok_s']:.1f} tok/s", flush=True)
+                runs["vLLM-CPU bf16"].append({**res, "cpu_s": vllm.handle.cpu_seconds() - cpu0,
+                                              "loadavg": C.loadavg()})
+                print(f"[throughput {rnd + 1}] vLLM {res['output_tok_s']:.1f} tok/s, "
+                      f"{runs['vLLM-CPU bf16'][-1]['cpu_s']:.2f} CPU s", flush=True)
             except Exception as e:
                 use_vllm, note = False, f"failed: {e}"
     del llm
@@ -166,7 +173,8 @@ def offline_throughput(args, pool: list[int], vllm: System | None) -> list[dict]
             out.append({"system": name, "note": note})
             continue
         med = sorted(rs, key=lambda r: r["output_tok_s"])[len(rs) // 2]
-        out.append({"system": name, **med, "rounds_tok_s": [r["output_tok_s"] for r in rs]})
+        out.append({"system": name, **med, "rounds_tok_s": [r["output_tok_s"] for r in rs],
+                    "rounds_cpu_s": [r["cpu_s"] for r in rs], "median_cpu_s": statistics.median(r["cpu_s"] for r in rs)})
     return out
 
 
@@ -228,10 +236,19 @@ def render(data: dict) -> str:
         out += ["", f"Offline throughput, {a['num_requests']} x ({a['prompt_len']} -> {a['output_len']}):", ""]
         ref = next((t["output_tok_s"] for t in data["throughput"] if t["system"].startswith("pagellm")
                     and "output_tok_s" in t), None)
-        out.append(C.md_table(["system", "output tok/s (median)", "elapsed s", "rounds tok/s", "pagellm ÷ system"], [
+        ref_cpu = next((t["median_cpu_s"] for t in data["throughput"] if t["system"].startswith("pagellm")
+                        and "median_cpu_s" in t), None)
+        out.append(C.md_table(["system", "output tok/s (median)", "elapsed s", "rounds tok/s", "pagellm ÷ system",
+                               "CPU s (median)", "rounds CPU s", "pagellm ÷ system (CPU)"], [
             [t["system"], t["output_tok_s"], t["elapsed_s"], " / ".join(f"{x:.1f}" for x in t.get("rounds_tok_s", [])),
-             f"{ref / t['output_tok_s']:.2f}x" if ref else "—"]
-            if "output_tok_s" in t else [t["system"], t["note"], "—", "—", "—"] for t in data["throughput"]]))
+             f"{ref / t['output_tok_s']:.2f}x" if ref else "—", t["median_cpu_s"],
+             " / ".join(f"{x:.2f}" for x in t["rounds_cpu_s"]),
+             f"{t['median_cpu_s'] / ref_cpu:.2f}x" if ref_cpu else "—"]
+            if "output_tok_s" in t else [t["system"], t["note"]] + ["—"] * 6 for t in data["throughput"]]))
+        out += ["", "CPU s: user + system CPU time of the run (pagellm: this process; vLLM-CPU: the driver's process "
+                "group, its engine core and worker included); \"÷ system (CPU)\" = its CPU s / pagellm's. vLLM-CPU's "
+                "includes its processes' busy polling and OpenMP spinning, so across systems it is CPU taken, not work "
+                "done; between two pagellm builds in one machine state it is the steadier A/B figure on a busy machine."]
     return "\n".join(out)
 
 

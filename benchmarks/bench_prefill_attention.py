@@ -25,6 +25,11 @@ import torch  # noqa: E402
 
 from pagellm import ops  # noqa: E402
 from pagellm.ops import reference as ref  # noqa: E402
+from pagellm.threading_config import ThreadingConfig, apply_threading  # noqa: E402
+
+# No engine (whose Worker sizes the kernels' pool) runs here: without this the pool kept every allowed CPU
+# whatever PAGELLM_NUM_THREADS said.
+apply_threading(ThreadingConfig.from_env())
 
 SHAPES = {  # heads, kv heads, head_dim, prompts, query tokens, cached prefix
     "smollm2": (9, 3, 64, 16, 128, 0),

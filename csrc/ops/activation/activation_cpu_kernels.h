@@ -21,10 +21,20 @@ inline VecF gate_act(VecF x) {
   }
 }
 
+// How far ahead (elements) gate_row prefetches both of its input streams: ~16 iterations, enough to cover an
+// L3 / DRAM access. The gate_up projection's output (12 MiB for a 2048-token SmolLM2 chunk) is read as two
+// interleaved streams of short runs (one per half of each row), which the hardware prefetchers followed too
+// late: the loads were ~27 % of silu_and_mul's time (perf, 2090 x 3072 bf16).
+constexpr int64_t kGatePrefetchElems = 256;
+
 template <GateAct A, typename T>
 inline void gate_row(T* out, const T* x, int64_t begin, int64_t end, int64_t d) {
   int64_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
+    // Past the end of a half this runs into the next bytes in memory (the up half, the next row's gate half):
+    // harmless hints, often useful.
+    __builtin_prefetch(x + i + kGatePrefetchElems, 0, 2);
+    __builtin_prefetch(x + d + i + kGatePrefetchElems, 0, 2);
     vstore(out + i, vmul(gate_act<A>(vload(x + i)), vload(x + d + i)));
   }
   if (i < end) {

@@ -6,6 +6,8 @@
 
 #include "ops/common/cpu_vec.h"
 
+#include <type_traits>
+
 namespace pagellm::cpu {
 
 // Rows per task so that a task moves >= ~64K elements: tiny calls run inline, without waking threads.
@@ -122,22 +124,28 @@ void rotary_embedding_kernel(const RopeArgs& a, T* q, T* k, const C* cache) {
     const int64_t half = a.rot_dim / 2;
     for (int64_t t = begin; t < end; ++t) {
       const C* row = cache + a.positions[t] * a.cache_stride;
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = static_cast<float>(row[i]), s = static_cast<float>(row[half + i]);
-        if (a.is_neox) {
-          cbuf[i] = c, sbuf[i] = s;
-        } else {
-          cbuf[2 * i] = cbuf[2 * i + 1] = c;
-          sbuf[2 * i] = -s, sbuf[2 * i + 1] = s;
+      const float* cs = cbuf;
+      const float* sn = sbuf;
+      if (std::is_same_v<C, float> && a.is_neox) {  // the fp32 cache row is already (cos..., sin...): no copy
+        cs = reinterpret_cast<const float*>(row), sn = reinterpret_cast<const float*>(row) + half;
+      } else {
+        for (int64_t i = 0; i < half; ++i) {
+          const float c = static_cast<float>(row[i]), s = static_cast<float>(row[half + i]);
+          if (a.is_neox) {
+            cbuf[i] = c, sbuf[i] = s;
+          } else {
+            cbuf[2 * i] = cbuf[2 * i + 1] = c;
+            sbuf[2 * i] = -s, sbuf[2 * i + 1] = s;
+          }
         }
       }
       for (int64_t h = 0; h < a.num_q_heads + a.num_k_heads; ++h) {
         T* x = h < a.num_q_heads ? q + t * a.q_stride_t + h * a.q_stride_h
                                  : k + t * a.k_stride_t + (h - a.num_q_heads) * a.k_stride_h;
         if (a.is_neox) {
-          rope_neox_head(x, cbuf, sbuf, half);
+          rope_neox_head(x, cs, sn, half);
         } else {
-          rope_gptj_head(x, cbuf, sbuf, a.rot_dim);
+          rope_gptj_head(x, cs, sn, a.rot_dim);
         }
       }
     }

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "ops/common/transpose_avx512.h"  // (the avx512 library)
@@ -35,9 +36,11 @@ struct PrefillBf16Scratch : PrefillScratch {
   std::vector<uint32_t> VB;         // [kBf16Keys/2][D] value pairs (keys 2p, 2p+1) per dim, keys past n zero
   std::vector<uint32_t> PB;         // [kBf16Keys/2][Rp] probability pairs (keys 2p, 2p+1) per row
   std::vector<uint32_t> zero_key;   // [D/2] the key read for the slots of a partial 8-key block
+  std::vector<const c10::BFloat16*> q_rows;  // [rows] the item's query rows (row r: token r / G, head r % G)
+  std::vector<c10::BFloat16*> out_rows;      // [rows] where they go
   PrefillBf16Scratch(int64_t D_, int64_t Rp_)
       : PrefillScratch(D_, Rp_), QB(D_ / 2 * Rp_), VB(kBf16Keys / 2 * D_), PB(kBf16Keys / 2 * Rp_),
-        zero_key(D_ / 2, 0u) {
+        zero_key(D_ / 2, 0u), q_rows(Rp_), out_rows(Rp_) {
     ST.assign(kBf16Keys * Rp_, 0.f);
   }
 };
@@ -84,6 +87,21 @@ inline void bf16_pv_block(const uint32_t* VB, const uint32_t* PB, const float* c
     for (int v = 0; v < NV; ++v) vstore(OT + (d0 + d) * Rp + rv + v * kLanes, acc[d][v]);
 }
 
+// Calls block(NV, rv) over the Rp rows in blocks of NV row vectors: 8 keys (or dims) x NV vectors of accumulators.
+// AVX-512: 3 vectors (48 rows, the usual tile: 24 accumulators + 3 row vectors + 1 broadcast of the 32 zmm), so
+// each broadcast feeds 3 vdpbf16ps and no block is left with only 8 accumulator chains (too few to hide the
+// latency); 2 and 1 for the rest. AVX2 (VecF = two ymm, 16 registers) keeps 2 + 1: 3 would spill. Each
+// accumulator sums the same products in the same order whatever NV is, so the bits do not depend on it.
+template <typename Block>
+__attribute__((always_inline)) inline void bf16_row_blocks(int64_t Rp, const Block& block) {
+  int64_t rv = 0;
+#ifdef PAGELLM_AVX512
+  for (; rv + 3 * kLanes <= Rp; rv += 3 * kLanes) block(std::integral_constant<int, 3>{}, rv);
+#endif
+  for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes) block(std::integral_constant<int, 2>{}, rv);
+  if (rv < Rp) block(std::integral_constant<int, 1>{}, rv);
+}
+
 // softmax_update's online softmax over the step's n keys, its probabilities written as bf16 key pairs PB
 // [ceil(n/2)][Rp] (an odd last key's partner 0) instead of back into ST; l adds the rounded probabilities.
 inline void bf16_softmax_pack(PrefillBf16Scratch& w, int64_t n, float scale) {
@@ -111,10 +129,9 @@ inline void bf16_softmax_pack(PrefillBf16Scratch& w, int64_t n, float scale) {
 }
 
 // QB[p][r] = pair p of query row r (rows past `rows` zero).
-inline void prefill_bf16_pack_queries(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it,
-                                      PrefillBf16Scratch& w, int64_t q_base, int64_t rows) {
-  const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp;
-  auto q_row = [&](int64_t r) { return a.q_row(q_base + it.t0 + r / G, it.head * G + r % G); };
+inline void prefill_bf16_pack_queries(PrefillBf16Scratch& w, int64_t rows) {
+  const int64_t D = w.D, Rp = w.Rp;
+  const auto q_row = [&](int64_t r) { return w.q_rows[r]; };
 #ifdef __AVX512F__
   for (int64_t r0 = 0; r0 < Rp; r0 += kLanes) {  // per 16 rows x 16 pairs one dword transpose
     for (int64_t d0 = 0; d0 < D; d0 += 32) {
@@ -153,10 +170,9 @@ inline void prefill_bf16_load_kv(const PagedAttnArgs<c10::BFloat16>& a, const Pr
 }
 
 // out rows = OT^T / l (0 for a row without keys), rounded to bf16.
-inline void prefill_bf16_store(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillBf16Scratch& w,
-                               int64_t q_base) {
-  const int64_t G = a.group(), D = a.head_dim, Rp = w.Rp, rows = (it.t1 - it.t0) * G;
-  auto out_row = [&](int64_t r) { return a.out_row(q_base + it.t0 + r / G, it.head * G + r % G); };
+inline void prefill_bf16_store(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it, PrefillBf16Scratch& w) {
+  const int64_t D = a.head_dim, Rp = w.Rp, rows = (it.t1 - it.t0) * a.group();
+  const auto out_row = [&](int64_t r) { return w.out_rows[r]; };
 #ifdef __AVX512F__
   for (int64_t r0 = 0; r0 < rows; r0 += kLanes) {  // per 16 rows x 16 dims one transpose
     const __m512 l = _mm512_loadu_ps(w.l.data() + r0);
@@ -186,16 +202,20 @@ inline void prefill_bf16_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefi
   std::fill(w.l.begin(), w.l.end(), 0.f);
   for (int64_t r = 0; r < Rp; ++r)  // padded rows repeat the last token's position
     w.pos[r] = static_cast<float>(pos_base + it.t0 + std::min(r, rows - 1) / G);
-  prefill_bf16_pack_queries(a, it, w, q_base, rows);
+  for (int64_t t = it.t0, r = 0; t < it.t1; ++t)  // the rows' addresses once per item (no divisions per row)
+    for (int64_t g = 0; g < G; ++g, ++r) {
+      w.q_rows[r] = a.q_row(q_base + t, it.head * G + g);
+      w.out_rows[r] = a.out_row(q_base + t, it.head * G + g);
+    }
+  prefill_bf16_pack_queries(w, rows);
   const uint32_t* kr[kBf16Keys];
   for (int64_t start = a.window_begin(p_first); start <= p_last; start += kBf16Keys) {
     const int64_t n = std::min(kBf16Keys, p_last + 1 - start), n8 = (n + 7) / 8 * 8;
     prefill_bf16_load_kv(a, it, w, start, n, kr);
-    for (int64_t j0 = 0; j0 < n8; j0 += 8) {
-      int64_t rv = 0;
-      for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes) bf16_score_block<2>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
-      if (rv < Rp) bf16_score_block<1>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
-    }
+    for (int64_t j0 = 0; j0 < n8; j0 += 8)
+      bf16_row_blocks(Rp, [&](auto nv, int64_t rv) {
+        bf16_score_block<decltype(nv)::value>(kr + j0, w.QB.data(), w.ST.data(), P, Rp, j0, rv);
+      });
     float softmax_scale = a.scale;
     if (a.softcap > 0.f) {
       apply_softcap(w.ST.data(), n * Rp, a.softcap, a.scale);
@@ -205,14 +225,31 @@ inline void prefill_bf16_item(const PagedAttnArgs<c10::BFloat16>& a, const Prefi
     if (boundary) mask_tile(a, w, start, n);
     bf16_softmax_pack(w, n, softmax_scale);
     const int64_t np = (n + 1) / 2;
-    for (int64_t d0 = 0; d0 < D; d0 += 8) {
-      int64_t rv = 0;
-      for (; rv + 2 * kLanes <= Rp; rv += 2 * kLanes)
-        bf16_pv_block<2>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
-      if (rv < Rp) bf16_pv_block<1>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
-    }
+    for (int64_t d0 = 0; d0 < D; d0 += 8)
+      bf16_row_blocks(Rp, [&](auto nv, int64_t rv) {
+        bf16_pv_block<decltype(nv)::value>(w.VB.data(), w.PB.data(), w.corr.data(), w.OT.data(), D, Rp, np, d0, rv);
+      });
   }
-  prefill_bf16_store(a, it, w, q_base);
+  prefill_bf16_store(a, it, w);
+}
+
+// Prefetches (to L2) what an item first reads from memory: its query rows (the qkv projection's output, written
+// a few ops earlier: L3 at best; these loads were ~13 % of the kernel's time in a profile at SmolLM2's shapes)
+// and the key / value rows of its own tokens (just written by reshape_and_cache; the earlier tokens' rows were
+// read by the run's previous tile). Issued for the next tile of a run while the current one computes.
+inline void prefill_bf16_prefetch(const PagedAttnArgs<c10::BFloat16>& a, const PrefillItem& it) {
+  const int64_t G = a.group(), bytes = a.head_dim * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const auto [q_base, pos_base, p_first, p_last] = prefill_span(a, it);
+  const auto fetch = [bytes](const c10::BFloat16* row) {
+    const char* p = reinterpret_cast<const char*>(row);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 2);
+    __builtin_prefetch(p + bytes - 1, 0, 2);  // the last line of a row that does not start on a line
+  };
+  for (int64_t t = it.t0; t < it.t1; ++t) {
+    for (int64_t g = 0; g < G; ++g) fetch(a.q_row(q_base + t, it.head * G + g));
+    fetch(a.row(a.key_cache, it.seq, pos_base + t, it.head));
+    fetch(a.row(a.value_cache, it.seq, pos_base + t, it.head));
+  }
 }
 
 // A run of consecutive query tiles of one (sequence, kv head), items [begin, end) of prefill_tile_runs' list.
@@ -258,7 +295,10 @@ inline void paged_attention_prefill_bf16(const PagedAttnArgs<c10::BFloat16>& a) 
   parallel_dynamic(n_runs, [&](auto claim) {
     PrefillBf16Scratch w(a.head_dim, Rp);
     for (int64_t r = claim(); r < n_runs; r = claim())
-      for (int64_t i = runs[r].begin; i < runs[r].end; ++i) prefill_bf16_item(a, items[i], w);
+      for (int64_t i = runs[r].begin; i < runs[r].end; ++i) {
+        if (i + 1 < runs[r].end) prefill_bf16_prefetch(a, items[i + 1]);
+        prefill_bf16_item(a, items[i], w);
+      }
   });
 }
 
