@@ -2,16 +2,19 @@
 """The CPU paged decode attention of one verify row: 1 + k queries at consecutive positions of one sequence, as the
 cpu backend's multi-query decode passes them (one query per token, the row's block table repeated, context up to
 each token), at the default model's attention shape (9 query / 3 kv heads, head_dim 64, bf16), over 30 layers'
-worth of distinct caches. Per query count: ms per 30 layers (CPU time of this process by default: a shared machine;
-`--clock wall`), median over rounds, and per query. Run it from two venvs for an A/B of two builds (the fused
-verify-row path of decode_runs_cpu_kernels.h against the per-query kernel).
+worth of distinct caches. Per context and query count: ms per 30 layers (CPU time of this process by default: a
+shared machine; `--clock wall`), median over rounds, and per query. PAGELLM_NUM_THREADS sizes the kernels' pool (before
+session 16 this script left the pool at every CPU, so its "one thread" figures were two threads' CPU time). Run it from
+two venvs, alternated, for an A/B of two builds.
 
     PAGELLM_NUM_THREADS=1 python benchmarks/bench_verify_attention.py --context 400 --queries 1,2,4,8,13
+    PAGELLM_NUM_THREADS=1 python benchmarks/bench_verify_attention.py --context 51,280,777,1999 --queries 1,4
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -20,18 +23,31 @@ import torch
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--context", type=int, default=400, help="context of the row's first query")
+    ap.add_argument("--context", type=lambda s: [int(x) for x in s.split(",")], default=[400],
+                    help="context(s) of the row's first query")
     ap.add_argument("--queries", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 13])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10, help="30-layer passes per round and query count")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
     args = ap.parse_args()
     import pagellm.ops  # noqa: F401  (loads the kernels)
+    from pagellm.threading_config import ThreadingConfig, apply_threading
+
+    pool = apply_threading(ThreadingConfig.from_env())
 
     op = torch.ops.pagellm.paged_attention_decode.default
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    print(f"threads {pool.get('num_threads')}, load {os.getloadavg()[0]:.1f}")
+    print(f"| context | queries | ms per 30 layers ({args.clock}) | per query |\n|---:|---:|---:|---:|")
+    for context in args.context:
+        for q, ms in _times(op, clock, context, args).items():
+            print(f"| {context} | {q} | {ms:.3f} | {ms / q:.3f} |")
+    print(f"load {os.getloadavg()[0]:.1f}")
+
+
+def _times(op, clock, context: int, args) -> dict[int, float]:
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
-    blocks = (args.context + max(args.queries) + block - 1) // block + 1
+    blocks = (context + max(args.queries) + block - 1) // block + 1
     g = torch.Generator().manual_seed(0)
     caches = [tuple(torch.randn(blocks, kv_heads, block, head_dim, generator=g).bfloat16() for _ in range(2))
               for _ in range(30)]
@@ -42,16 +58,13 @@ def main() -> None:
             query = torch.randn(q, heads, head_dim, generator=g).bfloat16()
             out = torch.empty_like(query)
             tables = table.expand(q, -1).contiguous()
-            lens = torch.arange(args.context, args.context + q, dtype=torch.int32)
+            lens = torch.arange(context, context + q, dtype=torch.int32)
             t = clock()
             for _ in range(args.iters):
                 for kc, vc in caches:
                     op(out, query, kc, vc, tables, lens, 0.125, -1, 0.0)
             times[q].append((clock() - t) / args.iters * 1e3)
-    print(f"| queries | ms per 30 layers ({args.clock}) | per query |\n|---:|---:|---:|")
-    for q, ts in times.items():
-        ms = statistics.median(ts)
-        print(f"| {q} | {ms:.3f} | {ms / q:.3f} |")
+    return {q: statistics.median(ts) for q, ts in times.items()}
 
 
 if __name__ == "__main__":

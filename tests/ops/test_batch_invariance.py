@@ -260,3 +260,33 @@ def test_fused_verify_rows_with_softcap_and_int8_cache():
         OP.paged_attention_decode_quantized(alone8, q[i : i + 1], k8, v8, ks, vs, tables[rows[i] : rows[i] + 1], one,
                                             0.125, -1, 0.0)
         assert torch.equal(out[i], alone[0]) and torch.equal(out8[i], alone8[0]), f"query {i}"
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size",
+                         [(9, 3, 64, 16), (8, 1, 128, 32), (4, 4, 64, 1), (32, 4, 128, 64), (12, 3, 80, 8)])
+def test_verify_rows_of_every_length_equal_single_token_decodes(num_heads, num_kv_heads, head_dim, block_size):
+    """A verify row of 1 + k queries for every k in 0..15, each at its own odd context (51..1999: one to eight
+    256-key partitions, partial tiles and blocks), GQA 1 / 3 / 4 / 8, head dims 64 / 80 / 128, blocks of 1-64 keys:
+    every query of the row gets exactly the bits of its own one-query decode, and the row is within bf16 rounding
+    of the pure-torch reference."""
+    starts = [51 + 127 * k for k in range(16)]  # the first query's context per k: odd, up to 1956 + 15
+    kc, vc, tables = _paged_cache([2000], num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size, seed=21)
+    for k, start in enumerate(starts):
+        ctx = list(range(start, start + k + 1))
+        q = _rand(len(ctx), num_heads, head_dim, seed=100 + k)
+        lens = torch.tensor(ctx, dtype=torch.int32)
+        row_tables = tables[[0] * len(ctx)]
+        out = torch.empty_like(q)
+        OP.paged_attention_decode(out, q, kc, vc, row_tables, lens, head_dim**-0.5, -1, 0.0)
+        for i, n in enumerate(ctx):
+            alone = _decode_scaled(q[i : i + 1], kc, vc, tables[:1], [n], head_dim**-0.5)
+            assert torch.equal(out[i], alone[0]), f"k={k}: query {i} (context {n})"
+        ref = torch.empty_like(q)
+        reference.paged_attention_decode(ref, q, kc, vc, row_tables, lens, head_dim**-0.5)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+
+
+def _decode_scaled(q, kc, vc, tables, lens, scale):
+    out = torch.empty_like(q)
+    OP.paged_attention_decode(out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), scale, -1, 0.0)
+    return out

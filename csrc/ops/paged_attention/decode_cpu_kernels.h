@@ -21,18 +21,6 @@ namespace pagellm::cpu {
 
 constexpr int64_t kDecodeTile = 32;
 
-// sc[g * kDecodeTile + j] = scale * (sum of the lanes of raw[(g * kDecodeTile + j) * kLanes ...]), j < n.
-inline void decode_reduce_scores(const float* raw, int64_t G, int64_t n, float scale, float* sc) {
-  const VecF sv = vset1(scale);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t j = 0; j < n; j += kLanes) {
-      VecF v[kLanes];
-      for (int i = 0; i < kLanes; ++i) v[i] = vload(raw + (g * kDecodeTile + j + i) * kLanes);
-      vstore(sc + g * kDecodeTile + j, vmul(vsum16(v), sv), static_cast<int>(std::min<int64_t>(kLanes, n - j)));
-    }
-  }
-}
-
 // sc[g * kDecodeTile + j] = q_g . k_j for heads g0..g0+GN (q pre-scaled, fp32). Two keys per pass
 // give 2*GN independent FMA chains (latency hiding); each key row is converted once for all heads.
 template <int GN, typename T>
@@ -75,31 +63,39 @@ inline void decode_scores(const float* qf, const T* const* kp, int64_t n, int64_
 
 #ifdef PAGELLM_BF16_DOT  // vdpbf16ps, or its exact AVX2 emulation (cpu_vec_avx2.h)
 #define PAGELLM_DECODE_BF16_DOT 1
-// bf16 x bf16 -> fp32 pair dot products (vdpbf16ps, 32 elements per instruction): no conversions.
-// q is the raw (unscaled) bf16 query; raw[(g * kDecodeTile + j) * kLanes ...] = the 16 partial sums of q_g . k_j.
-template <int GN>
+// bf16 x bf16 -> fp32 pair dot products (vdpbf16ps, 32 elements per instruction): no conversions. q: the raw
+// (unscaled) bf16 queries of X heads. Score (x, j) = scale * vsum16-lane of the 16 partial sums of q_x . k_j
+// (vdpbf16ps over d in steps of 32 from zero): one head's 16 keys at a time keep their accumulators in registers
+// and meet the transposing add tree there, so nothing goes through memory but the 16 scores (the key rows come
+// from L1 again for the other heads). kp: n rows, then at least up to the next multiple of 16 any valid rows
+// (their lanes are computed and dropped). While head 0 runs, the next tile's rows pf[0 .. 2 * kDecodeTile) are
+// prefetched, four per key.
 inline void decode_scores_bf16(const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
-                               int64_t g0, float* raw, const void* const* pf) {
+                               int64_t X, float scale, float* sc, const void* const* pf) {
   const int64_t rb = D * 2;
-  for (int64_t j = 0; j < n; j += 2) {
-    prefetch_bytes(pf[2 * j], rb);
-    prefetch_bytes(pf[2 * j + 1], rb);
-    prefetch_bytes(pf[2 * j + 2], rb);
-    prefetch_bytes(pf[2 * j + 3], rb);
-    const c10::BFloat16* k1p = kp[j + 1 < n ? j + 1 : j];
-    VecF a0[GN], a1[GN];
-    for (int g = 0; g < GN; ++g) a0[g] = a1[g] = vzero();
-    for (int64_t d = 0; d < D; d += 32) {
-      const BF16x32 k0 = bf16x32_load(kp[j] + d, D - d), k1 = bf16x32_load(k1p + d, D - d);
-      for (int g = 0; g < GN; ++g) {
-        const BF16x32 q = bf16x32_load(qb + (g0 + g) * D + d, D - d);
-        a0[g] = vdot_bf16(a0[g], k0, q);
-        a1[g] = vdot_bf16(a1[g], k1, q);
+  const VecF sv = vset1(scale);
+  for (int64_t j0 = 0; j0 < n; j0 += kLanes) {
+    const int nk = static_cast<int>(std::min<int64_t>(kLanes, n - j0));
+    // The prefetches of the 16-key group (and, when this is the tile's only group, of the second one too).
+    const int64_t pf_keys = n <= kLanes ? 2 * kLanes : kLanes;
+    for (int64_t x = 0; x < X; ++x) {
+      VecF acc[kLanes];
+      for (int i = 0; i < kLanes; ++i) acc[i] = vzero();
+      for (int64_t d = 0; d < D; d += 32) {
+        const BF16x32 q = bf16x32_load(qb + x * D + d, D - d);
+        for (int i = 0; i < kLanes; ++i) acc[i] = vdot_bf16(acc[i], bf16x32_load(kp[j0 + i] + d, D - d), q);
       }
-    }
-    for (int g = 0; g < GN; ++g) {  // raw accumulators; decode_reduce_scores sums 16 keys at a time
-      vstore(raw + ((g0 + g) * kDecodeTile + j) * kLanes, a0[g]);
-      vstore(raw + ((g0 + g) * kDecodeTile + j + 1) * kLanes, a1[g]);
+      if (x == 0) {
+        for (int64_t i = 0; i < pf_keys; i += kLanes) {
+          for (int e = 0; e < 2 * kLanes; ++e) prefetch_bytes(pf[2 * (j0 + i) + e], rb);
+        }
+      }
+      const VecF scores = vmul(vsum16(acc), sv);
+      if (nk == kLanes) {
+        vstore(sc + x * kDecodeTile + j0, scores);  // a plain store: the softmax's loads forward from it
+      } else {
+        vstore(sc + x * kDecodeTile + j0, scores, nk);
+      }
     }
   }
 }
@@ -127,7 +123,7 @@ inline void decode_accum_cols(float* acc, const float* p, const T* const* vp, in
 // acc[g, :] += sum_j p[g, j] * v_j for heads g0..g0+GN (registers: NC*GN accumulators, <= 16).
 template <int GN, typename T>
 inline void decode_accum(float* acc, const float* p, const T* const* vp, int64_t n, int64_t D, int64_t g0) {
-  constexpr int NC = GN <= 2 ? 4 : (GN <= 4 ? 2 : 1);
+  constexpr int NC = GN <= 4 ? 4 : (GN <= 8 ? 2 : 1);
   int64_t d = 0;
   for (; d + NC * kLanes <= D; d += NC * kLanes) decode_accum_cols<GN, NC>(acc, p, vp, n, D, g0, d);
   for (; d < D; d += kLanes) decode_accum_cols<GN, 1>(acc, p, vp, n, D, g0, d);
@@ -158,15 +154,6 @@ struct ScoresK {
     decode_scores<GN>(qf, kp, n, D, g0, sc, pf);
   }
 };
-#ifdef PAGELLM_DECODE_BF16_DOT
-template <int GN>
-struct ScoresBf16K {
-  static void run(int64_t g0, const c10::BFloat16* qb, const c10::BFloat16* const* kp, int64_t n, int64_t D,
-                  float* raw, const void* const* pf) {
-    decode_scores_bf16<GN>(qb, kp, n, D, g0, raw, pf);
-  }
-};
-#endif
 template <int GN>
 struct AccumK {
   template <typename T>
@@ -174,6 +161,8 @@ struct AccumK {
     decode_accum<GN>(acc, p, vp, n, D, g0);
   }
 };
+
+alignas(64) constexpr float kLaneIndex[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 // Online softmax on one head's tile scores (in place -> probabilities); returns the rescale factor.
 inline float softmax_update(float* s, int64_t n, float& m, float& l) {
@@ -183,13 +172,17 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   float mt = vmaxall(mx);
   for (; i < n; ++i) mt = std::max(mt, s[i]);
   const float m_new = std::max(m, mt);
-  const float corr = std::exp(m - m_new);  // m = -inf on the first tile -> 0
+  // exp(m - m_new) without the libm call where its value is known exactly: 0 on the first tile (m = -inf),
+  // 1 while the running max holds (exp(0) = 1).
+  const float corr = m == kNegInf ? 0.0f : (m_new == m ? 1.0f : std::exp(m - m_new));
   const VecF mv = vset1(m_new);
   VecF sum = vzero();
   for (int64_t j = 0; j < n; j += kLanes) {
     const int c = static_cast<int>(std::min<int64_t>(kLanes, n - j));
-    vstore(s + j, vexp(vsub(vload(s + j, c), mv)), c);
-    sum = vadd(sum, vload(s + j, c));  // masked reload: lanes >= c are 0
+    const VecF e = vexp(vsub(vload(s + j, c), mv));
+    vstore(s + j, e, c);
+    // lanes >= c as 0 (what a masked reload of s + j gave, without waiting for the masked store to retire)
+    sum = vadd(sum, c == kLanes ? e : vselect_lt(vload(kLaneIndex), vset1(static_cast<float>(c)), e, vzero()));
   }
   l = l * corr + vsum(sum);
   m = m_new;
@@ -197,14 +190,14 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
 }
 
 struct DecodeScratch {
-  std::vector<float> qf, sc, raw, ks, vs;  // ks, vs: the tile's key / value row scales (quantized caches)
+  std::vector<float> qf, sc, ks, vs;  // ks, vs: the tile's key / value row scales (quantized caches)
   std::vector<c10::BFloat16> qb;
   std::vector<const void*> kp, vp;
   // Rows of the NEXT tile, interleaved (k0, v0, k1, v1, ...; 2 spare entries for an odd pair), prefetched
   // a key pair at a time from inside the score loop so the prefetches overlap compute.
   std::vector<const void*> pf;
   DecodeScratch(int64_t G, int64_t D)
-      : qf(G * D), sc(G * kDecodeTile), raw(G * kDecodeTile * kLanes), ks(kDecodeTile), vs(kDecodeTile), qb(G * D),
+      : qf(G * D), sc(G * kDecodeTile), ks(kDecodeTile), vs(kDecodeTile), qb(G * D),
         kp(kDecodeTile), vp(kDecodeTile),
         pf(2 * kDecodeTile + 2) {}
 };
@@ -222,9 +215,8 @@ template <typename T, typename C>
 inline void decode_tile_scores(const PagedAttnArgs<T, C>& a, DecodeScratch& w, const C* const* kp, int64_t n) {
 #ifdef PAGELLM_DECODE_BF16_DOT
   if constexpr (use_bf16_dot<T, C>()) {
-    for_head_chunks<ScoresBf16K>(a.group(), static_cast<const c10::BFloat16*>(w.qb.data()), kp, n, a.head_dim,
-                                 w.raw.data(), static_cast<const void* const*>(w.pf.data()));
-    decode_reduce_scores(w.raw.data(), a.group(), n, a.scale, w.sc.data());
+    decode_scores_bf16(w.qb.data(), reinterpret_cast<const c10::BFloat16* const*>(kp), n, a.head_dim, a.group(),
+                       a.scale, w.sc.data(), static_cast<const void* const*>(w.pf.data()));
     return;
   }
 #endif
@@ -242,25 +234,33 @@ struct DecodeKeyTail {
   const int32_t* pos = nullptr;
 };
 
-// Rows (and, quantized, scales) of keys [start, start + n) into kp / vp / ks / vs.
+// Rows (and, quantized, scales) of keys [start, start + n) into kp / vp / ks / vs; kp[n ..) = kp[0].
 template <typename T, typename C>
 inline void decode_tile_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t start, int64_t n,
                              DecodeScratch& w, const C** kp, const C** vp, const DecodeKeyTail& tail) {
-  int64_t idx = 0;
-  for (int64_t j = 0; j < n; ++j) {
-    const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
-    if (start + j >= tail.begin) {
-      idx = a.row_index(s, tail.pos[start + j - tail.begin], h);
-    } else {
-      idx = block_start ? a.row_index(s, start + j, h) : idx + 1;  // rows are consecutive within a block
+  const int64_t D = a.head_dim;
+  for (int64_t j = 0; j < n;) {
+    const int64_t p = start + j;
+    int64_t idx, run = 1;
+    if (p >= tail.begin) {
+      idx = a.row_index(s, tail.pos[p - tail.begin], h);
+    } else {  // the rest of p's block (rows are consecutive there), up to the tile's or the tail's first key
+      idx = a.row_index(s, p, h);
+      run = std::min({n - j, a.block_size - (p & (a.block_size - 1)), tail.begin - p});
     }
-    kp[j] = a.key_cache + idx * a.head_dim;
-    vp[j] = a.value_cache + idx * a.head_dim;
-    if constexpr (PagedAttnArgs<T, C>::kQuantized) {
-      w.ks[j] = a.k_scale[idx];
-      w.vs[j] = a.v_scale[idx];
+    const C* k = a.key_cache + idx * D;
+    const C* v = a.value_cache + idx * D;
+    for (int64_t r = 0; r < run; ++r) {
+      kp[j + r] = k + r * D;
+      vp[j + r] = v + r * D;
+      if constexpr (PagedAttnArgs<T, C>::kQuantized) {
+        w.ks[j + r] = a.k_scale[idx + r];
+        w.vs[j + r] = a.v_scale[idx + r];
+      }
     }
+    j += run;
   }
+  for (int64_t j = n; j < kDecodeTile; ++j) kp[j] = kp[0];  // valid rows for the score loop's whole 16-key groups
 }
 
 // The work item a thread takes after the current one (seq < 0: none): its first tile is prefetched while the
@@ -275,10 +275,16 @@ template <typename T, typename C>
 inline void decode_prefetch_rows(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t start, int64_t nn,
                                  DecodeScratch& w) {
   const int64_t D = a.head_dim;
-  for (int64_t j = 0; j < nn; ++j) {
-    const bool block_start = j == 0 || ((start + j) & (a.block_size - 1)) == 0;
-    w.pf[2 * j] = block_start ? a.row(a.key_cache, s, start + j, h) : static_cast<const C*>(w.pf[2 * j - 2]) + D;
-    w.pf[2 * j + 1] = block_start ? a.row(a.value_cache, s, start + j, h) : static_cast<const C*>(w.pf[2 * j - 1]) + D;
+  for (int64_t j = 0; j < nn;) {
+    const int64_t p = start + j;
+    const int64_t run = std::min(nn - j, a.block_size - (p & (a.block_size - 1)));
+    const C* k = a.row(a.key_cache, s, p, h);
+    const C* v = a.row(a.value_cache, s, p, h);
+    for (int64_t r = 0; r < run; ++r) {
+      w.pf[2 * (j + r)] = k + r * D;
+      w.pf[2 * (j + r) + 1] = v + r * D;
+    }
+    j += run;
   }
 }
 
