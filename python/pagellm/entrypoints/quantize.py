@@ -101,7 +101,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--rounding", default="rtn",
                    help="rtn: round to nearest (AWQ) | gptq: GPTQ's error-compensated rounding, same format")
     p.add_argument("--group-search", action="store_true",
-                   help="choose each group's (scale, integer zero) by the linear's output error (replaces the clip search)")
+                   help="choose each group's (scale, integer zero) by the linear's output error "
+                        "(replaces the clip search)")
     p.add_argument("--true-sequential", action="store_true",
                    help="round each linear for the inputs the already rounded linears before it give it")
     p.add_argument("--float-targets", action="store_true",

@@ -165,28 +165,34 @@ class LayerRunner:
         return torch.cat(outs), stats
 
 
-def fold_scales(layer: nn.Module, group: ScalingGroup, s: torch.Tensor, stats: dict[str, InputStats]) -> None:
-    """prev / s, consumers' input columns * s, the consumers' input stats for x / s: the float layer is unchanged."""
-    prev = layer.get_submodule(group.prev)
-    if isinstance(prev, nn.Linear):
-        prev.weight.div_(s.view(-1, 1))
-        if prev.bias is not None:
-            prev.bias.div_(s)
-    else:  # RMSNorm: y = w * x / rms(x)
-        prev.weight.div_(s)
-    for name in group.linears:
-        layer.get_submodule(name).weight.mul_(s.view(1, -1))
+def fold_scales(layer: nn.Module, group: ScalingGroup, s: torch.Tensor, stats: dict[str, InputStats],
+                reference: nn.Module | None = None) -> None:
+    """prev / s, consumers' input columns * s, the consumers' input stats for x / s: the float layer is unchanged.
+    `reference` (the float layer of `float_targets`) gets the same fold, so its linears' inputs stay those the
+    stats' reference side (divided here too) describes."""
+    for target in (layer,) if reference is None else (layer, reference):
+        prev = target.get_submodule(group.prev)
+        if isinstance(prev, nn.Linear):
+            prev.weight.div_(s.view(-1, 1))
+            if prev.bias is not None:
+                prev.bias.div_(s)
+        else:  # RMSNorm: y = w * x / rms(x)
+            prev.weight.div_(s)
+        for name in group.linears:
+            target.get_submodule(name).weight.mul_(s.view(1, -1))
     stats[INPUT_OWNER[group.linears[0]]].divide_inputs(s)
 
 
 def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQCalibrationConfig,
-                    recapture: Callable[[tuple[str, ...]], dict[str, InputStats]] | None = None) -> tuple[
+                    recapture: Callable[[tuple[str, ...]], dict[str, InputStats]] | None = None,
+                    reference: nn.Module | None = None) -> tuple[
         dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, list[float]]]:
     """Scale search + folding, clip search, quantization of one layer, in place: afterwards every linear's
     weight is its dequantized AWQ weight. `stats`: the captured inputs (`CAPTURED_INPUTS`; updated by folding).
     `recapture(names)`: the current layer's inputs of those linears, needed by `config.true_sequential`
     (each stage after the first re-captures its inputs; a scaling group is searched and folded in the first
-    stage that rounds its previous op or its linears).
+    stage that rounds its previous op or its linears). `reference`: the float copy of the layer that
+    `recapture` pairs the inputs with (`float_targets`), folded alike.
     Returns ({linear: (qweight, qzeros, scales)}, {group prev: scale-search losses, RTN's first})."""
     if config.true_sequential and recapture is None:
         raise ValueError("true_sequential calibration needs recapture (the layer's inputs after each stage)")
@@ -201,7 +207,7 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
                 weights = [layer.get_submodule(n).weight for n in group.linears]
                 s, losses[group.prev] = search_scale(stats[INPUT_OWNER[group.linears[0]]], weights,
                                                      config.group_size, duo_scaling=config.duo_scaling)
-                fold_scales(layer, group, s, stats)
+                fold_scales(layer, group, s, stats, reference)
                 pending.remove(group)
             for name in linears:
                 linear = layer.get_submodule(name)
@@ -258,7 +264,8 @@ def calibrate_model(model, samples: list[list[int]], config: AWQCalibrationConfi
             float_out, stats = runner.forward(layer, hidden, CAPTURED_INPUTS, reference)
             quantized, losses = calibrate_layer(
                 layer, stats, config,
-                lambda names, layer=layer, ref=reference: runner.forward(layer, hidden, names, ref)[1])
+                lambda names, layer=layer, ref=reference: runner.forward(layer, hidden, names, ref)[1],
+                reference[0] if reference is not None else None)
             del stats
             hidden = runner.forward(layer, hidden)[0] if config.next_inputs_from_quantized else float_out
             if reference is not None:
