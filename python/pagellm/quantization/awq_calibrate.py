@@ -22,7 +22,12 @@ stage's inputs captured afresh from the layer whose earlier linears are already 
 sequential"): o_proj is rounded for the inputs the rounded q/k/v give it, and so on; the MLP's scaling groups
 are searched on the inputs of the rounded attention. `group_search` picks each group's (scale, integer
 zero) by its output error (`awq_group_search`; the default model's Q4_1-grid weights lose nearly all of
-RTN's error to the integer zero point). Both off by default (session 15's behaviour).
+RTN's error to the integer zero point). `float_targets` keeps a float copy of each layer (folded alike)
+running on the float model's hidden states and rounds each linear towards `awq_search.float_target`: the
+weight whose output on this model's inputs best matches the float model's output, so a linear also undoes
+what the rounded linears before it changed in its input (the objective of GPTAQ's "asymmetric calibration",
+Li et al., ICML 2025, solved here once as a target weight before the rounding).
+All three off by default (session 15's behaviour).
 Search losses are the linears' own output errors (AutoAWQ looks at the whole attention / MLP output for
 the q/k/v and gate/up groups; the linears' outputs are cheaper and what the paper's objective states).
 """
