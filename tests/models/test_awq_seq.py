@@ -185,7 +185,7 @@ def test_true_sequential_rounds_each_stage_for_the_rounded_inputs(tmp_path, tiny
 # ------------------------------------------------------------------------------------------- float targets
 def test_float_target_is_the_least_squares_fit_of_the_float_output():
     """W_t from the stats with a reference input is argmin_V ||x V^T - x_ref W^T||^2 (float64 lstsq, damping
-    small against H), W itself when x = x_ref, and the stats' cross term is x_ref^T x over all batches."""
+    small against H), W itself when x = x_ref, and the stats' drift is (x_ref - x)^T x over all batches."""
     from pagellm.quantization.awq_search import float_target
 
     g = torch.Generator().manual_seed(12)
@@ -195,7 +195,7 @@ def test_float_target_is_the_least_squares_fit_of_the_float_output():
     stats = InputStats.empty(80)
     for part in (slice(0, 400), slice(400, 900)):
         stats.add(x[part], x_ref[part])
-    torch.testing.assert_close(stats.cross, x_ref.t() @ x, rtol=1e-4, atol=1e-2)
+    torch.testing.assert_close(stats.drift, ((x_ref - x).t() @ x).double(), rtol=1e-4, atol=1e-2)
     want = torch.linalg.lstsq(x.double(), (x_ref.double() @ w.double().t())).solution.t()
     torch.testing.assert_close(float_target(w, stats, 1e-9), want.float(), rtol=1e-3, atol=1e-3)
     same = InputStats.empty(80)
@@ -255,7 +255,7 @@ def test_layer_runner_pairs_each_token_with_the_float_layers_input(tmp_path, tin
             LayerRunner(model.model.rotary_emb, 16, 5).forward(lay, h)
             hook.remove()
     xq, xr = (x[k].reshape(-1, x[k].shape[-1]) for k in ("q", "ref"))
-    torch.testing.assert_close(stats["mlp.down_proj"].cross, xr.t() @ xq, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(stats["mlp.down_proj"].drift, ((xr - xq).t() @ xq).double(), rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(stats["mlp.down_proj"].gram, xq.t() @ xq, rtol=1e-4, atol=1e-3)
     torch.testing.assert_close(out, runner.forward(layer, hidden)[0])
 

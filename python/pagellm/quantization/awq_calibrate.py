@@ -147,7 +147,7 @@ class LayerRunner:
                 reference: tuple[nn.Module, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, InputStats]]:
         """hidden [samples, seq, hidden] -> (layer output [samples, seq, hidden], {linear: its input's stats}).
         `reference` (float layer, its hidden states): each batch also runs through it first, and the stats
-        pair every token's input with the float layer's input of the same linear (`InputStats.cross`)."""
+        pair every token's input with the float layer's input of the same linear (`InputStats.drift`)."""
         stats = {name: InputStats.empty(layer.get_submodule(name).in_features) for name in capture}
         ref_inputs: dict[str, torch.Tensor] = {}
         hooks = [layer.get_submodule(name).register_forward_hook(
