@@ -142,7 +142,7 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 
 # "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
 AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
-               "ft": "--float-targets"}
+               "ft": "AWQCalibrationConfig.float_targets (experimental, library only)"}
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:

@@ -328,6 +328,6 @@ def test_cli_takes_the_new_options(tmp_path, tiny_llama_dir, capsys):
     out = tmp_path / "cli"
     assert main(["quantize", "--method", "awq", "--model", str(tiny_llama_dir), "--output", str(out),
                  "--group-size", "32", "--num-samples", "2", "--seq-len", "16", "--rounding", "gptq",
-                 "--group-search", "--true-sequential", "--float-targets"]) == 0
-    assert "group search on, true-sequential on, float targets on" in capsys.readouterr().out
+                 "--group-search", "--true-sequential"]) == 0
+    assert "group search on, true-sequential on, float targets off" in capsys.readouterr().out
     assert (out / "model.safetensors").is_file()
