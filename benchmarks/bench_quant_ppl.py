@@ -7,6 +7,7 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,awq            # AWQ 4-bit, calibrated once into --awq-cache
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:64,awq+gptq:64   # + GPTQ rounding (--rounding gptq)
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+seq:32   # + --group-search --true-sequential
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -139,11 +140,24 @@ def with_int8_threshold(model: str | None, threshold: float, root: Path, scheme:
 AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and symmetric clip search
 
 
+# "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
+AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
+               "ft": "AWQCalibrationConfig.float_targets (experimental, library only)"}
+
+
+def awq_options(name: str) -> tuple[str, ...] | None:
+    """("gptq", "search", ...) of "awq+gptq+search"-style names ("awq" -> ()), None for other names."""
+    parts = name.split("+")
+    if parts[0] != "awq" or any(p not in AWQ_OPTIONS for p in parts[1:]):
+        return None
+    return tuple(parts[1:])
+
+
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
-                   rounding: str = "rtn") -> str:
-    """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` (its
-    calibration text never includes this benchmark's held-out excerpt; group size `group`, None = the
-    automatic choice), written once under `cache` and reused."""
+                   rounding: str = "rtn", options: tuple[str, ...] = ()) -> str:
+    """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` and the
+    `options` ("search", "seq", "ft": `AWQ_OPTIONS`) (its calibration text never includes this benchmark's
+    held-out excerpt; group size `group`, None = the automatic choice), written once under `cache` and reused."""
     from pagellm.entrypoints.quantize import quantize_model_awq
     from pagellm.model_loader import open_model
     from pagellm.quantization.awq_calibrate import choose_group_size
@@ -151,13 +165,14 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     files = open_model(model)
     group = choose_group_size(files.hf_config, group)
     src = Path(files.source).resolve()
-    tail = "" if rounding == "rtn" else f"-{rounding}"
+    tail = ("" if rounding == "rtn" else f"-{rounding}") + "".join(f"-{o}" for o in options if o != "gptq")
     out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}{tail}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
-                       rounding=rounding, progress=lambda msg: print(f"[awq] {msg}", flush=True))
+                       rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
+                       float_targets="ft" in options, progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
 
@@ -217,6 +232,7 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
     """"bf16": the checkpoint in bfloat16; "int8:T": int8 with outlier threshold T; "int8-absmax[:T]" /
     "int8-zp[:T]" / "int8-g64[:T]": int8 with that activation scheme (threshold T, default 6; `int8_variant`); "awq[:G]": the AWQ checkpoint
     `awq_checkpoint` makes (group size G, default automatic); "awq+gptq[:G]": the same with GPTQ rounding;
+    "awq+gptq+search+seq[:G]": + `AWQ_OPTIONS`' calibration options;
     "awq-rtn[:G]": round-to-nearest; else
     quantization=method."""
     from pagellm import LLM
@@ -229,10 +245,11 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
         scheme, extra = int8_variant(name)
         model = with_int8_threshold(model, float(option or 6.0), tmp_root, scheme, extra)
         quantization = None
-    if name in ("awq", "awq+gptq"):
+    if awq_options(name) is not None:
+        options = awq_options(name)
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
                                              int(option) if option else None,
-                                             "gptq" if name == "awq+gptq" else "rtn"), None
+                                             "gptq" if "gptq" in options else "rtn", options), None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -334,7 +351,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,int8",
                     help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
-                         "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq-rtn[:<group>] "
+                         "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq+gptq+search+seq[:<group>] "
+                         "(+ options: gptq, search, seq, ft = AWQ_OPTIONS), awq-rtn[:<group>] "
                          "(round-to-nearest, no calibration), or a registered "
                          "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")

@@ -13,6 +13,7 @@ import torch
 from pagellm.quantization.awq_calibrate import LAYER_LINEARS, AWQCalibrationConfig, calibrate_model
 from pagellm.quantization.awq_format import dequantize_awq, pack_awq, quantize_awq
 from pagellm.quantization.awq_gptq import dequantize_groups, gptq_quantize, group_params
+from pagellm.quantization.awq_group_search import search_group_params
 from pagellm.quantization.awq_search import InputStats, output_error, pseudo_quantize
 from pagellm.quantization.calibration_data import calibration_samples
 
@@ -35,11 +36,13 @@ def _gram(x: torch.Tensor) -> torch.Tensor:
     return stats.gram
 
 
-def reference_gptq(w: torch.Tensor, gram: torch.Tensor, group_size: int, damp: float = 0.01):
+def reference_gptq(w: torch.Tensor, gram: torch.Tensor, group_size: int, damp: float = 0.01,
+                   group_search: bool = False):
     """GPTQ written the slow, direct way (OBQ's update): keep the full inverse Hessian of the not yet rounded
     columns, round column k, spread its error over the rest with H^-1[k, :] / H^-1[k, k], then remove k from
     H^-1 (Gaussian elimination of row and column k). float64 throughout; group parameters from the group's
-    updated weights when its first column comes up, min / max as `quantize_awq`."""
+    updated weights when its first column comes up, min / max as `quantize_awq` (or, `group_search`,
+    `search_group_params` on them and the group's Gram block)."""
     w = w.to(torch.float64).clone()
     h = gram.to(torch.float64).clone()
     dead = torch.diagonal(h) == 0
@@ -50,7 +53,12 @@ def reference_gptq(w: torch.Tensor, gram: torch.Tensor, group_size: int, damp: f
     q = torch.zeros_like(w)
     scales, zeros = [], []
     for k in range(w.shape[1]):
-        if k % group_size == 0:
+        if k % group_size == 0 and group_search:
+            block = gram[k:k + group_size, k:k + group_size]
+            s, z = (t[:, 0] for t in search_group_params(w[:, k:k + group_size].to(torch.float32), block, group_size))
+            scales.append(s.to(torch.float64))
+            zeros.append(z.to(torch.float64))
+        elif k % group_size == 0:
             s, z = group_params(w[:, k:k + group_size].to(torch.float32))
             scales.append(s.to(torch.float64))
             zeros.append(z.to(torch.float64))

@@ -12,7 +12,8 @@ column k moves the remaining, not yet rounded columns of every row so that they 
 H allows: W[:, k+1:] -= e_k / U[k, k] * U[k, k+1:], U the upper Cholesky factor of H^-1 (of H damped by
 `damp` x its mean diagonal, so it is invertible). A group's scale and zero point are fixed when its first
 column comes up, from the then-updated weights (their min / max, or a clip search's bounds on the group's
-partial output error with H's diagonal block, like `awq_search.search_clip`), so the result is exactly
+partial output error with H's diagonal block, like `awq_search.search_clip`; or, with `group_search`, the
+(scale, zero) pair `awq_group_search` finds on the same error), so the result is exactly
 AWQ's format: fp16 scales, integer zero points in 0..15, q in 0..15.
 
 Columns are processed in blocks of `block_columns` (a multiple of G): the rank-1 updates stay inside the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from pagellm.quantization.awq_group_search import search_group_params
 from pagellm.quantization.awq_search import InputStats, search_clip
 
 DAMP_FRACTION = 0.01  # H + damp * mean(diag H) * I (GPTQ's default percdamp)
@@ -56,11 +58,13 @@ def group_params(w_group: torch.Tensor, lo: torch.Tensor | None = None,
 
 
 def gptq_quantize(w: torch.Tensor, gram: torch.Tensor, group_size: int, *, clip: bool = False,
-                  damp: float = DAMP_FRACTION, block_columns: int = BLOCK_COLUMNS) -> tuple[
+                  group_search: bool = False, damp: float = DAMP_FRACTION,
+                  block_columns: int = BLOCK_COLUMNS) -> tuple[
                       torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] with its input's Gram matrix `gram` [in, in] -> (q uint8 [out, in], zeros uint8
     [out, in / G], scales float16 [out, in / G]) (see the module doc). `clip`: each group's bounds from a
-    clip search on the updated weights (AWQ's symmetric grid) instead of their min / max."""
+    clip search on the updated weights (AWQ's symmetric grid) instead of their min / max; `group_search`: each
+    group's (scale, zero) from `awq_group_search.search_group_params` on the updated weights (supersedes `clip`)."""
     out_features, in_features = w.shape
     if in_features % group_size or gram.shape != (in_features, in_features):
         raise ValueError(f"W {tuple(w.shape)} needs in % group_size == 0 (group_size={group_size}) and a Gram "
@@ -80,10 +84,14 @@ def gptq_quantize(w: torch.Tensor, gram: torch.Tensor, group_size: int, *, clip:
         for i in range(b1 - b0):
             k = b0 + i
             if k % group_size == 0:
-                g = k // group_size
-                bounds = _clip_bounds(cols[:, i:i + group_size], gram[k:k + group_size, k:k + group_size]) \
-                    if clip else (None, None)
-                scales[:, g], zeros[:, g] = group_params(cols[:, i:i + group_size], *bounds)
+                g, w_group = k // group_size, cols[:, i:i + group_size]
+                block_gram = gram[k:k + group_size, k:k + group_size]
+                if group_search:
+                    s, z = search_group_params(w_group, block_gram, group_size)
+                    scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
+                else:
+                    bounds = _clip_bounds(w_group, block_gram) if clip else (None, None)
+                    scales[:, g], zeros[:, g] = group_params(w_group, *bounds)
             s, z = scales[:, k // group_size], zeros[:, k // group_size]
             qk = torch.clamp(torch.round(cols[:, i] / s) + z, 0, 15)
             q[:, k] = qk.to(torch.uint8)
