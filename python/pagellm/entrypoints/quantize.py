@@ -40,7 +40,7 @@ def check_method(method: str) -> str:
 def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size: int | None = None,
                        num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, clip: bool = True,
                        dtype: str = "float16", seed: int = 0, overwrite: bool = False, rounding: str = "rtn",
-                       group_search: bool = False, true_sequential: bool = False, float_targets: bool = False,
+                       group_search: bool = False, true_sequential: bool = False,
                        progress: Callable[[str], None] | None = None) -> Path:
     """AWQ-calibrate `model` (an HF dir, a .gguf, or None for the default model) and write the checkpoint to
     `output_dir`. Every argument is checked (ValueError) before any work; returns the output directory."""
@@ -64,13 +64,11 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
     if files.tokenizer is None:
         raise ValueError(f"{files.path}: no tokenizer files; calibration needs the model's tokenizer")
     config = AWQCalibrationConfig(group_size=choose_group_size(files.hf_config, group_size), clip=clip,
-                                  rounding=rounding, group_search=group_search, true_sequential=true_sequential,
-                                  float_targets=float_targets)
+                                  rounding=rounding, group_search=group_search, true_sequential=true_sequential)
     say = progress or (lambda _msg: None)
     say(f"model {files.source} ({files.hf_config.num_hidden_layers} layers), group size {config.group_size}, "
         f"{num_samples} samples x {seq_len} tokens, clip search {'on' if clip else 'off'}, rounding {rounding}, "
-        f"group search {'on' if group_search else 'off'}, true-sequential {'on' if true_sequential else 'off'}, "
-        f"float targets {'on' if float_targets else 'off'}")
+        f"group search {'on' if group_search else 'off'}, true-sequential {'on' if true_sequential else 'off'}")
     samples = calibration_samples(files.tokenizer, num_samples, seq_len, seed)
     float_model = load_float_model(str(files.path))
     tensors = calibrate_model(float_model, samples, config, progress=progress)

@@ -22,21 +22,15 @@ stage's inputs captured afresh from the layer whose earlier linears are already 
 sequential"): o_proj is rounded for the inputs the rounded q/k/v give it, and so on; the MLP's scaling groups
 are searched on the inputs of the rounded attention. `group_search` picks each group's (scale, integer
 zero) by its output error (`awq_group_search`; the default model's Q4_1-grid weights lose nearly all of
-RTN's error to the integer zero point). `float_targets` keeps a float copy of each layer (folded alike)
-running on the float model's hidden states and rounds each linear towards `awq_search.float_target`: the
-weight whose output on this model's inputs best matches the float model's output, so a linear also undoes
-what the rounded linears before it changed in its input (the objective of GPTAQ's "asymmetric calibration",
-Li et al., ICML 2025, solved here once as a target weight before the rounding). It helps on a 2-layer tiny
-model but diverges on the default model (30 layers: perplexity +2165 %, the targets drift ~100 % from W in
-the last layers; benchmarks/README.md session 16), so it is not on the CLI.
-All three off by default (session 15's behaviour).
+RTN's error to the integer zero point). Both off by default (session 15's behaviour). (Rounding each linear
+towards the weight that best reproduces the float model's output, GPTAQ-style, was tried in session 16 and
+removed: +2165 % perplexity on the default model; benchmarks/README.md.)
 Search losses are the linears' own output errors (AutoAWQ looks at the whole attention / MLP output for
 the q/k/v and gate/up groups; the linears' outputs are cheaper and what the paper's objective states).
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -47,7 +41,7 @@ from torch import nn
 from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pack_awq, quantize_awq
 from pagellm.quantization.awq_gptq import DAMP_FRACTION, gptq_quantize
 from pagellm.quantization.awq_group_search import search_quantize
-from pagellm.quantization.awq_search import InputStats, apply_clip, float_target, search_clip, search_scale
+from pagellm.quantization.awq_search import InputStats, apply_clip, search_clip, search_scale
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -75,7 +69,6 @@ class AWQCalibrationConfig:
     gptq_damp: float = DAMP_FRACTION  # GPTQ's H + damp * mean(diag H) * I
     group_search: bool = False  # each group's (scale, zero) by output error (supersedes the clip search)
     true_sequential: bool = False  # each linear rounded for the inputs the already rounded ones give it
-    float_targets: bool = False  # experimental (library only): diverges on the default model, see the module doc
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
@@ -145,24 +138,15 @@ class LayerRunner:
         return dict(attention_mask=causal_mask(self.seq_len, hidden.shape[0]), position_ids=position_ids,
                     position_embeddings=self.rotary_emb(hidden, position_ids))
 
-    def forward(self, layer: nn.Module, hidden: torch.Tensor, capture: tuple[str, ...] = (),
-                reference: tuple[nn.Module, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, InputStats]]:
-        """hidden [samples, seq, hidden] -> (layer output [samples, seq, hidden], {linear: its input's stats}).
-        `reference` (float layer, its hidden states): each batch also runs through it first, and the stats
-        pair every token's input with the float layer's input of the same linear (`InputStats.drift`)."""
+    def forward(self, layer: nn.Module, hidden: torch.Tensor,
+                capture: tuple[str, ...] = ()) -> tuple[torch.Tensor, dict[str, InputStats]]:
+        """hidden [samples, seq, hidden] -> (layer output [samples, seq, hidden], {linear: its input's stats})."""
         stats = {name: InputStats.empty(layer.get_submodule(name).in_features) for name in capture}
-        ref_inputs: dict[str, torch.Tensor] = {}
         hooks = [layer.get_submodule(name).register_forward_hook(
-            lambda _m, args, _out, name=name: stats[name].add(args[0], ref_inputs.get(name))) for name in capture]
-        if reference is not None:
-            hooks += [reference[0].get_submodule(name).register_forward_hook(
-                lambda _m, args, _out, name=name: ref_inputs.__setitem__(name, args[0])) for name in capture]
+            lambda _m, args, _out, name=name: stats[name].add(args[0])) for name in capture]
         outs = []
         try:
             for lo in range(0, hidden.shape[0], self.batch_size):
-                if reference is not None:
-                    ref_chunk = reference[1][lo:lo + self.batch_size]
-                    reference[0](ref_chunk, **self._kwargs(ref_chunk))
                 chunk = hidden[lo:lo + self.batch_size]
                 out = layer(chunk, **self._kwargs(chunk))
                 outs.append(out[0] if isinstance(out, tuple) else out)
@@ -172,34 +156,28 @@ class LayerRunner:
         return torch.cat(outs), stats
 
 
-def fold_scales(layer: nn.Module, group: ScalingGroup, s: torch.Tensor, stats: dict[str, InputStats],
-                reference: nn.Module | None = None) -> None:
-    """prev / s, consumers' input columns * s, the consumers' input stats for x / s: the float layer is unchanged.
-    `reference` (the float layer of `float_targets`) gets the same fold, so its linears' inputs stay those the
-    stats' reference side (divided here too) describes."""
-    for target in (layer,) if reference is None else (layer, reference):
-        prev = target.get_submodule(group.prev)
-        if isinstance(prev, nn.Linear):
-            prev.weight.div_(s.view(-1, 1))
-            if prev.bias is not None:
-                prev.bias.div_(s)
-        else:  # RMSNorm: y = w * x / rms(x)
-            prev.weight.div_(s)
-        for name in group.linears:
-            target.get_submodule(name).weight.mul_(s.view(1, -1))
+def fold_scales(layer: nn.Module, group: ScalingGroup, s: torch.Tensor, stats: dict[str, InputStats]) -> None:
+    """prev / s, consumers' input columns * s, the consumers' input stats for x / s: the float layer is unchanged."""
+    prev = layer.get_submodule(group.prev)
+    if isinstance(prev, nn.Linear):
+        prev.weight.div_(s.view(-1, 1))
+        if prev.bias is not None:
+            prev.bias.div_(s)
+    else:  # RMSNorm: y = w * x / rms(x)
+        prev.weight.div_(s)
+    for name in group.linears:
+        layer.get_submodule(name).weight.mul_(s.view(1, -1))
     stats[INPUT_OWNER[group.linears[0]]].divide_inputs(s)
 
 
 def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQCalibrationConfig,
-                    recapture: Callable[[tuple[str, ...]], dict[str, InputStats]] | None = None,
-                    reference: nn.Module | None = None) -> tuple[
+                    recapture: Callable[[tuple[str, ...]], dict[str, InputStats]] | None = None) -> tuple[
         dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], dict[str, list[float]]]:
     """Scale search + folding, clip search, quantization of one layer, in place: afterwards every linear's
     weight is its dequantized AWQ weight. `stats`: the captured inputs (`CAPTURED_INPUTS`; updated by folding).
     `recapture(names)`: the current layer's inputs of those linears, needed by `config.true_sequential`
     (each stage after the first re-captures its inputs; a scaling group is searched and folded in the first
-    stage that rounds its previous op or its linears). `reference`: the float copy of the layer that
-    `recapture` pairs the inputs with (`float_targets`), folded alike.
+    stage that rounds its previous op or its linears).
     Returns ({linear: (qweight, qzeros, scales)}, {group prev: scale-search losses, RTN's first})."""
     if config.true_sequential and recapture is None:
         raise ValueError("true_sequential calibration needs recapture (the layer's inputs after each stage)")
@@ -214,7 +192,7 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
                 weights = [layer.get_submodule(n).weight for n in group.linears]
                 s, losses[group.prev] = search_scale(stats[INPUT_OWNER[group.linears[0]]], weights,
                                                      config.group_size, duo_scaling=config.duo_scaling)
-                fold_scales(layer, group, s, stats, reference)
+                fold_scales(layer, group, s, stats)
                 pending.remove(group)
             for name in linears:
                 linear = layer.get_submodule(name)
@@ -230,8 +208,6 @@ def quantize_linear(w: torch.Tensor, stats: InputStats, config: AWQCalibrationCo
     clip search (RTN: once on W; GPTQ: per group on its error-updated weights), unless `config.group_search`
     chooses every group's (scale, zero) instead."""
     G = config.group_size
-    if config.float_targets:
-        w = float_target(w, stats, config.gptq_damp)
     if config.rounding == "gptq":
         return pack_awq(*gptq_quantize(w, stats.gram, G, clip=clip, group_search=config.group_search,
                                        damp=config.gptq_damp))
@@ -264,19 +240,13 @@ def calibrate_model(model, samples: list[list[int]], config: AWQCalibrationConfi
     tensors: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         hidden = inner.embed_tokens(ids)
-        float_hidden = hidden  # the float model's hidden states (float_targets)
         for i, layer in enumerate(inner.layers):
             start = time.perf_counter()
-            reference = (copy.deepcopy(layer), float_hidden) if config.float_targets else None
-            float_out, stats = runner.forward(layer, hidden, CAPTURED_INPUTS, reference)
+            float_out, stats = runner.forward(layer, hidden, CAPTURED_INPUTS)
             quantized, losses = calibrate_layer(
-                layer, stats, config,
-                lambda names, layer=layer, ref=reference: runner.forward(layer, hidden, names, ref)[1],
-                reference[0] if reference is not None else None)
+                layer, stats, config, lambda names, layer=layer: runner.forward(layer, hidden, names)[1])
             del stats
             hidden = runner.forward(layer, hidden)[0] if config.next_inputs_from_quantized else float_out
-            if reference is not None:
-                float_hidden = runner.forward(reference[0], float_hidden)[0]
             prefix = f"model.layers.{i}."
             for name, (qweight, qzeros, scales) in quantized.items():
                 tensors.update({prefix + name + ".qweight": qweight, prefix + name + ".qzeros": qzeros,

@@ -30,40 +30,26 @@ MAX_CLIP_SHRINK = 0.5  # clip ranges down to half of the group's range
 
 @dataclass
 class InputStats:
-    """What the searches need of a linear's input x [tokens, in]: gram = x^T x [in, in], abs_sum = sum_t |x| [in];
-    with a reference input x_ref [tokens, in] (the float model's, token by token): drift = (x_ref - x)^T x
-    [in, in], float64, accumulated from the per-token differences (x_ref^T x - x^T x in float32 would cancel
-    catastrophically: the default model's massive activations make both terms ~1e6 times the difference)."""
+    """What the searches need of a linear's input x [tokens, in]: gram = x^T x [in, in], abs_sum = sum_t |x| [in]."""
     gram: torch.Tensor
     abs_sum: torch.Tensor
     num_tokens: int = 0
-    drift: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, in_features: int) -> "InputStats":
         return cls(torch.zeros(in_features, in_features), torch.zeros(in_features), 0)
 
-    def add(self, x: torch.Tensor, x_ref: torch.Tensor | None = None) -> None:
-        """Accumulate x [..., in] (and its reference, same shape: every call or none)."""
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate x [..., in]."""
         x = x.reshape(-1, x.shape[-1]).to(torch.float32)
         self.gram += x.t() @ x
         self.abs_sum += x.abs().sum(dim=0)
-        if x_ref is not None:
-            if self.drift is None and self.num_tokens:
-                raise ValueError("InputStats: a reference input must come with every batch or with none")
-            x64 = x.to(torch.float64)
-            drift = (x_ref.reshape(-1, x_ref.shape[-1]).to(torch.float64) - x64).t() @ x64
-            self.drift = drift if self.drift is None else self.drift + drift
-        elif self.drift is not None:
-            raise ValueError("InputStats: a reference input must come with every batch or with none")
         self.num_tokens += x.shape[0]
 
     def divide_inputs(self, s: torch.Tensor) -> None:
-        """The statistics of x / s (after s was folded out of the producer; the reference is divided alike)."""
+        """The statistics of x / s (after s was folded out of the producer)."""
         self.gram /= s.view(-1, 1) * s.view(1, -1)
         self.abs_sum /= s
-        if self.drift is not None:
-            self.drift /= (s.view(-1, 1) * s.view(1, -1)).to(torch.float64)
 
 
 def pseudo_quantize(w: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -97,22 +83,6 @@ def activation_scales(mean_abs: torch.Tensor, alpha: float, w_mean: torch.Tensor
     s = s.clamp(min=1e-4)
     s = s / (s.max() * s.min()).sqrt()
     return torch.where(torch.isfinite(s), s, torch.ones_like(s))  # AutoAWQ: inf / NaN scales -> 1
-
-
-def float_target(w: torch.Tensor, stats: InputStats, damp: float) -> torch.Tensor:
-    """The weight W_t [out, in] whose output on this model's inputs x best matches the float model's output
-    x_ref W^T: argmin_V ||x V^T - x_ref W^T||^2 = W C H^-1 (C = x_ref^T x, H = x^T x), written as
-    W + W D (H + damp * mean(diag H) * I)^-1 with D = C - H = `stats.drift`, so that it is W itself when
-    x = x_ref. Rounding W_t for
-    ||x (Q - W_t)^T||^2 minimizes ||x Q^T - x_ref W^T||^2 (the two differ by a constant): each linear also
-    corrects what the rounded layers before it changed in its input. float64 solve, float32 result."""
-    if stats.drift is None:
-        raise ValueError("float_target needs InputStats with a reference input (drift)")
-    h = stats.gram.to(torch.float64)
-    damped = h + damp * torch.diagonal(h).mean().clamp(min=1e-12) * torch.eye(h.shape[0], dtype=torch.float64)
-    shift = w.to(torch.float64) @ stats.drift  # [out, in]
-    correction = torch.cholesky_solve(shift.t(), torch.linalg.cholesky(damped)).t()
-    return (w.to(torch.float64) + correction).to(torch.float32)
 
 
 def output_error(gram: torch.Tensor, error: torch.Tensor) -> float:
