@@ -118,16 +118,23 @@ def test_fast_paths_give_the_general_paths_tokens(llm, monkeypatch, name):
     assert all(len(c[0]) > 0 for o in fast for c in o)
 
 
-def test_plain_greedy_skips_the_sampling_metadata(llm, monkeypatch):
-    import pagellm.engine.llm_engine as le
+def _count_metadata_builds(monkeypatch, module) -> list[int]:
+    """`module.build_sampling_metadata` wrapped: the returned list gets each call's number of rows."""
+    built: list[int] = []
+    real = module.build_sampling_metadata
 
-    built = []
-    real = le.build_sampling_metadata
     def counting(rows, *args, **kwargs):
         built.append(len(rows))
         return real(rows, *args, **kwargs)
 
-    monkeypatch.setattr(le, "build_sampling_metadata", counting)
+    monkeypatch.setattr(module, "build_sampling_metadata", counting)
+    return built
+
+
+def test_plain_greedy_skips_the_sampling_metadata(llm, monkeypatch):
+    import pagellm.engine.llm_engine as le
+
+    built = _count_metadata_builds(monkeypatch, le)
     _generate(llm, PARAMS["greedy"])
     assert built == []
     _generate(llm, PARAMS["greedy_logprobs"])  # logprobs: the general path
@@ -217,14 +224,7 @@ def test_plain_greedy_spec_steps_skip_the_metadata(tiny_llama_dir, tiny_tokenize
 
     prompts = [[5, 17, 42, 99, 7], [250, 31, 64, 12, 8, 9, 10], [3, 4]]
     _, reference, _ = _reference(tiny_llama_dir, prompts, _greedy(20))
-    built = []
-    real = ss.build_sampling_metadata
-
-    def counting(rows, *args, **kwargs):
-        built.append(len(rows))
-        return real(rows, *args, **kwargs)
-
-    monkeypatch.setattr(ss, "build_sampling_metadata", counting)
+    built = _count_metadata_builds(monkeypatch, ss)
     results = {}
     for general in (False, True):
         if general:
