@@ -40,26 +40,24 @@ SHAPES = {
 PEAK_ITERS = 1 << 18  # 12 x 2^18 vdpbf16ps of 64 FLOP: ~0.2 GFLOP, ~0.4 ms at 500 GFLOP/s
 
 
-def cpu_time(fn, n: int, warm: bool = True) -> float:
+def median_time(fn, n: int, warm: bool = True, clock=time.thread_time) -> float:
+    """Median seconds of `n` calls of fn on `clock` (this thread's CPU time by default), after one warm-up call."""
     if warm:
         fn()
     ts = []
     for _ in range(n):
-        t = time.thread_time()
+        t = clock()
         fn()
-        ts.append(time.thread_time() - t)
+        ts.append(clock() - t)
     return sorted(ts)[len(ts) // 2]
+
+
+def cpu_time(fn, n: int, warm: bool = True) -> float:
+    return median_time(fn, n, warm, time.thread_time)
 
 
 def wall_time(fn, n: int, warm: bool = True) -> float:
-    if warm:
-        fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return sorted(ts)[len(ts) // 2]
+    return median_time(fn, n, warm, time.perf_counter)
 
 
 def peak_gflops() -> float | None:

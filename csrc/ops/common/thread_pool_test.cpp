@@ -249,6 +249,14 @@ TEST_F(ThreadPoolTest, AStalledWorkerSendsTheNextRegionsToTheCallerAlone) {
   EXPECT_EQ(*c.threads.begin(), caller);
 }
 
+// Runs small regions (idle gaps in between) until `bytes` more than `since` were prefetched, at most `rounds` times.
+static void run_regions_until_prefetched(int64_t since, int64_t bytes, int rounds) {
+  for (int round = 0; round < rounds && thread_pool_prefetched_bytes() - since < bytes; ++round) {
+    check_cover(0, 64, 1);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+}
+
 // prefetch_next: an idle worker prefetches the first prefetch_kb / 2 of both halves of the named range (the
 // two threads' home sections) between regions; a range that is not mapped memory is only prefetched, never read.
 TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
@@ -256,10 +264,7 @@ TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
   std::vector<char> buf(1 << 20);
   const int64_t before = thread_pool_prefetched_bytes();
   prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
-  for (int round = 0; round < 200 && thread_pool_prefetched_bytes() - before < (64 << 10); ++round) {
-    check_cover(0, 64, 1);
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
+  run_regions_until_prefetched(before, 64 << 10, 200);
   EXPECT_EQ(thread_pool_prefetched_bytes() - before, 64 << 10) << "prefetch_kb over the two halves, once";
   prefetch_next(reinterpret_cast<const void*>(uintptr_t{64}), int64_t{1} << 40);  // unmapped: must not fault
   for (int round = 0; round < 20; ++round) check_cover(0, 64, 1);
@@ -267,10 +272,7 @@ TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
   configure_thread_pool({3, false, 1000, 4, 0, true, 48});  // three sections, dealt to two workers
   const int64_t three = thread_pool_prefetched_bytes();
   prefetch_next(buf.data(), static_cast<int64_t>(buf.size()));
-  for (int round = 0; round < 400 && thread_pool_prefetched_bytes() - three < (48 << 10); ++round) {
-    check_cover(0, 64, 1);
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-  }
+  run_regions_until_prefetched(three, 48 << 10, 400);
   EXPECT_EQ(thread_pool_prefetched_bytes() - three, 48 << 10) << "16 KiB of each of the three sections";
   configure_thread_pool({2, false, 1000, 4, 0, true, 0});  // off: nothing more is prefetched
   const int64_t off = thread_pool_prefetched_bytes();

@@ -92,21 +92,19 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
         {in.w.data_ptr(), ((N - 1) * in.w.stride(0) + K) * static_cast<int64_t>(in.w.element_size())});
     if (next.ptr != nullptr) pagellm::prefetch_next(next.ptr, next.bytes);
   }
+#if defined(PAGELLM_GEMM_QUAD) || defined(PAGELLM_LINEAR_DPBF16)
+  const auto bf16 = [](const at::Tensor& t) { return reinterpret_cast<c10::BFloat16*>(t.data_ptr()); };
+  c10::BFloat16* const bias_bf16 = in.b.defined() ? bf16(in.b) : nullptr;  // read only by the bf16 schedules
+#endif
 #ifdef PAGELLM_GEMM_QUAD
   if (x.scalar_type() == at::kBFloat16 && M >= kLinearFewRowsMinM && M <= kLinearFewRowsMaxM) {  // verify rows
-    linear_few_rows_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
-                         reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
-                         reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
-                         in.b.defined() ? reinterpret_cast<const c10::BFloat16*>(in.b.data_ptr()) : nullptr, a);
+    linear_few_rows_bf16(bf16(out), bf16(in.x), bf16(in.w), bias_bf16, a);
     return;
   }
 #endif
 #ifdef PAGELLM_LINEAR_DPBF16
   if (x.scalar_type() == at::kBFloat16 && M >= kLinearGemmMinM) {  // same bits per row, a GEMM schedule
-    linear_gemm_bf16(reinterpret_cast<c10::BFloat16*>(out.data_ptr()),
-                     reinterpret_cast<const c10::BFloat16*>(in.x.data_ptr()),
-                     reinterpret_cast<const c10::BFloat16*>(in.w.data_ptr()),
-                     in.b.defined() ? reinterpret_cast<const c10::BFloat16*>(in.b.data_ptr()) : nullptr, a);
+    linear_gemm_bf16(bf16(out), bf16(in.x), bf16(in.w), bias_bf16, a);
     return;
   }
 #endif
