@@ -2,7 +2,7 @@
 # One call on a lent GPU machine (see docs/cuda.md, "Running on a GPU"): build, then every CUDA op test, the
 # engine on device="cuda" against HF, and the GPU benchmark, each under its own time limit so that a hang in
 # one leaves the others their time. Logs go to $OUT (or /tmp/gpu-out); the last lines printed are a summary.
-# Usage (device tool): bash tools/gpu/check.sh [stage ...]   stages: env build prebuilt probe ops graphs engine bench
+# Usage (device tool): bash tools/gpu/check.sh [stage ...]   stages: env build prebuilt probe ops graphs engine bench profile
 # (default: env build ops engine bench). `build` also leaves the stripped libraries in $OUT/gpu_build.tgz; a
 # later call that changed no C++ can carry them in .gpu-build/ (ignored) and run `prebuilt` instead of `build`.
 set -uo pipefail
@@ -39,6 +39,7 @@ for s in $STAGES; do case $s in
   graphs) stage graphs 150 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py ;;
   engine) stage engine "$ENGINE_TIMEOUT" python3 tools/gpu/engine_check.py --out "$OUT" ;;
   bench) stage bench "$BENCH_TIMEOUT" python3 tools/gpu/bench_gpu.py --out "$OUT" ;;
+  profile) stage profile "${PROFILE_TIMEOUT:-150}" python3 tools/gpu/profile_step.py --out "$OUT" ;;
 esac; done
 # At most 8 files come back from a device call: every log and JSON also goes into logs.tgz.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=gpu_build.tgz * 2>/dev/null && \

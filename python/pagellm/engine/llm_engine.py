@@ -103,7 +103,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
                                       sliding_window=kv_info["kv_cache_sliding_window"],
                                       extra_groups=_common_extra_groups(kv_infos))
         self._init_batch_queue()  # pipeline micro-batches when the executor takes several steps at once
-        self.sampler = Sampler(torch.Generator(device="cpu").manual_seed(mc.seed))
+        self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats
         # seq id -> torch.Generator for seeded sequences
@@ -165,7 +165,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         extra_key = self._rng.getrandbits(63) + 1 if params.prompt_logprobs is not None else 0
         if adapter is not None and not extra_key:
             extra_key = adapter.extra_key  # blocks are shared only among requests of the same adapter version
-        generator = None if params.seed is None else torch.Generator(device="cpu").manual_seed(params.seed)
+        generator = None if params.seed is None else torch.Generator(device=self.device).manual_seed(params.seed)
         # ValueError on invalid; the scheduler knows max_tokens (it never schedules drafts past it)
         def hand_to_scheduler() -> None:
             self.scheduler.add_request(request_id, ids, arrival, priority, extra_key, max_tokens=params.max_tokens)
@@ -311,7 +311,7 @@ class LLMEngine(SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEngineMethods,
         """The per-sequence generator of a seeded request (sequence i seeded seed + i)."""
         gen = self._generators.get(seq_id)
         if gen is None and params.seed is not None:
-            gen = self._generators[seq_id] = torch.Generator(device="cpu").manual_seed(params.seed + index)
+            gen = self._generators[seq_id] = torch.Generator(device=self.device).manual_seed(params.seed + index)
         return gen
 
     def _build_sampling_rows(

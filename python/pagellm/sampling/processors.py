@@ -138,7 +138,7 @@ def argmax_rows(x: torch.Tensor, block: int = 128) -> torch.Tensor:
 
 def compute_logprobs_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> LogprobsTensors:
     """logprobs [N, V] float32, token_ids [N] -> sampled/target token + top-k, with ranks."""
-    tok = token_ids.to(torch.int64).unsqueeze(1)
+    tok = token_ids.to(device=logprobs.device, dtype=torch.int64).unsqueeze(1)
     tok_lp = logprobs.gather(1, tok)
     tok_rank = (logprobs > tok_lp).sum(dim=-1, keepdim=True) + 1
     if k > 0:
