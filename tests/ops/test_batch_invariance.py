@@ -15,6 +15,8 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 import pagellm.ops as ops  # noqa: E402
 from pagellm.ops import linear_dispatch, reference  # noqa: E402
 
+from ops.op_helpers import DEVICES  # noqa: E402
+
 OP = torch.ops.pagellm
 ROW_COUNTS = (1, 2, 3, 5, 8, 16, 17, 32, 64, 65, 150)
 
@@ -177,19 +179,29 @@ def _paged_cache(lens, num_kv_heads=2, head_dim=64, block_size=16, seed=9):
 
 def _decode(q, kc, vc, tables, lens):
     out = torch.empty_like(q)
-    OP.paged_attention_decode(out, q, kc, vc, tables, torch.tensor(lens, dtype=torch.int32), 0.125, -1, 0.0)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=q.device)
+    OP.paged_attention_decode(out, q, kc, vc, tables, seq_lens, 0.125, -1, 0.0)
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_heads", [2, 8])  # MHA and GQA (4 query heads per kv head)
-def test_decode_attention_does_not_depend_on_the_batch(num_heads):
-    lens = [600, 1, 33, 257, 1000]  # several 256-key partitions, one key, a partial tile, ...
-    kc, vc, tables = _paged_cache(lens)
-    q = _rand(len(lens), num_heads, 64, seed=11)
+def test_decode_attention_does_not_depend_on_the_batch(num_heads, device):
+    """Alone, in a batch, in a batch 40 times as large, and with a block table only as wide as its own blocks: the
+    same bits. On CUDA the batch sets the grid (CTAs per split, decode_split_ctas) and the table width the scratch's
+    split capacity; the splits themselves follow a sequence's own length (64-token grain, more than 64 splits'
+    worth of keys past 4096: the 4100-key row)."""
+    lens = [600, 1, 33, 257, 1000, 4100, 64, 65]  # several splits / partitions, one key, a partial tile, ...
+    kc, vc, tables = (t.to(device) for t in _paged_cache(lens))
+    q = _rand(len(lens), num_heads, 64, seed=11).to(device)
     together = _decode(q, kc, vc, tables, lens)
+    many = _decode(q.repeat(40, 1, 1), kc, vc, tables.repeat(40, 1), lens * 40)
     for s, n in enumerate(lens):
         alone = _decode(q[s : s + 1], kc, vc, tables[s : s + 1], [n])
+        narrow = _decode(q[s : s + 1], kc, vc, tables[s : s + 1, : (n + 15) // 16], [n])
         assert torch.equal(together[s], alone[0]), f"sequence {s} ({n} keys)"
+        assert torch.equal(narrow[0], alone[0]), f"sequence {s} ({n} keys), narrow table"
+        assert torch.equal(many[s + len(lens) * 39], alone[0]), f"sequence {s} ({n} keys), 320 rows"
 
 
 def test_multi_query_decode_equals_single_token_decodes():

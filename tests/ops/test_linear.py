@@ -118,6 +118,44 @@ def test_linear_small_m_errors():
         OP.linear_small_m(out, x[None], w, None)
 
 
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@requires_cuda
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 17])  # MR = 1, 2, 4 (3 rows), 8, then several row blocks
+@pytest.mark.parametrize("K,N", [(64, 1), (576, 17), (1001, 37), (2048, 1537), (8200, 9)])  # 1001: scalar path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_linear_small_m_cuda(M, K, N, dtype):
+    """The CUDA GEMV (gemv_cuda.cuh) against the reference on the GPU: odd sizes, K tails past the unrolled
+    vectors (8200), a K with no 16-byte vectors, strided x rows, bias, every output written."""
+    x = _rand(M, K + 24, dtype=dtype)[:, 8 : 8 + K].cuda() if M % 2 else _rand(M, K, dtype=dtype).cuda()
+    w = _rand(N, K, dtype=dtype, seed=1).cuda()
+    b = _rand(N, dtype=dtype, seed=2).cuda() if (M + N) % 2 else None
+    out = poison(torch.empty(M, N, dtype=dtype, device="cuda"))
+    expected = torch.empty(M, N, dtype=dtype, device="cuda")
+    OP.linear_small_m(out, x, w, b)
+    ref.linear_small_m(expected, x, w, b)
+    assert_close(out, expected, scale=max(1.0, (K / 64) ** 0.5))
+
+
+@requires_cuda
+def test_linear_small_m_cuda_opcheck_and_dispatch():
+    """opcheck on CUDA; linear_dispatch sends CUDA bf16 rows up to CUDA_GEMV_MAX_M to the GEMV (same bits as the
+    op), more rows and autograd to F.linear."""
+    from pagellm.ops import linear_dispatch
+
+    x, w = _rand(3, 128, dtype=torch.bfloat16).cuda(), _rand(20, 128, dtype=torch.bfloat16, seed=1).cuda()
+    b = _rand(20, dtype=torch.bfloat16, seed=2).cuda()
+    out = torch.empty(3, 20, dtype=torch.bfloat16, device="cuda")
+    torch.library.opcheck(OP.linear_small_m.default, (out, x, w, b))
+    OP.linear_small_m(out, x, w, b)
+    assert torch.equal(linear_dispatch.linear(x, w, b), out)
+    many = _rand(linear_dispatch.CUDA_GEMV_MAX_M + 1, 128, dtype=torch.bfloat16).cuda()
+    assert torch.equal(linear_dispatch.linear(many, w, b), F.linear(many, w, b))
+    with pytest.raises(RuntimeError, match="weight must be a CUDA tensor"):
+        OP.linear_small_m(out, x, w.cpu(), None)
+
+
 @requires_amx
 @pytest.mark.parametrize("M", [1, 3, 5, 16, 17, 33, 64, 100, 300])
 @pytest.mark.parametrize("K,N", [(31, 17), (64, 1), (200, 33), (896, 1152), (1000, 100), (4864, 40)])

@@ -2,7 +2,8 @@
 bf16 matrix rate), then a ~1.1B random Llama-shaped model in bf16 (hidden 2048, 16 layers, 32 heads / 8 KV heads,
 MLP 8192, vocabulary 32000) on device="cuda": batch-1 decode TPOT and its MBU, batch-64 decode throughput,
 batch-1 prefill of 2048 tokens and its MFU; the same model in HF transformers (eager PyTorch, SDPA attention)
-as the baseline. Medians of repeated runs. Prints a table; writes bench_gpu.json under --out.
+as the baseline; decode linears through pagellm's CUDA GEMV (the default) and through cuBLAS. Medians of repeated
+runs. Prints a table; writes bench_gpu.json under --out.
 """
 
 from __future__ import annotations
@@ -109,9 +110,11 @@ def main() -> None:
     print("hf", {k: v for k, v in res.items() if k.startswith("hf")}, flush=True)
 
     from pagellm import LLM, SamplingParams
+    from pagellm.ops import linear_dispatch
 
-    for eager in (False, True):
-        tag = "eager" if eager else "graphs"
+    gemv_rows = linear_dispatch.CUDA_GEMV_MAX_M
+    for tag, eager, gemv in (("graphs", False, True), ("graphs_cublas", False, False), ("eager", True, True)):
+        linear_dispatch.CUDA_GEMV_MAX_M = gemv_rows if gemv else 0  # decode linears: pagellm's GEMV or cuBLAS
         try:
             llm = LLM(str(tmp / "llama-1b"), device="cuda", dtype="bfloat16", max_model_len=4096, seed=0,
                       enforce_eager=eager, kv_cache_memory_gb=16, max_num_seqs=64, enable_prefix_caching=False)
@@ -147,13 +150,14 @@ def main() -> None:
     print(f"| {res['device']} | copy {res['copy_gbs']:.0f} GB/s | bf16 {res['bf16_tflops']:.0f} TFLOP/s |")
     print("| path | b1 TPOT ms | b1 MBU | b64 TPOT ms | b64 tok/s | prefill 2k ms | prefill MFU |")
     print("|---|---|---|---|---|---|---|")
-    for tag in ("graphs", "eager"):
+    for tag in ("graphs", "graphs_cublas", "eager"):
         f = lambda k, fmt="{:.2f}": fmt.format(res[k]) if k in res else "-"  # noqa: E731
         print(f"| pagellm {tag} | {f(tag + '_b1_tpot_ms')} | {f(tag + '_b1_mbu')} | {f(tag + '_b64_tpot_ms')} | "
               f"{f(tag + '_b64_tok_s', '{:.0f}')} | {f(tag + '_prefill_2k_ms')} | {f(tag + '_prefill_mfu')} |")
-    if "graphs_b1_replay_ms" in res:
-        print(f"| batch-1 graph replay alone | {res['graphs_b1_replay_ms']:.3f} | {res['graphs_b1_replay_mbu']:.2f} "
-              f"| - | - | - | - |")
+    for tag in ("graphs", "graphs_cublas"):
+        if f"{tag}_b1_replay_ms" in res:
+            print(f"| {tag}: batch-1 graph replay alone | {res[f'{tag}_b1_replay_ms']:.3f} | "
+                  f"{res[f'{tag}_b1_replay_mbu']:.2f} | - | - | - | - |")
     print(f"| HF eager (SDPA) | {res['hf_b1_tpot_ms']:.2f} | {weight_bytes / res['hf_b1_tpot_ms'] * 1e3 / (res['copy_gbs'] * 1e9):.2f}"
           f" | - | - | {res['hf_prefill_2k_ms']:.2f} | "
           f"{flops_prefill / (res['hf_prefill_2k_ms'] / 1e3) / (res['bf16_tflops'] * 1e12):.2f} |")

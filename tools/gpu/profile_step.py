@@ -2,7 +2,7 @@
 
 1. the ~1.1B bf16 model of bench_gpu.py under `torch.profiler` for a batch-1 generation with CUDA graphs: wall time
    per token, GPU kernel time per token, and the kernels that take it (the host loop is the difference);
-2. each linear's shape at M=1 through `F.linear` (cuBLAS), captured in a CUDA graph over rotating weight copies
+2. each linear's shape at M = 1 and 8 through cuBLAS and through linear_small_m's GEMV, captured in a CUDA graph over rotating weight copies
    (so the 50 MB L2 cache does not hold them): achieved GB/s against the copy bandwidth of the same run.
 
 Prints tables last; writes profile_step.json and the profiler table under --out.
@@ -31,16 +31,20 @@ def linear_rates(shapes: dict[str, tuple[int, int]], copy_gbs: float, m: int = 1
         ws = [torch.randn(n_out, n_in, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
         x = torch.randn(m, n_in, device="cuda", dtype=torch.bfloat16)
         out = torch.empty(m, n_out, device="cuda", dtype=torch.bfloat16)
-        for w in ws:  # warm-up outside the capture (cuBLAS picks its kernel and workspace)
-            torch.matmul(x, w.t(), out=out)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for w in ws:
-                torch.matmul(x, w.t(), out=out)
-        ms = cuda_median_ms(graph.replay, iters=20) / copies
-        gbs = n_in * n_out * 2 / ms / 1e6
-        rows.append(dict(name=name, n_in=n_in, n_out=n_out, m=m, us=ms * 1e3, gbs=gbs, frac_of_copy=gbs / copy_gbs))
+        row = dict(name=name, n_in=n_in, n_out=n_out, m=m)
+        for tag, fn in (("cublas", lambda w: torch.matmul(x, w.t(), out=out)),
+                        ("gemv", lambda w: torch.ops.pagellm.linear_small_m(out, x, w, None))):
+            for w in ws:  # warm-up outside the capture (cuBLAS picks its kernel and workspace)
+                fn(w)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for w in ws:
+                    fn(w)
+            ms = cuda_median_ms(graph.replay, iters=20) / copies
+            row[f"{tag}_us"] = ms * 1e3
+            row[f"{tag}_of_copy"] = n_in * n_out * 2 / ms / 1e6 / copy_gbs
+        rows.append(row)
         del ws
     torch.cuda.empty_cache()
     return rows
@@ -64,7 +68,7 @@ def main() -> None:
     shapes = {"qkv_proj": (h, h + 2 * kv), "o_proj": (h, h), "gate_up_proj": (h, 2 * i), "down_proj": (i, h),
               "lm_head": (h, v)}
     res["linears_m1"] = linear_rates(shapes, res["copy_gbs"], 1)
-    res["linears_m64"] = linear_rates(shapes, res["copy_gbs"], 64)
+    res["linears_m8"] = linear_rates(shapes, res["copy_gbs"], 8)
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -103,10 +107,10 @@ def main() -> None:
     weight_bytes = per_layer * cfg.num_hidden_layers + h * v * 2
     print(f"| {res['device']} | copy {res['copy_gbs']:.0f} GB/s | linear weights per step {weight_bytes / 1e9:.2f} GB"
           f" | floor {weight_bytes / res['copy_gbs'] / 1e6:.3f} ms |")
-    print("| linear | M | in x out | us | GB/s | of copy |\n|---|---|---|---|---|---|")
-    for r in res["linears_m1"] + res["linears_m64"]:
-        print(f"| {r['name']} | {r['m']} | {r['n_in']} x {r['n_out']} | {r['us']:.1f} | {r['gbs']:.0f} | "
-              f"{r['frac_of_copy']:.2f} |")
+    print("| linear | M | in x out | cuBLAS us | of copy | GEMV us | of copy |\n|---|---|---|---|---|---|---|")
+    for r in res["linears_m1"] + res["linears_m8"]:
+        print(f"| {r['name']} | {r['m']} | {r['n_in']} x {r['n_out']} | {r['cublas_us']:.1f} | "
+              f"{r['cublas_of_copy']:.2f} | {r['gemv_us']:.1f} | {r['gemv_of_copy']:.2f} |")
     print("| b1 step | wall ms/token | GPU kernel ms/token | graph replay alone ms |\n|---|---|---|---|")
     for tag in ("greedy", "sampled"):
         print(f"| {tag} | {res[f'{tag}_wall_ms_per_token']:.3f} | {res[f'{tag}_gpu_ms_per_token']:.3f} | "

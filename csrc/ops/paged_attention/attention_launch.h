@@ -33,7 +33,7 @@ struct DecodeArgs {
   int64_t q_stride_tok, q_stride_head, o_stride_tok, o_stride_head, bt_stride;
   int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks;
   int64_t num_blocks;
-  int num_splits;  // from decode_num_splits()
+  int num_splits;  // the scratch's split capacity, from decode_num_splits()
   int window;      // keys a query sees, itself included; <= 0: all
   float scale;
   float softcap;   // > 0: s = softcap * tanh(s / softcap)
@@ -44,9 +44,13 @@ struct DecodeArgs {
   int v_head_dim = 0;
 };
 
-// How many context splits the decode launch uses (1 = no split, no scratch). max_context is an upper bound of
-// every seq_len (e.g. max_blocks * block_size). Queries the current device's SM count (cached per device).
+// The scratch's split capacity: the most context splits a sequence of this launch can have (1 = none, no
+// scratch). max_context is an upper bound of every seq_len (e.g. max_blocks * block_size). A sequence's splits
+// depend on its own length only (decode_cuda.cuh), so the result does not depend on the batch.
 int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window);
+// CTAs per (sequence, head group) along the split axis: enough to fill the GPU (about four CTAs per SM), at most
+// num_splits; each takes splits z, z + ctas, ... Queries the current device's SM count (cached per device).
+int decode_split_ctas(int num_seqs, int heads_ctas, int num_splits);
 
 cudaError_t launch_paged_attention_decode(const DecodeArgs& args, DType dtype, cudaStream_t stream);
 // The same over a quantized cache of `cache_dtype` (decode_quant_kernels.cu); needs k_scale / v_scale.

@@ -26,17 +26,17 @@ int sm_count() {
 
 int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window) {
   if (num_seqs <= 0 || num_kv_heads <= 0 || num_heads <= 0) return 1;
-  const int G = num_heads / num_kv_heads;
-  const int64_t ctas = static_cast<int64_t>(num_seqs) * num_kv_heads * ((G + kDecodeMaxHeads - 1) / kDecodeMaxHeads);
-  const int64_t sms = sm_count();
-  if (ctas >= sms) return 1;
   int64_t ctx = max_context;
   if (window > 0 && window < ctx) ctx = window;
-  const int64_t by_len = ceil_div(ctx, kDecodeMinSplitTokens);
-  int64_t splits = ceil_div(2 * sms, ctas);  // aim at about two CTAs per SM
-  if (splits > by_len) splits = by_len;
-  if (splits > kDecodeMaxSplits) splits = kDecodeMaxSplits;
-  return splits < 1 ? 1 : static_cast<int>(splits);
+  return decode_split_count(ctx);  // the most splits a context this long has (decode_split_count grows with it)
+}
+
+int decode_split_ctas(int num_seqs, int heads_ctas, int num_splits) {
+  const int64_t ctas = static_cast<int64_t>(num_seqs) * heads_ctas;
+  if (num_splits <= 1 || ctas <= 0) return 1;
+  int64_t z = ceil_div(4 * static_cast<int64_t>(sm_count()), ctas);  // about four CTAs per SM
+  if (z > num_splits) z = num_splits;
+  return z < 1 ? 1 : static_cast<int>(z);
 }
 
 cudaError_t launch_paged_attention_decode(const DecodeArgs& a, DType dtype, cudaStream_t stream) {

@@ -1,7 +1,9 @@
-"""Which kernel a dense (unquantized) linear runs on: pagellm's own CPU kernels for bf16 and fp32 rows, else
-F.linear. Used by the unquantized LinearMethod and the LM head."""
+"""Which kernel a dense (unquantized) linear runs on: pagellm's own CPU kernels for bf16 and fp32 rows, its CUDA
+GEMV for a few bf16 / fp16 rows, else F.linear. Used by the unquantized LinearMethod and the LM head."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -13,8 +15,10 @@ try:
     _linear_small_m = torch.ops.pagellm.linear_small_m.default if _SMALL_M_OK else None
     _AMX_OK = _SMALL_M_OK and _compiled.amx_available()
     _linear_amx = torch.ops.pagellm.linear_amx.default if _AMX_OK else None
+    # a CUDA build registers linear_small_m's GEMV (gemv_cuda.cuh) for the CUDA dispatch key
+    _CUDA_GEMV_OK = _SMALL_M_OK and torch._C._dispatch_has_kernel_for_dispatch_key("pagellm::linear_small_m", "CUDA")
 except Exception:  # pragma: no cover - depends on the build
-    _SMALL_M_OK = _AMX_OK = False
+    _SMALL_M_OK = _AMX_OK = _CUDA_GEMV_OK = False
 
 # Which kernel a bf16 CPU linear of M (flattened) rows runs (the one place this is decided; decode steps
 # replayed from a step graph replay the choice made here). Measured on the AMX dev machine:
@@ -44,8 +48,15 @@ AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pagellm's kernels
 
 
+# CUDA (session 17, H200): bf16 / fp16 linears of up to this many rows take linear_small_m's weight-streaming GEMV
+# instead of cuBLAS, whose M = 1 kernels reached 0.35-0.59 of the copy bandwidth on the ~1B model's o / qkv / down
+# projections (tools/gpu/profile_step.py). 0 (or PAGELLM_CUDA_GEMV_MAX_M=0) turns it off; bench_gpu.py measures both.
+CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "8"))
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except bf16 and fp32 CPU inputs go through pagellm's own kernels (see above).
+    """F.linear, except bf16 and fp32 CPU inputs, and bf16 / fp16 CUDA inputs of a few rows, go through pagellm's own
+    kernels (see above).
 
     Everything else (other dtypes or devices, autograd, mixed dtypes) is exactly F.linear."""
     # Checked cheapest first: this runs ~4 times per layer per decode step.
@@ -73,4 +84,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = torch.empty(x.shape[:-1] + (n,), dtype=dtype)
             op(out.view(m, n), x.reshape(m, k), weight, bias)
             return out
+    elif _CUDA_GEMV_OK and x.is_cuda and (dtype is torch.bfloat16 or dtype is torch.float16):
+        return _cuda_gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear_small_m's CUDA GEMV for a few rows, else F.linear (cuBLAS)."""
+    k = x.shape[-1]
+    m = x.numel() // k if k else 0
+    if (not 0 < m <= CUDA_GEMV_MAX_M or weight.dtype is not x.dtype or not weight.is_cuda
+            or (bias is not None and bias.dtype is not x.dtype)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return F.linear(x, weight, bias)
+    out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
+    _linear_small_m(out.view(m, -1), x.reshape(m, k), weight, bias)
+    return out
