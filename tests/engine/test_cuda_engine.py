@@ -68,3 +68,26 @@ def test_prompt_logprobs_match_hf(setup):
     for o, p, ref in zip(outs, prompts, prompt_lps):
         got = [o.prompt_logprobs[i][p[i]].logprob for i in range(1, len(p))]
         assert got == pytest.approx(ref, abs=1e-4)
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+def test_sampling_on_the_device(setup, eager):
+    """Sampled decoding on CUDA (the noise is drawn on the device, session 17: a CPU generator failed every sampled
+    step): a seeded request repeats itself, unseeded and seeded rows share a batch, top-k / top-p / logprobs run, and
+    every token is in the vocabulary and comes with its logprob."""
+    from pagellm import SamplingParams
+
+    path, prompts, _, _ = setup
+    llm = _llm(path, eager)
+    seeded = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_tokens=NEW, seed=7, ignore_eos=True, logprobs=2)
+    free = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts[:3]]
+    first = llm.generate(reqs, [seeded, free, seeded], use_tqdm=False)
+    again = llm.generate(reqs[:1], seeded, use_tqdm=False)
+    assert list(first[0].outputs[0].token_ids) == list(again[0].outputs[0].token_ids)
+    assert list(first[2].outputs[0].token_ids) != [] and len(first[1].outputs[0].token_ids) == NEW
+    vocab = llm.llm_engine.vocab_size
+    for o in first:
+        assert all(0 <= t < vocab for t in o.outputs[0].token_ids)
+    for t, lp in zip(first[0].outputs[0].token_ids, first[0].outputs[0].logprobs):
+        assert t in lp and lp[t].logprob <= 0.0
