@@ -132,7 +132,7 @@ def _count_metadata_builds(monkeypatch, module) -> list[int]:
 
 
 def test_plain_greedy_skips_the_sampling_metadata(llm, monkeypatch):
-    import pagellm.engine.llm_engine as le
+    import pagellm.engine.sample_step as le
 
     built = _count_metadata_builds(monkeypatch, le)
     _generate(llm, PARAMS["greedy"])
