@@ -4,6 +4,9 @@ The engine runs (token identity, moved KV, blocks) are in test_spec_medusa.py, n
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +14,18 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 
 from test_draft_tokens import _greedy, _make_llm  # noqa: E402
 
-from pagellm.engine.tree_step import greedy_tree_path, move_kv_slots, reordered_drafts, tree_step_inputs  # noqa: E402
+from pagellm.engine.tree_step import (  # noqa: E402
+    choose_tree_paths,
+    greedy_tree_path,
+    move_kv_slots,
+    reordered_drafts,
+    tree_step_inputs,
+    verify_greedy_paths,
+)
+from pagellm.sampling.metadata import plain_greedy_metadata  # noqa: E402
+from pagellm.sampling.processors import argmax_rows  # noqa: E402
+from pagellm.sampling.rejection import verify_drafts  # noqa: E402
+from pagellm.spec_decode.batch import SpecRows  # noqa: E402
 from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
 from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E402
 
@@ -41,6 +55,36 @@ def test_greedy_tree_path_and_reorder():
         draft_token_ids = [drafts, [1, 2]]
 
     assert reordered_drafts(Split, [[1, 3], [0, 1]], [2, 1]) == [8, 9, 7, 9, 5, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_verify_greedy_paths_equals_the_samplers_verify(seed):
+    """A plain-greedy tree step verifies its chosen paths from the argmax rows that chose them: the same accepted
+    tokens as the sampler's verify of the paths as chains, for trees and chains (whose drafts only the verify
+    checks), bf16 logits with ties, drafts that agree with the target ~60 % of the time."""
+    rng, gen, vocab = random.Random(seed), torch.Generator().manual_seed(seed), 23
+    parents_per_row = []
+    for _ in range(rng.randrange(1, 5)):
+        k = rng.randrange(0, 10)
+        tree = rng.random() < 0.6 and k > 0
+        parents_per_row.append([rng.randrange(-1, j) for j in range(k)] if tree else None)
+    counts = [1 + (len(p) if p is not None else rng.randrange(0, 5)) for p in parents_per_row]
+    logits = (torch.randn(sum(counts), vocab, generator=gen) * 2).round().to(torch.bfloat16)  # ties too
+    target = argmax_rows(logits).tolist()
+    drafts, start = [], 0
+    for parents, n in zip(parents_per_row, counts):
+        parents = parents if parents is not None else list(range(-1, n - 2))
+        drafts.append([target[start + (0 if p < 0 else 1 + p)] if rng.random() < 0.6 else rng.randrange(vocab)
+                       for p in parents])
+        start += n
+    rows = np.arange(len(counts))
+    split = SpecRows(rows[:0], rows[:0], rows, np.arange(sum(counts)), drafts)
+    paths = choose_tree_paths(split, parents_per_row, target, [f"s{i}" for i in rows])
+    expected = verify_drafts(logits[torch.as_tensor(paths.chain_logit_rows)], paths.chain_split.draft_token_ids,
+                             plain_greedy_metadata(len(paths.chain_logit_rows), vocab))
+    got = verify_greedy_paths(paths)
+    assert got.accepted_token_ids == expected.accepted_token_ids
+    assert got.num_accepted_tokens == expected.num_accepted_tokens and got.logprobs is None
 
 
 def test_tree_step_inputs_positions_and_mask():

@@ -16,6 +16,7 @@ from pagellm.engine.tree_step import (
     move_kv_slots,
     reordered_drafts,
     typical_tree_paths,
+    verify_greedy_paths,
 )
 from pagellm.logger import init_logger
 from pagellm.outputs import SpecDecodeMetrics
@@ -259,15 +260,18 @@ class SpecDecodeStep:
                                                self._generator(seq.seq_id, st.params, seq.index)) for st, seq in seqs]
         spec_logits = _take_rows(logits, split.spec_logit_rows)
         paths = self._tree_paths(sched_out, split, spec_logits, rows)
-        if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
-            # a view when each path is its tree's first nodes (the heaviest branch usually is)
-            split, spec_logits = paths.chain_split, _take_rows(spec_logits, paths.chain_logit_rows)
-        if plain:
-            md = plain_greedy_metadata(sum(1 + len(d) for d in split.draft_token_ids), self.vocab_size)
+        if paths is not None and plain:  # the argmax rows that chose the paths verify them too
+            split, verified = paths.chain_split, verify_greedy_paths(paths)
         else:
-            md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
-                                         device=spec_logits.device)
-        verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
+            if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
+                # a view when each path is its tree's first nodes (the heaviest branch usually is)
+                split, spec_logits = paths.chain_split, _take_rows(spec_logits, paths.chain_logit_rows)
+            if plain:
+                md = plain_greedy_metadata(sum(1 + len(d) for d in split.draft_token_ids), self.vocab_size)
+            else:
+                md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
+                                             device=spec_logits.device)
+            verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
         if paths is not None:
             self._commit_tree_paths(sched_out, seq_ids, paths, verified.accepted_token_ids)
         lt = verified.logprobs

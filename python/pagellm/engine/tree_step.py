@@ -21,7 +21,7 @@ import torch
 
 from pagellm.ops.tree import tree_depths, tree_mask_from_parents
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
-from pagellm.sampling.rejection import target_probs
+from pagellm.sampling.rejection import VerifyOutput, target_probs
 from pagellm.sampling.typical import TypicalAcceptance
 from pagellm.spec_decode.batch import SpecRows
 
@@ -173,6 +173,7 @@ class TreePaths:
     original_split / chain_split: the step's SpecRows as scheduled / with each row's drafts replaced by its path's tokens
     chain_logit_rows: int64 [sum(1 + len(path))] rows of the step's spec logits the chains read, row by row
     paths: per spec row, the path's draft indices; depths: seq_id -> drafts counted in the statistics
+    target_ids: the target's raw argmax at every spec logits row of the step (what the greedy paths were chosen by)
     """
 
     original_split: SpecRows
@@ -181,6 +182,7 @@ class TreePaths:
     paths: list[list[int]]
     tree_rows: list[bool]
     depths: dict[str, int]
+    target_ids: Sequence[int] = ()
 
 
 def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], target_ids: Sequence[int],
@@ -206,7 +208,25 @@ def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | Non
         rows.extend([start] + [start + 1 + j for j in path])
         start += 1 + k
     chain_split = replace(split, draft_token_ids=chains)
-    return TreePaths(split, chain_split, np.asarray(rows, dtype=np.int64), paths, is_tree, depths)
+    return TreePaths(split, chain_split, np.asarray(rows, dtype=np.int64), paths, is_tree, depths, target_ids)
+
+
+def verify_greedy_paths(paths: TreePaths) -> VerifyOutput:
+    """What sampler.verify gives the chosen paths when every spec row is plain greedy (no logprobs, no processors:
+    RequestState.plain_greedy), from the argmax rows the paths were chosen by: each row's path tokens up to the first
+    one the target's argmax before it disagrees with (a chain row's drafts are not checked by choose_tree_paths),
+    then the target's token there. The sampler's greedy rule on the same rows of the same logits, without a second
+    argmax and the chain's copy of its logits rows (~0.1 ms of a batch-1 tree step)."""
+    accepted, offset = [], 0
+    rows = paths.chain_logit_rows.tolist()
+    for chain in paths.chain_split.draft_token_ids:
+        targets = [int(paths.target_ids[r]) for r in rows[offset : offset + 1 + len(chain)]]
+        num_ok = 0
+        while num_ok < len(chain) and int(chain[num_ok]) == targets[num_ok]:
+            num_ok += 1
+        accepted.append([int(t) for t in chain[:num_ok]] + [targets[num_ok]])
+        offset += 1 + len(chain)
+    return VerifyOutput(accepted_token_ids=accepted, num_accepted_tokens=[len(a) for a in accepted])
 
 
 def reordered_drafts(split: SpecRows, paths: Sequence[list[int]], num_accepted: Sequence[int]) -> list[int]:
