@@ -279,8 +279,8 @@ def test_engine_drafts_are_the_training_paths_top1(tiny_llama_dir, test_prompts,
 
 # ---------------------------------------------------------------- tree verification (medusa_tree.py)
 
-# the top-1 chain is nodes 0, 2, 4 (in "default": 0, 4, 9): an accepted path of two or more drafts is not the
-# row's leading drafts, so its KV has to move
+# served with the top-1 chain first (nodes 0, 1, 2, MedusaTree's order): an accepted path through a rank-1 node ([1],
+# [1, 0], [0, 1]; in "default" 9 of its 12 nodes) is not the row's leading drafts, so its KV has to move
 SKEWED_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]
 
 
@@ -328,7 +328,7 @@ def test_greedy_tree_medusa_matches_plain_decoding(tiny_llama_dir, test_prompts,
                 assert got_pos[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
     stats = eng.spec_stats
     assert stats.num_proposer_errors == 0 and 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens, stats
-    assert sum(kv_moves) > 0  # both trees' top-1 chains are not their leading nodes
+    assert sum(kv_moves) > 0  # some accepted paths leave the top-1 chain
     assert eng.scheduler.prefix_cache_hits > 0
     _assert_all_blocks_free(eng)
     assert proposer.num_tracked_seqs == 0

@@ -34,13 +34,28 @@ from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E4
 
 def test_tree_layout_and_named_trees():
     tree = MedusaTree.from_spec([[1], [0, 0], [0], [0, 1], [0, 0, 0]])
-    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
-    assert tree.parents == (-1, -1, 0, 0, 2) and tree.depths == (0, 0, 1, 1, 2) and tree.depth == 3
+    assert tree.paths == ((0,), (0, 0), (0, 0, 0), (1,), (0, 1))  # the top-1 chain first, then (depth, path)
+    assert tree.parents == (-1, 0, 1, -1, 0) and tree.depths == (0, 1, 2, 0, 1) and tree.depth == 3
     topk = torch.arange(3 * 2).reshape(1, 3, 2) + 100  # head d's rank r token: 100 + 2 d + r
-    assert tree.node_tokens(topk).tolist() == [[100, 101, 102, 103, 104]]
+    assert tree.node_tokens(topk).tolist() == [[100, 102, 104, 101, 103]]
     big = MedusaTree.from_spec("mc_sim_7b_63")
     assert big.num_nodes == len(MC_SIM_7B_63) == 63 and big.depth == 4
     assert 10 <= MedusaTree.from_spec("default").num_nodes <= 16
+
+
+@pytest.mark.parametrize("spec", ["default", "mc_sim_7b_63", [[2], [1, 0], [1], [0, 1], [0], [0, 0]]])
+def test_the_top1_chain_comes_first(spec):
+    """Every tree keeps its top-1 chain in nodes 0, 1, ..: an accepted top-1 path is already in the row's first
+    lookahead slots (no KV moved); parents still precede children, so every prefix is a tree."""
+    tree = MedusaTree.from_spec(spec)
+    chain = [j for j, p in enumerate(tree.paths) if not any(p)]
+    assert chain == list(range(len(chain))) and len(chain) == max(len(p) for p in tree.paths if not any(p))
+    assert all(p < j for j, p in enumerate(tree.parents))
+    assert sorted(tree.paths) == sorted(MedusaTree.from_spec(spec).paths)
+    parents = list(tree.parents)
+    target = [0] * (1 + tree.num_nodes)
+    drafts = [0 if j < len(chain) else 1 for j in range(tree.num_nodes)]  # the target agrees along the chain only
+    assert greedy_tree_path(target, drafts, parents) == list(range(len(chain)))
 
 
 def test_greedy_tree_path_and_reorder():
