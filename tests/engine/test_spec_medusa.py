@@ -25,6 +25,7 @@ from test_draft_tokens import (  # noqa: E402
 from pagellm.spec_decode import ProposerContext, SpeculativeConfig, list_proposers  # noqa: E402
 from pagellm import SamplingParams  # noqa: E402
 from pagellm.engine import spec_step  # noqa: E402
+from pagellm.engine.tree_step import pad_tree_step  # noqa: E402
 from pagellm.spec_decode.medusa import MedusaProposer, MedusaTreeProposer  # noqa: E402
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import (  # noqa: E402
@@ -302,6 +303,35 @@ def kv_moves(monkeypatch):
 
     monkeypatch.setattr(spec_step, "move_kv_slots", counting)
     return moved
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_clamped_trees_replay_the_full_trees_step_graph(tiny_llama_dir, test_prompts, trained_heads_dir, batch,
+                                                         monkeypatch):
+    """A request's last drafts are clamped to a prefix of its tree (max_tokens); the step is padded back to the full
+    trees' tokens (tree_step.pad_tree_step) and replays their step graph, every replay checked against the eager
+    forward bit for bit: outputs equal plain decoding, and no tree step of another token count is ever run."""
+    from pagellm.engine import model_runner
+
+    monkeypatch.setenv("PAGELLM_STEP_GRAPH_CHECK", "1")
+    pads = []
+    monkeypatch.setattr(model_runner, "pad_tree_step", lambda *a: pads.append(a[4]) or pad_tree_step(*a))
+    prompts = test_prompts[4][:batch]
+    ref_llm, llm = _make_llm(tiny_llama_dir), _make_llm(tiny_llama_dir)
+    eng = llm.llm_engine
+    proposer = _tree_proposer(eng, trained_heads_dir, SKEWED_TREE)
+    eng.set_proposer(proposer)
+    graphs, full = eng.runner.step_graphs, batch * (1 + len(SKEWED_TREE))
+    for max_tokens in (9, 6, 7, 5, 8):  # answers of several lengths: their last trees clamped to each prefix
+        params = _greedy(max_tokens)
+        assert [o.token_ids for o in _generate(llm, prompts, params)] == \
+            [o.token_ids for o in _generate(ref_llm, prompts, params)]
+    assert graphs.check and pads and max(pads) >= 3
+    tree_keys = {key for key in graphs._seen if key[0] == "tree"}
+    assert {key[2] for key in tree_keys} <= {full} | {1 + len(SKEWED_TREE)}, tree_keys  # (batch 2: one row left)
+    if batch == 1:  # (two rows: too few steps of one padded layout to reach a capture)
+        assert sum(n for key, n in graphs.num_replays_by_key.items() if key[0] == "tree") > 0
+    _assert_all_blocks_free(eng)
 
 
 @pytest.mark.parametrize("batch,tree", [(1, SKEWED_TREE), (4, "default")])

@@ -14,10 +14,13 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 
 from test_draft_tokens import _greedy, _make_llm  # noqa: E402
 
+from pagellm import ops  # noqa: E402
+from pagellm.attention.base import AttentionMetadata  # noqa: E402
 from pagellm.engine.tree_step import (  # noqa: E402
     choose_tree_paths,
     greedy_tree_path,
     move_kv_slots,
+    pad_tree_step,
     reordered_drafts,
     tree_step_inputs,
     verify_greedy_paths,
@@ -100,6 +103,39 @@ def test_verify_greedy_paths_equals_the_samplers_verify(seed):
     got = verify_greedy_paths(paths)
     assert got.accepted_token_ids == expected.accepted_token_ids
     assert got.num_accepted_tokens == expected.num_accepted_tokens and got.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_tree_step_leaves_every_real_token_alone(dtype):
+    """pad_tree_step grows the last row by dummy tokens (slot -1, the row's last position, each seeing only itself):
+    paged_tree_attention gives every real token the same bits as without them (a decode row, then a clamped tree
+    of 3 nodes over 37 context keys, padded by 4), and a row past its block table's capacity is not padded."""
+    gen, bs, kv_heads, heads, dim = torch.Generator().manual_seed(3), 8, 2, 6, 64
+    parents = [-1, 0, 0]  # the clamped row: its root and two drafts under it
+    lens = [20, 37 + 3]
+    qsl = torch.tensor([0, 1, 4], dtype=torch.int32)
+    tables = torch.randperm(16, generator=gen).to(torch.int32).view(2, 8)
+    md = AttentionMetadata(num_reqs=2, num_tokens=4, num_decode_reqs=1, max_query_len=3, max_seq_len=40,
+                           slot_mapping=torch.tensor([5, 9, 10, 11]), block_tables=tables,
+                           seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=qsl)
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    mask[0, 0] = True
+    mask[1:, :3] = ops.tree_mask_from_parents(parents)
+    ids, pos = torch.arange(4), torch.tensor([19, 37, 38, 38])
+    assert pad_tree_step(md, ids, pos, mask, 4, capacity=40 + 3) is None  # 44 keys do not fit
+    padded, ids2, pos2, mask2 = pad_tree_step(md, ids, pos, mask, 4, capacity=64)
+    assert padded.num_tokens == 8 and padded.query_start_loc.tolist() == [0, 1, 8]
+    assert padded.seq_lens.tolist() == [20, 44]
+    assert padded.slot_mapping.tolist() == [5, 9, 10, 11, -1, -1, -1, -1] and padded.max_query_len == 7
+    assert ids2.tolist()[:4] == ids.tolist() and pos2.tolist() == [19, 37, 38, 38, 38, 38, 38, 38]
+    assert torch.equal(mask2[:4, :3], mask) and not mask2[:4, 3:].any() and mask2[4:, 3:].equal(torch.eye(4) > 0)
+    assert md.seq_lens.tolist() == lens and md.query_start_loc.tolist() == [0, 1, 4]  # the step's own untouched
+    kc, vc = (torch.randn(16, kv_heads, bs, dim, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(8, heads, dim, generator=gen).to(dtype)
+    out, out2 = torch.empty(4, heads, dim, dtype=dtype), torch.empty(8, heads, dim, dtype=dtype)
+    ops.paged_tree_attention(out, query[:4], kc, vc, tables, qsl, md.seq_lens, mask, 0.125)
+    ops.paged_tree_attention(out2, query, kc, vc, tables, padded.query_start_loc, padded.seq_lens, mask2, 0.125)
+    assert torch.equal(out, out2[:4])
 
 
 def test_tree_step_inputs_positions_and_mask():

@@ -183,8 +183,10 @@ class SpecDecodeStep:
 
     def _draft_parents(self, sched_out, seq_ids: list[str]) -> np.ndarray | None:
         """Each scheduled draft's parent within its row (-1: the row's first token), flat like
-        sched_out.draft_token_ids; None when every spec row is a chain (no tree this step)."""
-        self._step_tree_parents = None
+        sched_out.draft_token_ids; None when every spec row is a chain (no tree this step). `_tree_pad_tokens`: the
+        nodes the scheduler clamped off the step's trees when the proposer drafts prefixes of one tree (the model
+        runner pads a replayed step back to the full trees' shape, tree_step.pad_tree_step)."""
+        self._step_tree_parents, self._tree_pad_tokens = None, 0
         if self.proposer is None or not getattr(self.proposer, "proposes_trees", False):
             return None
         rows = np.flatnonzero(sched_out.num_draft_tokens)
@@ -192,6 +194,9 @@ class SpecDecodeStep:
         if all(p is None for p in per_row):
             return None
         self._step_tree_parents = dict(zip(rows.tolist(), per_row))
+        full = getattr(self.proposer, "tree_num_nodes", None)
+        if full is not None:
+            self._tree_pad_tokens = sum(full - len(p) for p in per_row if p is not None)
         flat = [p for r, parents in zip(rows, per_row)
                 for p in (parents if parents is not None else chain_parents(int(sched_out.num_draft_tokens[r])))]
         return np.asarray(flat, dtype=np.int32)

@@ -55,6 +55,36 @@ def tree_step_inputs(sched_out, draft_parents: np.ndarray) -> tuple[np.ndarray, 
     return positions, mask
 
 
+def pad_tree_step(md, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, num_pad: int,
+                  capacity: int):
+    """The step with its last row grown by `num_pad` dummy tokens, or None when the row would then pass `capacity`
+    keys (its block table's). A dummy token writes no KV (slot -1), sits at the row's last position and sees only
+    itself; every real token's attention is unchanged (its context is seq_len - q_len either way, its mask row the
+    same, tree_attention_cpu_kernels.h) and so are its linears (row by row). Returns (md, input_ids, positions,
+    tree_mask) with num_tokens + num_pad tokens, the pads last.
+
+    Why: the scheduler clamps a request's last drafts to a prefix of its tree (max_tokens), and each prefix was a
+    step-graph key of its own: two eager forwards (one of them recorded) per prefix and block-table width, ~8 % of a
+    48-token chat answer's time at batch 1 (session 17). Padded to the proposer's full tree, such a step replays the
+    full tree's graph."""
+    r, n = md.num_reqs - 1, md.num_tokens
+    row_len = n - int(md.query_start_loc[r])
+    if num_pad <= 0 or int(md.seq_lens[r]) + num_pad > capacity:
+        return None
+    seq_lens, qsl = md.seq_lens.clone(), md.query_start_loc.clone()
+    seq_lens[r] += num_pad
+    qsl[r + 1 :] += num_pad
+    mask = tree_mask.new_zeros((n + num_pad, max(tree_mask.shape[1], row_len + num_pad)))
+    mask[:n, : tree_mask.shape[1]] = tree_mask
+    pads = torch.arange(num_pad)
+    mask[n + pads, row_len + pads] = True
+    md = replace(md, num_tokens=n + num_pad, max_query_len=max(md.max_query_len, row_len + num_pad),
+                 max_seq_len=max(md.max_seq_len, int(seq_lens[r])), seq_lens=seq_lens, query_start_loc=qsl,
+                 slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((num_pad,), -1)]))
+    return (md, torch.cat([input_ids, input_ids.new_zeros(num_pad)]),
+            torch.cat([positions, positions[-1:].expand(num_pad)]), mask.to(tree_mask.device))
+
+
 @lru_cache(maxsize=256)
 def _row_tree(draft_parents: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]:
     """A spec row's ancestor mask [1 + k, 1 + k] (its first token the root) and depths [1 + k], per tree shape: a
