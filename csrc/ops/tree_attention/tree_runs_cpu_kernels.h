@@ -45,6 +45,20 @@ inline void tree_token_scores(const PagedAttnArgs<T, C>& d, DecodeScratch& w, in
                            w.sc.data() + i * G * kDecodeTile, static_cast<const void* const*>(w.pf.data()));
 }
 
+// The K and V rows of keys [kbeg, kend) of decode sequence q's row, kv head h, prefetched block run by block run:
+// an item's shared context is requested from memory at once. In a step the layers' weights stream between two calls,
+// so these rows are cold; the plain kernel hid that by prefetching each next item's first tile, and a tree item
+// streams as much context as seven of its items did.
+template <typename T, typename C>
+inline void prefetch_context(const PagedAttnArgs<T, C>& d, int64_t q, int64_t h, int64_t kbeg, int64_t kend) {
+  for (int64_t p = kbeg; p < kend;) {
+    const int64_t run = std::min(kend - p, d.block_size - (p & (d.block_size - 1)));
+    prefetch_bytes(d.row(d.key_cache, q, p, h), run * d.head_dim * static_cast<int64_t>(sizeof(C)));
+    prefetch_bytes(d.row(d.value_cache, q, p, h), run * d.head_dim * static_cast<int64_t>(sizeof(C)));
+    p += run;
+  }
+}
+
 // Partition pi, kv head h of the run's tokens that have one (their decode indices left in `qs`): acc [Q * G, D],
 // m / l [Q * G] per token and head, unnormalized (as decode_item leaves them).
 template <typename T, typename C>
@@ -145,7 +159,16 @@ void paged_tree_runs_kernel(const PagedAttnArgs<T, C>& d, const DecodeKeyTail* t
     std::vector<float> acc(max_q * G * D), m(max_q * G), l(max_q * G);
     std::vector<int64_t> qs;
     qs.reserve(max_q);
-    for (int64_t i = claim(); i < n_items; i = claim()) {
+    auto prefetch_item = [&](int64_t i) {  // its shared context (the tree's own rows were just written: cached)
+      const auto [r, pi] = work[i / H];
+      const int64_t kbeg = pi * kDecodePartition;
+      prefetch_context(d, runs[r].first, i % H, kbeg, std::min(runs[r].context, kbeg + kDecodePartition));
+    };
+    // Each thread claims one item ahead and prefetches it while the current one runs.
+    int64_t i = claim(), ahead = i < n_items ? claim() : n_items;
+    if (i < n_items) prefetch_item(i);
+    for (; i < n_items; i = ahead, ahead = claim()) {
+      if (ahead < n_items) prefetch_item(ahead);
       const auto [r, pi] = work[i / H];
       const int64_t h = i % H;
       tree_run_item(d, tails, runs[r], parts, part_off, pi, h, w, qs, acc.data(), m.data(), l.data());
