@@ -9,6 +9,11 @@ two venvs, alternated, for an A/B of two builds.
 
     PAGELLM_NUM_THREADS=1 python benchmarks/bench_verify_attention.py --context 400 --queries 1,2,4,8,13
     PAGELLM_NUM_THREADS=1 python benchmarks/bench_verify_attention.py --context 51,280,777,1999 --queries 1,4
+    PAGELLM_NUM_THREADS=1 python benchmarks/bench_verify_attention.py --context 150 --queries 1,7 --tree=-1,-1,0,2,-1,0
+
+`--tree PARENTS` adds a row `tree N` per context: paged_tree_attention over a root (the row's first token, at the
+context) plus one node per parent (-1: a child of the root; draft indices as a Medusa tree proposer gives them), as
+a tree verify step calls it (one sequence, query_start_loc [0, 1 + k], seq_len context + 1 + k).
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10, help="30-layer passes per round and query count")
     ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu")
+    ap.add_argument("--tree", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="draft parents of a tree row to time through paged_tree_attention (-1: the root)")
     args = ap.parse_args()
     import pagellm.ops  # noqa: F401  (loads the kernels)
     from pagellm.threading_config import ThreadingConfig, apply_threading
@@ -41,19 +48,43 @@ def main() -> None:
     print(f"| context | queries | ms per 30 layers ({args.clock}) | per query |\n|---:|---:|---:|---:|")
     for context in args.context:
         for q, ms in _times(op, clock, context, args).items():
-            print(f"| {context} | {q} | {ms:.3f} | {ms / q:.3f} |")
+            n = int(q.split()[-1]) if isinstance(q, str) else q  # "tree N": the --tree row of N queries
+            print(f"| {context} | {q} | {ms:.3f} | {ms / n:.3f} |")
     print(f"load {os.getloadavg()[0]:.1f}")
 
 
-def _times(op, clock, context: int, args) -> dict[int, float]:
+def _tree_call(args, context: int, table: torch.Tensor, g: torch.Generator):
+    """paged_tree_attention's arguments for the --tree row (None without one)."""
+    from pagellm.ops.tree import tree_mask_from_parents
+
+    if args.tree is None:
+        return None
+    n = 1 + len(args.tree)
+    query = torch.randn(n, 9, 64, generator=g).bfloat16()
+    mask = tree_mask_from_parents([-1] + [p + 1 for p in args.tree])
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    lens = torch.tensor([context + n], dtype=torch.int32)
+    return n, query, torch.empty_like(query), table, qsl, lens, mask
+
+
+def _times(op, clock, context: int, args) -> dict[int | str, float]:
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
-    blocks = (context + max(args.queries) + block - 1) // block + 1
+    blocks = (context + max(args.queries + [1 + len(args.tree or [])]) + block - 1) // block + 1
     g = torch.Generator().manual_seed(0)
     caches = [tuple(torch.randn(blocks, kv_heads, block, head_dim, generator=g).bfloat16() for _ in range(2))
               for _ in range(30)]
     table = torch.randperm(blocks, generator=g).to(torch.int32)[None]
-    times: dict[int, list[float]] = {q: [] for q in args.queries}
+    times: dict[int | str, list[float]] = {q: [] for q in args.queries}
+    tree = _tree_call(args, context, table, g)
+    tree_op = torch.ops.pagellm.paged_tree_attention.default
     for _ in range(args.rounds):
+        if tree is not None:
+            n, query, out, tables, qsl, lens, mask = tree
+            t = clock()
+            for _ in range(args.iters):
+                for kc, vc in caches:
+                    tree_op(out, query, kc, vc, tables, qsl, lens, mask, 0.125, 0.0)
+            times.setdefault(f"tree {n}", []).append((clock() - t) / args.iters * 1e3)
         for q in args.queries:
             query = torch.randn(q, heads, head_dim, generator=g).bfloat16()
             out = torch.empty_like(query)

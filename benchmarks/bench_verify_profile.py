@@ -157,7 +157,8 @@ def profile_engine(label: str, spec: dict | None, prompts: list[list[int]], args
     for name, steps in groups.items():
         out[name] = {"num_steps": len(steps), "step_ms": statistics.median(s["step"] for s in steps),
                      "mean_step_ms": statistics.fmean(s["step"] for s in steps),
-                     "phases_ms": {k: statistics.median(s[k] for s in steps) for k in PHASES}}
+                     "phases_ms": {k: statistics.median(s[k] for s in steps) for k in PHASES},
+                     "mean_phases_ms": {k: statistics.fmean(s[k] for s in steps) for k in PHASES}}
     del llm, eng
     return {"groups": out, "replays": replays, "ms_per_token": totals["steps_ms"] / max(1, totals["tokens"]),
             "mean_accepted_len": statistics.fmean(accepted_lens) if accepted_lens else None}
@@ -170,6 +171,10 @@ def render(data: dict) -> str:
     used = [p for p in PHASES if any(abs(groups[n]["phases_ms"].get(p, 0.0)) >= 0.0005 for n in names)]
     rows = [[p] + [f"{groups[n]['phases_ms'].get(p, 0.0):.3f}" for n in names] for p in used]
     rows.append(["**median step**"] + [f"**{groups[n]['step_ms']:.2f}**" for n in names])
+    # means too: a rare costly phase (a tree path's KV moves) is invisible in the medians
+    means = [p for p in PHASES if any(abs(groups[n].get("mean_phases_ms", {}).get(p, 0.0)) >= 0.0005 for n in names)]
+    rows.extend([f"{p} (mean)"] + [f"{groups[n].get('mean_phases_ms', {}).get(p, 0.0):.3f}" for n in names]
+                for p in means)
     rows.append(["mean step"] + [f"{groups[n]['mean_step_ms']:.2f}" for n in names])
     rows.append(["steps"] + [str(groups[n]["num_steps"]) for n in names])
     if base is not None:

@@ -25,6 +25,7 @@ from test_draft_tokens import (  # noqa: E402
 from pagellm.spec_decode import ProposerContext, SpeculativeConfig, list_proposers  # noqa: E402
 from pagellm import SamplingParams  # noqa: E402
 from pagellm.engine import spec_step  # noqa: E402
+from pagellm.engine.tree_step import pad_tree_step  # noqa: E402
 from pagellm.spec_decode.medusa import MedusaProposer, MedusaTreeProposer  # noqa: E402
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads  # noqa: E402
 from pagellm.spec_decode.medusa_train import (  # noqa: E402
@@ -279,8 +280,8 @@ def test_engine_drafts_are_the_training_paths_top1(tiny_llama_dir, test_prompts,
 
 # ---------------------------------------------------------------- tree verification (medusa_tree.py)
 
-# the top-1 chain is nodes 0, 2, 4 (in "default": 0, 4, 9): an accepted path of two or more drafts is not the
-# row's leading drafts, so its KV has to move
+# served with the top-1 chain first (nodes 0, 1, 2, MedusaTree's order): an accepted path through a rank-1 node ([1],
+# [1, 0], [0, 1]; in "default" 9 of its 12 nodes) is not the row's leading drafts, so its KV has to move
 SKEWED_TREE = [[0], [1], [0, 0], [1, 0], [0, 0, 0], [0, 1]]
 
 
@@ -302,6 +303,35 @@ def kv_moves(monkeypatch):
 
     monkeypatch.setattr(spec_step, "move_kv_slots", counting)
     return moved
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_clamped_trees_replay_the_full_trees_step_graph(tiny_llama_dir, test_prompts, trained_heads_dir, batch,
+                                                         monkeypatch):
+    """A request's last drafts are clamped to a prefix of its tree (max_tokens); the step is padded back to the full
+    trees' tokens (tree_step.pad_tree_step) and replays their step graph, every replay checked against the eager
+    forward bit for bit: outputs equal plain decoding, and no tree step of another token count is ever run."""
+    from pagellm.engine import model_runner
+
+    monkeypatch.setenv("PAGELLM_STEP_GRAPH_CHECK", "1")
+    pads = []
+    monkeypatch.setattr(model_runner, "pad_tree_step", lambda *a: pads.append(a[4]) or pad_tree_step(*a))
+    prompts = test_prompts[4][:batch]
+    ref_llm, llm = _make_llm(tiny_llama_dir), _make_llm(tiny_llama_dir)
+    eng = llm.llm_engine
+    proposer = _tree_proposer(eng, trained_heads_dir, SKEWED_TREE)
+    eng.set_proposer(proposer)
+    graphs, full = eng.runner.step_graphs, batch * (1 + len(SKEWED_TREE))
+    for max_tokens in (9, 6, 7, 5, 8):  # answers of several lengths: their last trees clamped to each prefix
+        params = _greedy(max_tokens)
+        assert [o.token_ids for o in _generate(llm, prompts, params)] == \
+            [o.token_ids for o in _generate(ref_llm, prompts, params)]
+    assert graphs.check and pads and max(pads) >= 3
+    tree_keys = {key for key in graphs._seen if key[0] == "tree"}
+    assert {key[2] for key in tree_keys} <= {full} | {1 + len(SKEWED_TREE)}, tree_keys  # (batch 2: one row left)
+    if batch == 1:  # (two rows: too few steps of one padded layout to reach a capture)
+        assert sum(n for key, n in graphs.num_replays_by_key.items() if key[0] == "tree") > 0
+    _assert_all_blocks_free(eng)
 
 
 @pytest.mark.parametrize("batch,tree", [(1, SKEWED_TREE), (4, "default")])
@@ -328,7 +358,7 @@ def test_greedy_tree_medusa_matches_plain_decoding(tiny_llama_dir, test_prompts,
                 assert got_pos[tok].logprob == pytest.approx(lp.logprob, abs=1e-4)
     stats = eng.spec_stats
     assert stats.num_proposer_errors == 0 and 0 < stats.num_accepted_draft_tokens < stats.num_draft_tokens, stats
-    assert sum(kv_moves) > 0  # both trees' top-1 chains are not their leading nodes
+    assert sum(kv_moves) > 0  # some accepted paths leave the top-1 chain
     assert eng.scheduler.prefix_cache_hits > 0
     _assert_all_blocks_free(eng)
     assert proposer.num_tracked_seqs == 0

@@ -4,6 +4,9 @@ The engine runs (token identity, moved KV, blocks) are in test_spec_medusa.py, n
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
 import torch
 
@@ -11,7 +14,21 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 
 from test_draft_tokens import _greedy, _make_llm  # noqa: E402
 
-from pagellm.engine.tree_step import greedy_tree_path, move_kv_slots, reordered_drafts, tree_step_inputs  # noqa: E402
+from pagellm import ops  # noqa: E402
+from pagellm.attention.base import AttentionMetadata  # noqa: E402
+from pagellm.engine.tree_step import (  # noqa: E402
+    choose_tree_paths,
+    greedy_tree_path,
+    move_kv_slots,
+    pad_tree_step,
+    reordered_drafts,
+    tree_step_inputs,
+    verify_greedy_paths,
+)
+from pagellm.sampling.metadata import plain_greedy_metadata  # noqa: E402
+from pagellm.sampling.processors import argmax_rows  # noqa: E402
+from pagellm.sampling.rejection import verify_drafts  # noqa: E402
+from pagellm.spec_decode.batch import SpecRows  # noqa: E402
 from pagellm.spec_decode import SpeculativeConfig  # noqa: E402
 from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E402
 
@@ -20,13 +37,28 @@ from pagellm.spec_decode.medusa_tree import MC_SIM_7B_63, MedusaTree  # noqa: E4
 
 def test_tree_layout_and_named_trees():
     tree = MedusaTree.from_spec([[1], [0, 0], [0], [0, 1], [0, 0, 0]])
-    assert tree.paths == ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
-    assert tree.parents == (-1, -1, 0, 0, 2) and tree.depths == (0, 0, 1, 1, 2) and tree.depth == 3
+    assert tree.paths == ((0,), (0, 0), (0, 0, 0), (1,), (0, 1))  # the top-1 chain first, then (depth, path)
+    assert tree.parents == (-1, 0, 1, -1, 0) and tree.depths == (0, 1, 2, 0, 1) and tree.depth == 3
     topk = torch.arange(3 * 2).reshape(1, 3, 2) + 100  # head d's rank r token: 100 + 2 d + r
-    assert tree.node_tokens(topk).tolist() == [[100, 101, 102, 103, 104]]
+    assert tree.node_tokens(topk).tolist() == [[100, 102, 104, 101, 103]]
     big = MedusaTree.from_spec("mc_sim_7b_63")
     assert big.num_nodes == len(MC_SIM_7B_63) == 63 and big.depth == 4
     assert 10 <= MedusaTree.from_spec("default").num_nodes <= 16
+
+
+@pytest.mark.parametrize("spec", ["default", "mc_sim_7b_63", [[2], [1, 0], [1], [0, 1], [0], [0, 0]]])
+def test_the_top1_chain_comes_first(spec):
+    """Every tree keeps its top-1 chain in nodes 0, 1, ..: an accepted top-1 path is already in the row's first
+    lookahead slots (no KV moved); parents still precede children, so every prefix is a tree."""
+    tree = MedusaTree.from_spec(spec)
+    chain = [j for j, p in enumerate(tree.paths) if not any(p)]
+    assert chain == list(range(len(chain))) and len(chain) == max(len(p) for p in tree.paths if not any(p))
+    assert all(p < j for j, p in enumerate(tree.parents))
+    assert sorted(tree.paths) == sorted(MedusaTree.from_spec(spec).paths)
+    parents = list(tree.parents)
+    target = [0] * (1 + tree.num_nodes)
+    drafts = [0 if j < len(chain) else 1 for j in range(tree.num_nodes)]  # the target agrees along the chain only
+    assert greedy_tree_path(target, drafts, parents) == list(range(len(chain)))
 
 
 def test_greedy_tree_path_and_reorder():
@@ -41,6 +73,69 @@ def test_greedy_tree_path_and_reorder():
         draft_token_ids = [drafts, [1, 2]]
 
     assert reordered_drafts(Split, [[1, 3], [0, 1]], [2, 1]) == [8, 9, 7, 9, 5, 1, 2]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_verify_greedy_paths_equals_the_samplers_verify(seed):
+    """A plain-greedy tree step verifies its chosen paths from the argmax rows that chose them: the same accepted
+    tokens as the sampler's verify of the paths as chains, for trees and chains (whose drafts only the verify
+    checks), bf16 logits with ties, drafts that agree with the target ~60 % of the time."""
+    rng, gen, vocab = random.Random(seed), torch.Generator().manual_seed(seed), 23
+    parents_per_row = []
+    for _ in range(rng.randrange(1, 5)):
+        k = rng.randrange(0, 10)
+        tree = rng.random() < 0.6 and k > 0
+        parents_per_row.append([rng.randrange(-1, j) for j in range(k)] if tree else None)
+    counts = [1 + (len(p) if p is not None else rng.randrange(0, 5)) for p in parents_per_row]
+    logits = (torch.randn(sum(counts), vocab, generator=gen) * 2).round().to(torch.bfloat16)  # ties too
+    target = argmax_rows(logits).tolist()
+    drafts, start = [], 0
+    for parents, n in zip(parents_per_row, counts):
+        parents = parents if parents is not None else list(range(-1, n - 2))
+        drafts.append([target[start + (0 if p < 0 else 1 + p)] if rng.random() < 0.6 else rng.randrange(vocab)
+                       for p in parents])
+        start += n
+    rows = np.arange(len(counts))
+    split = SpecRows(rows[:0], rows[:0], rows, np.arange(sum(counts)), drafts)
+    paths = choose_tree_paths(split, parents_per_row, target, [f"s{i}" for i in rows])
+    expected = verify_drafts(logits[torch.as_tensor(paths.chain_logit_rows)], paths.chain_split.draft_token_ids,
+                             plain_greedy_metadata(len(paths.chain_logit_rows), vocab))
+    got = verify_greedy_paths(paths)
+    assert got.accepted_token_ids == expected.accepted_token_ids
+    assert got.num_accepted_tokens == expected.num_accepted_tokens and got.logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_tree_step_leaves_every_real_token_alone(dtype):
+    """pad_tree_step grows the last row by dummy tokens (slot -1, the row's last position, each seeing only itself):
+    paged_tree_attention gives every real token the same bits as without them (a decode row, then a clamped tree
+    of 3 nodes over 37 context keys, padded by 4), and a row past its block table's capacity is not padded."""
+    gen, bs, kv_heads, heads, dim = torch.Generator().manual_seed(3), 8, 2, 6, 64
+    parents = [-1, 0, 0]  # the clamped row: its root and two drafts under it
+    lens = [20, 37 + 3]
+    qsl = torch.tensor([0, 1, 4], dtype=torch.int32)
+    tables = torch.randperm(16, generator=gen).to(torch.int32).view(2, 8)
+    md = AttentionMetadata(num_reqs=2, num_tokens=4, num_decode_reqs=1, max_query_len=3, max_seq_len=40,
+                           slot_mapping=torch.tensor([5, 9, 10, 11]), block_tables=tables,
+                           seq_lens=torch.tensor(lens, dtype=torch.int32), query_start_loc=qsl)
+    mask = torch.zeros(4, 3, dtype=torch.bool)
+    mask[0, 0] = True
+    mask[1:, :3] = ops.tree_mask_from_parents(parents)
+    ids, pos = torch.arange(4), torch.tensor([19, 37, 38, 38])
+    assert pad_tree_step(md, ids, pos, mask, 4, capacity=40 + 3) is None  # 44 keys do not fit
+    padded, ids2, pos2, mask2 = pad_tree_step(md, ids, pos, mask, 4, capacity=64)
+    assert padded.num_tokens == 8 and padded.query_start_loc.tolist() == [0, 1, 8]
+    assert padded.seq_lens.tolist() == [20, 44]
+    assert padded.slot_mapping.tolist() == [5, 9, 10, 11, -1, -1, -1, -1] and padded.max_query_len == 7
+    assert ids2.tolist()[:4] == ids.tolist() and pos2.tolist() == [19, 37, 38, 38, 38, 38, 38, 38]
+    assert torch.equal(mask2[:4, :3], mask) and not mask2[:4, 3:].any() and mask2[4:, 3:].equal(torch.eye(4) > 0)
+    assert md.seq_lens.tolist() == lens and md.query_start_loc.tolist() == [0, 1, 4]  # the step's own untouched
+    kc, vc = (torch.randn(16, kv_heads, bs, dim, generator=gen).to(dtype) for _ in range(2))
+    query = torch.randn(8, heads, dim, generator=gen).to(dtype)
+    out, out2 = torch.empty(4, heads, dim, dtype=dtype), torch.empty(8, heads, dim, dtype=dtype)
+    ops.paged_tree_attention(out, query[:4], kc, vc, tables, qsl, md.seq_lens, mask, 0.125)
+    ops.paged_tree_attention(out2, query, kc, vc, tables, padded.query_start_loc, padded.seq_lens, mask2, 0.125)
+    assert torch.equal(out, out2[:4])
 
 
 def test_tree_step_inputs_positions_and_mask():

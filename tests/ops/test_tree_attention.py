@@ -117,7 +117,7 @@ def test_chain_tree_equals_prefill(device, dtype):
     assert_close(out, prefill)
 
 
-def _decode_over(query_row, kc, vc, table, positions, block_size, scale, device):
+def _decode_over(query_row, kc, vc, table, positions, block_size, scale, device, softcap=0.0):
     """paged_attention_decode of one query [1, H, D] over the cache rows at `positions` (in that order), gathered
     into fresh consecutive blocks of 16: what a plain decode sees once those keys are the sequence's context."""
     L, fresh = len(positions), 16
@@ -131,7 +131,7 @@ def _decode_over(query_row, kc, vc, table, positions, block_size, scale, device)
     out = torch.empty_like(query_row)
     ops.paged_attention_decode(out, query_row.contiguous(), blocks(kc), blocks(vc),
                                torch.arange(num_blocks, dtype=torch.int32, device=device)[None],
-                               torch.tensor([L], dtype=torch.int32, device=device), scale)
+                               torch.tensor([L], dtype=torch.int32, device=device), scale, softcap=softcap)
     return out
 
 
@@ -151,6 +151,35 @@ def test_each_node_is_a_plain_decode_of_its_path(device, dtype, context):
     for j in range(len(parents)):
         path = [context + i for i in range(len(parents)) if ancestors[j, i]]
         alone = _decode_over(query[j : j + 1], kc, vc, tables[0], list(range(context)) + path, bs, scale, device)
+        assert torch.equal(out[j : j + 1], alone), f"node {j}"
+
+
+@pytest.mark.parametrize("dtype,num_heads,num_kv_heads,head_dim,block_size", [
+    (torch.bfloat16, 9, 3, 64, 16),  # the default model's attention (3 queries per kv head)
+    (torch.float32, 6, 2, 80, 8),
+    (torch.float16, 7, 1, 48, 1),  # MQA, group 7: trees past 6 tokens take several fused chunks
+    (torch.bfloat16, 4, 4, 112, 32),
+])
+@pytest.mark.parametrize("context,num_nodes", [(0, 7), (31, 5), (32, 7), (33, 16), (250, 9), (257, 3), (511, 20)])
+def test_tree_tokens_fused_over_the_context_are_plain_decodes(device, dtype, num_heads, num_kv_heads, head_dim,
+                                                               block_size, context, num_nodes):
+    """The tokens of one tree share a pass over their common context (tree_runs_cpu_kernels.h), and each still gets
+    its path's plain decode bits: contexts none, within, at and past a key tile (32) and the 256-key partition, trees
+    larger than one fused chunk (48 heads), odd head dims, block sizes 1-32, and a softcap."""
+    if device != "cpu":
+        pytest.skip("bit-identity with the decode kernel is the CPU kernel's contract (CUDA: close to the reference)")
+    softcap = 7.5 if context == 33 else 0.0
+    seed = context + num_nodes
+    parents = [-1] + [p + 1 for p in random_parents(num_nodes - 1, seed=seed)]  # a root, as a verify row has
+    out, expected, query, args = _tree_case(device, [(context, parents)], num_heads, num_kv_heads, head_dim,
+                                            block_size, dtype, softcap=softcap, seed=seed)
+    assert_close(out, expected)
+    kc, vc, tables, _, _, _, scale, _ = args
+    ancestors = ops.tree_mask_from_parents(parents)
+    for j in range(num_nodes):
+        path = [context + i for i in range(num_nodes) if ancestors[j, i]]
+        alone = _decode_over(query[j : j + 1], kc, vc, tables[0], list(range(context)) + path, block_size, scale,
+                             device, softcap)
         assert torch.equal(out[j : j + 1], alone), f"node {j}"
 
 

@@ -6,9 +6,10 @@
 // Two paths, chosen per sequence so that every token gets the bits the plain (non-tree) step would give it
 // (batch invariance: bf16 Medusa trees then decode exactly like plain greedy decoding):
 // - "decode path" (sequences of at most kMultiQueryMaxLen tokens, and every sequence whose mask is not causal):
-//   each token is one query of the decode kernel (decode_cpu_kernels.h) over its visible keys in position order,
-//   the context then its visible tree tokens (a DecodeKeyTail maps them to their slots): the same 256-key
-//   partitions, tiles and accumulation order as a plain decode of the token's root-to-node path.
+//   each token is one query of the decode kernel's arithmetic (decode_cpu_kernels.h) over its visible keys in
+//   position order, the context then its visible tree tokens (a DecodeKeyTail maps them to their slots): the same
+//   256-key partitions, tiles and accumulation order as a plain decode of the token's root-to-node path. A tree's
+//   tokens share one pass over their common context (tree_runs_cpu_kernels.h).
 // - "tile path" (longer causal sequences: prefill chunks): each such sequence through the prefill op's kernel
 //   (prefill_dispatch_cpu.h), so it gets the prefill op's bits.
 // The split mirrors attention/cpu_backend.py, which sends rows of <= MULTI_QUERY_MAX_LEN tokens through the
@@ -21,6 +22,7 @@
 
 #include "ops/paged_attention/decode_cpu_kernels.h"
 #include "ops/paged_attention/prefill_dispatch_cpu.h"
+#include "ops/tree_attention/tree_runs_cpu_kernels.h"
 
 namespace pagellm::cpu {
 
@@ -49,6 +51,7 @@ struct TreeDecodePlan {
   std::vector<int64_t> tokens;  // query row of each decode sequence
   std::vector<int32_t> tables, lens, tail_pos;
   std::vector<DecodeKeyTail> tails;
+  std::vector<TreeRun> runs;  // each tree's decode sequences, in chunks that fit one item's scratch
   int64_t table_width = 1, tail_width = 1;
 };
 
@@ -68,9 +71,12 @@ TreeDecodePlan plan_tree_decode(const PagedAttnArgs<T, C>& a, const TreeMask& ma
   p.tail_pos.assign(n * p.tail_width, 0);
   p.tails.assign(n, DecodeKeyTail{});
   int64_t i = 0;
+  const int64_t max_run = std::max<int64_t>(1, kTreeRunMaxHeads / a.group());
   for (int64_t s : seqs) {
     const int64_t q_len = qsl[s + 1] - qsl[s], ctx = a.seq_lens[s] - q_len;
     const int64_t used = (a.seq_lens[s] + a.block_size - 1) / a.block_size;
+    for (int64_t first = 0; first < q_len; first += max_run)
+      p.runs.push_back({i + first, std::min(max_run, q_len - first), ctx});
     for (int64_t t = qsl[s]; t < qsl[s + 1]; ++t, ++i) {
       std::copy_n(a.block_tables + s * a.bt_stride, used, p.tables.begin() + i * p.table_width);
       int32_t* tail = p.tail_pos.data() + i * p.tail_width;
@@ -84,8 +90,8 @@ TreeDecodePlan plan_tree_decode(const PagedAttnArgs<T, C>& a, const TreeMask& ma
   return p;
 }
 
-// The decode path over sequences `seqs`: one decode call over their tokens (queries gathered into a block and
-// outputs scattered back unless the tokens are the query rows 0, 1, 2, ...).
+// The decode path over sequences `seqs`: one decode pass over their tokens, each tree's fused (queries gathered into
+// a block and outputs scattered back unless the tokens are the query rows 0, 1, 2, ...).
 template <typename T, typename C>
 void tree_decode_path(const PagedAttnArgs<T, C>& a, const TreeMask& mask, const std::vector<int64_t>& seqs) {
   const TreeDecodePlan p = plan_tree_decode(a, mask, seqs);
@@ -112,7 +118,7 @@ void tree_decode_path(const PagedAttnArgs<T, C>& a, const TreeMask& mask, const 
     d.q_stride_t = d.out_stride_t = row;
     d.q_stride_h = d.out_stride_h = a.head_dim;
   }
-  paged_attention_decode_kernel(d, p.tails.data());
+  paged_tree_runs_kernel(d, p.tails.data(), p.runs);
   if (!gather) return;
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < a.num_heads; ++h)

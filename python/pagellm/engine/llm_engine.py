@@ -259,6 +259,8 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
         draft_parents = self._draft_parents(sched_out, seq_ids) if self.proposer is not None else None
         if draft_parents is not None:  # some spec row carries a candidate tree (spec_step.py)
             extra["draft_parents"] = draft_parents
+            if self._tree_pad_tokens:  # clamped trees: replayed in the full trees' shape
+                extra["tree_pad_tokens"] = self._tree_pad_tokens
         lora_slots = None if self.lora is None else self.lora.row_slots(seq_ids)
         if lora_slots is not None:
             extra["lora_slots"] = lora_slots

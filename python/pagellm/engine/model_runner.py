@@ -20,7 +20,7 @@ from pagellm.attention.cpu_backend import MULTI_QUERY_MAX_LEN
 from pagellm.attention.kv_groups import KVGroupAttention
 from pagellm.attention.tree_verify import TreeVerifyAttention
 from pagellm.engine.cuda_graphs import CudaGraphCaptureError, CudaGraphRunner
-from pagellm.engine.tree_step import tree_step_inputs
+from pagellm.engine.tree_step import pad_tree_step, tree_step_inputs
 from pagellm.distributed import get_pp_state
 from pagellm.kv_cache import KVCaches
 from pagellm.logger import init_logger
@@ -171,11 +171,18 @@ class ModelRunner:
         return buf
 
     def _tree_with_graph(self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor,
-                         tree_mask: torch.Tensor) -> torch.Tensor:
+                         tree_mask: torch.Tensor, tree_pad_tokens: int = 0) -> torch.Tensor:
         """A tree verification step of short rows through the step graph of its shape: keyed by rows, tokens,
-        block-table width and mask width (the tree's shape is data: the mask and positions are inputs)."""
+        block-table width and mask width (the tree's shape is data: the mask and positions are inputs).
+        `tree_pad_tokens`: dummy tokens that give a step of clamped trees its full trees' shape (pad_tree_step)."""
         width = md.block_tables.shape[1]
         padded = _block_table_width(width)
+        num_tokens = md.num_tokens
+        if 0 < tree_pad_tokens and md.max_query_len + tree_pad_tokens <= MAX_TREE_GRAPH_QUERY_LEN:
+            block_size = self.kv_caches[self.kv_caches.layer_ids[0]].key_cache.shape[2]
+            grown = pad_tree_step(md, input_ids, positions, tree_mask, tree_pad_tokens, padded * block_size)
+            if grown is not None:
+                md, input_ids, positions, tree_mask = grown
         tables = md.block_tables
         if padded != width:
             tables = torch.zeros((md.num_reqs, padded), dtype=tables.dtype, device=tables.device)
@@ -187,7 +194,7 @@ class ModelRunner:
             return self._forward(step_md, ins[0], ins[1], TreeVerifyAttention(self.attn_backend, ins[6]))
 
         key = ("tree", md.num_reqs, md.num_tokens, padded, tree_mask.shape[1])
-        return self.step_graphs.run(key, inputs, step)
+        return self.step_graphs.run(key, inputs, step)[:num_tokens]
 
     def _lora_token_slots(self, sched_out, lora_slots: np.ndarray | None) -> torch.Tensor | None:
         """Each scheduled token's adapter slot (int32 [num_tokens]), from the rows' slots."""
@@ -200,9 +207,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None,
                 hidden_state_rows: list[int] | None = None, lora_slots: np.ndarray | None = None,
-                draft_parents: np.ndarray | None = None) -> ModelRunnerOutput:
+                draft_parents: np.ndarray | None = None, tree_pad_tokens: int = 0) -> ModelRunnerOutput:
         """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter.
-        `draft_parents`: the spec rows' drafts are trees (engine/tree_step.py): each draft's parent in its row."""
+        `draft_parents`: the spec rows' drafts are trees (engine/tree_step.py): each draft's parent in its row;
+        `tree_pad_tokens`: the nodes the scheduler clamped off those trees (a replayed step is padded back)."""
         cow_copies = sched_out.cow_copies
         if len(cow_copies) and self.kv_caches.num_groups == 1:
             self.kv_caches.copy_blocks(self._to_device(cow_copies))
@@ -220,7 +228,7 @@ class ModelRunner:
             tree_positions, tree_mask = tree_step_inputs(sched_out, draft_parents)
             positions, tree_mask = self._to_device(tree_positions), tree_mask.to(self.device)
             if token_slots is None and self.step_graphs is not None and _replays_as_tree(metadata, self.kv_caches):
-                hidden = self._tree_with_graph(metadata, input_ids, positions, tree_mask)
+                hidden = self._tree_with_graph(metadata, input_ids, positions, tree_mask, tree_pad_tokens)
             else:
                 with self._lora_scope(token_slots):
                     hidden = self._forward(metadata, input_ids, positions,

@@ -16,6 +16,7 @@ from pagellm.engine.tree_step import (
     move_kv_slots,
     reordered_drafts,
     typical_tree_paths,
+    verify_greedy_paths,
 )
 from pagellm.logger import init_logger
 from pagellm.outputs import SpecDecodeMetrics
@@ -182,8 +183,10 @@ class SpecDecodeStep:
 
     def _draft_parents(self, sched_out, seq_ids: list[str]) -> np.ndarray | None:
         """Each scheduled draft's parent within its row (-1: the row's first token), flat like
-        sched_out.draft_token_ids; None when every spec row is a chain (no tree this step)."""
-        self._step_tree_parents = None
+        sched_out.draft_token_ids; None when every spec row is a chain (no tree this step). `_tree_pad_tokens`: the
+        nodes the scheduler clamped off the step's trees when the proposer drafts prefixes of one tree (the model
+        runner pads a replayed step back to the full trees' shape, tree_step.pad_tree_step)."""
+        self._step_tree_parents, self._tree_pad_tokens = None, 0
         if self.proposer is None or not getattr(self.proposer, "proposes_trees", False):
             return None
         rows = np.flatnonzero(sched_out.num_draft_tokens)
@@ -191,6 +194,9 @@ class SpecDecodeStep:
         if all(p is None for p in per_row):
             return None
         self._step_tree_parents = dict(zip(rows.tolist(), per_row))
+        full = getattr(self.proposer, "tree_num_nodes", None)
+        if full is not None:
+            self._tree_pad_tokens = sum(full - len(p) for p in per_row if p is not None)
         flat = [p for r, parents in zip(rows, per_row)
                 for p in (parents if parents is not None else chain_parents(int(sched_out.num_draft_tokens[r])))]
         return np.asarray(flat, dtype=np.int32)
@@ -259,15 +265,18 @@ class SpecDecodeStep:
                                                self._generator(seq.seq_id, st.params, seq.index)) for st, seq in seqs]
         spec_logits = _take_rows(logits, split.spec_logit_rows)
         paths = self._tree_paths(sched_out, split, spec_logits, rows)
-        if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
-            # a view when each path is its tree's first nodes (the heaviest branch usually is)
-            split, spec_logits = paths.chain_split, _take_rows(spec_logits, paths.chain_logit_rows)
-        if plain:
-            md = plain_greedy_metadata(sum(1 + len(d) for d in split.draft_token_ids), self.vocab_size)
+        if paths is not None and plain:  # the argmax rows that chose the paths verify them too
+            split, verified = paths.chain_split, verify_greedy_paths(paths)
         else:
-            md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
-                                         device=spec_logits.device)
-        verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
+            if paths is not None:  # verify each row's chosen path as a chain: its logits rows, its tokens
+                # a view when each path is its tree's first nodes (the heaviest branch usually is)
+                split, spec_logits = paths.chain_split, _take_rows(spec_logits, paths.chain_logit_rows)
+            if plain:
+                md = plain_greedy_metadata(sum(1 + len(d) for d in split.draft_token_ids), self.vocab_size)
+            else:
+                md = build_sampling_metadata(expand_rows_for_verify(rows, split.draft_token_ids), self.vocab_size,
+                                             device=spec_logits.device)
+            verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
         if paths is not None:
             self._commit_tree_paths(sched_out, seq_ids, paths, verified.accepted_token_ids)
         lt = verified.logprobs

@@ -21,7 +21,7 @@ import torch
 
 from pagellm.ops.tree import tree_depths, tree_mask_from_parents
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
-from pagellm.sampling.rejection import target_probs
+from pagellm.sampling.rejection import VerifyOutput, target_probs
 from pagellm.sampling.typical import TypicalAcceptance
 from pagellm.spec_decode.batch import SpecRows
 
@@ -53,6 +53,36 @@ def tree_step_inputs(sched_out, draft_parents: np.ndarray) -> tuple[np.ndarray, 
             row_mask = torch.ones((n, n), dtype=torch.bool).tril_()
         mask[t0 : t0 + n, :n] = row_mask
     return positions, mask
+
+
+def pad_tree_step(md, input_ids: torch.Tensor, positions: torch.Tensor, tree_mask: torch.Tensor, num_pad: int,
+                  capacity: int):
+    """The step with its last row grown by `num_pad` dummy tokens, or None when the row would then pass `capacity`
+    keys (its block table's). A dummy token writes no KV (slot -1), sits at the row's last position and sees only
+    itself; every real token's attention is unchanged (its context is seq_len - q_len either way, its mask row the
+    same, tree_attention_cpu_kernels.h) and so are its linears (row by row). Returns (md, input_ids, positions,
+    tree_mask) with num_tokens + num_pad tokens, the pads last.
+
+    Why: the scheduler clamps a request's last drafts to a prefix of its tree (max_tokens), and each prefix was a
+    step-graph key of its own: two eager forwards (one of them recorded) per prefix and block-table width, ~8 % of a
+    48-token chat answer's time at batch 1 (session 17). Padded to the proposer's full tree, such a step replays the
+    full tree's graph."""
+    r, n = md.num_reqs - 1, md.num_tokens
+    row_len = n - int(md.query_start_loc[r])
+    if num_pad <= 0 or int(md.seq_lens[r]) + num_pad > capacity:
+        return None
+    seq_lens, qsl = md.seq_lens.clone(), md.query_start_loc.clone()
+    seq_lens[r] += num_pad
+    qsl[r + 1 :] += num_pad
+    mask = tree_mask.new_zeros((n + num_pad, max(tree_mask.shape[1], row_len + num_pad)))
+    mask[:n, : tree_mask.shape[1]] = tree_mask
+    pads = torch.arange(num_pad)
+    mask[n + pads, row_len + pads] = True
+    md = replace(md, num_tokens=n + num_pad, max_query_len=max(md.max_query_len, row_len + num_pad),
+                 max_seq_len=max(md.max_seq_len, int(seq_lens[r])), seq_lens=seq_lens, query_start_loc=qsl,
+                 slot_mapping=torch.cat([md.slot_mapping, md.slot_mapping.new_full((num_pad,), -1)]))
+    return (md, torch.cat([input_ids, input_ids.new_zeros(num_pad)]),
+            torch.cat([positions, positions[-1:].expand(num_pad)]), mask.to(tree_mask.device))
 
 
 @lru_cache(maxsize=256)
@@ -173,6 +203,7 @@ class TreePaths:
     original_split / chain_split: the step's SpecRows as scheduled / with each row's drafts replaced by its path's tokens
     chain_logit_rows: int64 [sum(1 + len(path))] rows of the step's spec logits the chains read, row by row
     paths: per spec row, the path's draft indices; depths: seq_id -> drafts counted in the statistics
+    target_ids: the target's raw argmax at every spec logits row of the step (what the greedy paths were chosen by)
     """
 
     original_split: SpecRows
@@ -181,6 +212,7 @@ class TreePaths:
     paths: list[list[int]]
     tree_rows: list[bool]
     depths: dict[str, int]
+    target_ids: Sequence[int] = ()
 
 
 def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | None], target_ids: Sequence[int],
@@ -206,7 +238,25 @@ def choose_tree_paths(split: SpecRows, parents_per_row: Sequence[list[int] | Non
         rows.extend([start] + [start + 1 + j for j in path])
         start += 1 + k
     chain_split = replace(split, draft_token_ids=chains)
-    return TreePaths(split, chain_split, np.asarray(rows, dtype=np.int64), paths, is_tree, depths)
+    return TreePaths(split, chain_split, np.asarray(rows, dtype=np.int64), paths, is_tree, depths, target_ids)
+
+
+def verify_greedy_paths(paths: TreePaths) -> VerifyOutput:
+    """What sampler.verify gives the chosen paths when every spec row is plain greedy (no logprobs, no processors:
+    RequestState.plain_greedy), from the argmax rows the paths were chosen by: each row's path tokens up to the first
+    one the target's argmax before it disagrees with (a chain row's drafts are not checked by choose_tree_paths),
+    then the target's token there. The sampler's greedy rule on the same rows of the same logits, without a second
+    argmax and the chain's copy of its logits rows (~0.1 ms of a batch-1 tree step)."""
+    accepted, offset = [], 0
+    rows = paths.chain_logit_rows.tolist()
+    for chain in paths.chain_split.draft_token_ids:
+        targets = [int(paths.target_ids[r]) for r in rows[offset : offset + 1 + len(chain)]]
+        num_ok = 0
+        while num_ok < len(chain) and int(chain[num_ok]) == targets[num_ok]:
+            num_ok += 1
+        accepted.append([int(t) for t in chain[:num_ok]] + [targets[num_ok]])
+        offset += 1 + len(chain)
+    return VerifyOutput(accepted_token_ids=accepted, num_accepted_tokens=[len(a) for a in accepted])
 
 
 def reordered_drafts(split: SpecRows, paths: Sequence[list[int]], num_accepted: Sequence[int]) -> list[int]:

@@ -153,7 +153,7 @@ class HydraHeads(MedusaHeads):
     def draft_tree(self, hidden: torch.Tensor, last_ids: torch.Tensor, parents: Sequence[int], ranks: Sequence[int],
                    lm_head: LmHead | None = None, to_token_ids: Callable | None = None) -> torch.Tensor:
         """A candidate tree's tokens: node j is the ranks[j]-th most likely guess of its parent's head state
-        (parents[j] = -1: the root, h_t after x_{t+1}); nodes in (depth, path) order, parents first (MedusaTree).
+        (parents[j] = -1: the root, h_t after x_{t+1}); nodes in any order with parents first (MedusaTree's).
         hidden [B, H], last_ids [B] -> [B, num_nodes] token ids."""
         lm_head, to_ids = self._lm(lm_head), to_token_ids or (lambda x: x)
         depth = [0] * len(parents)

@@ -174,6 +174,13 @@ class MedusaTreeProposer(MedusaProposer):
         self._tree_ok: set[str] = set()  # sequences that may take a tree this step
         self._tree_rows: set[str] = set()  # sequences whose last drafts were a tree
 
+    @property
+    def tree_num_nodes(self) -> int:
+        """Every tree this proposer drafts is a prefix of one tree of this many nodes (the scheduler clamps a request's
+        last drafts): the engine pads a step of clamped trees back to the full trees' shape, whose step graph then
+        replays (engine/tree_step.py pad_tree_step)."""
+        return self.tree.num_nodes
+
     def set_tree_seq_ids(self, seq_ids: Iterable[str]) -> None:
         """The sequences of the next propose() that may take a tree; the others get chains."""
         self._tree_ok = set(seq_ids)

@@ -7,8 +7,11 @@
 
 A tree is a list of paths as in Medusa's `medusa_choices`: path (i_0, .., i_d) is the node whose token is
 head d's (i_d)-th most likely token, under the node (i_0, .., i_{d-1}); every prefix of a path is a path. Nodes
-are kept in (depth, path) order, so parents come before children and every prefix of the node list is a tree
-(the scheduler may clamp a row's drafts to a prefix). With Hydra heads (hydra_heads.py) the same path names the
+are kept with the top-1 chain (0,), (0, 0), .. first, then in (depth, path) order, so parents come before children
+and every prefix of the node list is a tree (the scheduler may clamp a row's drafts to a prefix). Chain first: node j
+sits in the row's lookahead slot j, and an accepted path must end up in the first slots (engine/tree_step.py
+move_kv_slots); the top-1 chain, the path accepted most often, then already does (session 17: in (depth, path) order
+every accepted path of two or more nodes moved KV over all 60 cache tensors). With Hydra heads (hydra_heads.py) the same path names the
 (i_d)-th guess of head d fed its parent node's token, so a node's siblings and children follow the branch it is on.
 
 Greedy rows get the whole tree as drafts (in node order) and `draft_parents` says each node's parent (-1: the
@@ -66,10 +69,12 @@ class MedusaTree:
         if len(paths) > MAX_TREE_NODES:
             raise ValueError(f"Medusa tree: {len(paths)} nodes, at most {MAX_TREE_NODES}")
         ordered = sorted(paths, key=lambda p: (len(p), p))
-        index = {p: j for j, p in enumerate(ordered)}
+        known = set(ordered)
         for p in ordered:
-            if len(p) > 1 and p[:-1] not in index:
+            if len(p) > 1 and p[:-1] not in known:
                 raise ValueError(f"Medusa tree: path {list(p)} has no parent path {list(p[:-1])}")
+        ordered = [p for p in ordered if not any(p)] + [p for p in ordered if any(p)]  # the top-1 chain first
+        index = {p: j for j, p in enumerate(ordered)}
         return cls(tuple(ordered), tuple(index[p[:-1]] if len(p) > 1 else -1 for p in ordered))
 
     @property

@@ -100,8 +100,8 @@ def fit_trees(heads, lm_head: Callable, hidden: torch.Tensor, token_ids: torch.T
     out: dict[str, dict] = {}
     for n in sizes:
         paths = fit_paths(full, hits, n)
-        keep = [full.paths.index(p) for p in paths]
         sub = MedusaTree.from_spec(paths)
+        keep = [full.paths.index(p) for p in sub.paths]  # hits columns in the served tree's node order
         walked = walk(flat, tree_runs(sub, hits[:, keep]).tolist())
         out[str(n)] = {"paths": [list(p) for p in paths], "expected_len": round(1 + float(rates[keep].sum()), 4),
                        "accepted_len": round(walked["accepted_len"], 4)}
