@@ -8,8 +8,10 @@ bench_peers.py --throughput, split into prefill steps (steps that schedule promp
 
 Part 1 (the run as users see it): engine.step() wall time per step kind, with the scheduled token/row counts,
 the process CPU time (all threads; with PAGELLM_NUM_THREADS=1 the work itself, a steadier A/B figure on a busy
-machine than wall time) and the forward / LM head / sampler share of each (instance-level timers around the
-runner's functions).
+machine than wall time), the cores that used (CPU s / wall s: ~2 when both threads of a 2-core pool work, ~1 when
+the pool ran on the caller alone), the thread pool's stalls in those steps (regions after which it ran regions on
+the caller alone for 5-200 ms: a worker was preempted) and the forward / LM head / sampler share of each
+(instance-level timers around the runner's functions).
 Part 2 (where inside the forward): the same workload with the step graph off under torch.profiler, native self
 time per op kind, separately for prefill steps and decode-only steps. Writes results/batch_profile_<tag>.{md,json}.
 """
@@ -69,17 +71,21 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
     runner._forward = timed(secs, "forward", runner._forward)
     runner.model.compute_logits = timed(secs, "LM head", runner.model.compute_logits)
     eng._sample = timed(secs, "sampler", eng._sample)
+    from pagellm import _C
+
+    def pool_stalls() -> int:  # regions after which the pool ran on the caller alone (a preempted worker)
+        return _C.thread_pool_info()["num_stalls"]
     steps = []
     add_requests(eng, reqs, f"t{time.time_ns()}")
     t0 = time.perf_counter()
     try:
         while eng.has_unfinished_requests():
             before = dict(secs)
-            t, c = time.perf_counter(), time.process_time()
+            t, c, st = time.perf_counter(), time.process_time(), pool_stalls()
             eng.step()
             dt, dc = time.perf_counter() - t, time.process_time() - c
             kind, n_tok, rows = seen["last"]
-            steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt, "cpu_s": dc,
+            steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt, "cpu_s": dc, "stalls": pool_stalls() - st,
                           **{k: secs[k] - before.get(k, 0.0) for k in ("forward", "LM head", "sampler")}})
     finally:
         eng.scheduler = saved_sched
@@ -96,6 +102,7 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
             continue
         out["kinds"][kind] = {
             "steps": len(ks), "total_s": sum(s["s"] for s in ks), "cpu_s": sum(s["cpu_s"] for s in ks),
+            "pool_stalls": sum(s["stalls"] for s in ks),
             "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
             "tokens_per_step": statistics.median(s["tokens"] for s in ks), "rows_per_step": statistics.median(s["rows"] for s in ks),
             **{f"{k}_s": sum(s[k] for s in ks) for k in ("forward", "LM head", "sampler")}}
@@ -167,10 +174,10 @@ def main() -> None:
     lines = [f"# Batch profile: {args.num_requests} x ({args.prompt_len} -> {args.output_len}), bf16, "
              f"max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}",
              "", f"Load {la0} -> {data['loadavg_after']}; {timing['elapsed_s']:.2f} s, {timing['output_tok_s']:.1f} out tok/s",
-             "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "process CPU s", "median step ms",
-                             "forward s", "LM head s", "sampler s", "rest s"],
+             "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "process CPU s", "cores used",
+                             "pool stalls", "median step ms", "forward s", "LM head s", "sampler s", "rest s"],
                             [[k, v["steps"], v["tokens_per_step"], v["rows_per_step"], round(v["total_s"], 3),
-                              round(v["cpu_s"], 3),
+                              round(v["cpu_s"], 3), round(v["cpu_s"] / v["total_s"], 2), v["pool_stalls"],
                               round(v["median_step_ms"], 2), round(v["forward_s"], 3), round(v["LM head_s"], 3),
                               round(v["sampler_s"], 3), round(v["total_s"] - v["forward_s"] - v["LM head_s"] - v["sampler_s"], 3)]
                              for k, v in timing["kinds"].items()])]

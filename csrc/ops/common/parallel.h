@@ -22,10 +22,12 @@ inline bool use_thread_pool() {
   return enabled;
 }
 
+// chunks_per_thread: pagellm::parallel_for's per-region chunk cap (0: the pool's setting); ignored by
+// at::parallel_for.
 template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, int chunks_per_thread = 0) {
   if (use_thread_pool()) {
-    pagellm::parallel_for(begin, end, grain, f);
+    pagellm::parallel_for(begin, end, grain, f, chunks_per_thread);
   } else {
     at::parallel_for(begin, end, grain, f);
   }

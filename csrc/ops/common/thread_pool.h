@@ -85,8 +85,9 @@ struct ChunkBody {
   void (*fn)(const void* ctx, int64_t begin, int64_t end);
   const void* ctx;
 };
-// Runs body over [begin, end) in chunks of >= grain indices (except the last) on the pool.
-void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body);
+// Runs body over [begin, end) in chunks of >= grain indices (except the last) on the pool, at most
+// chunks_per_thread per thread (0: the pool's setting).
+void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body, int chunks_per_thread);
 }  // namespace detail
 
 // at::parallel_for's contract: f(b, e) is called on disjoint sub-ranges that together cover
@@ -94,13 +95,16 @@ void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body);
 // f(begin, end)) when the range is shorter than grain, the pool has one thread, or the caller is
 // already inside a parallel_for body; the first exception a body throws is rethrown here after every
 // started chunk has finished (the chunks not yet started are skipped). Unlike at::parallel_for, one
-// thread may call f several times (a thread's calls are not one contiguous range).
+// thread may call f several times (a thread's calls are not one contiguous range). chunks_per_thread > 0
+// replaces the pool's setting for this region (at most 64): a range of many equal work items that are cheap
+// to split (the many-row GEMM's) asks for more, shorter chunks, so the chunk a thread is left waiting on at
+// the end of the region is short.
 template <typename F>
-void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f, int chunks_per_thread = 0) {
   if (begin >= end) return;
   const detail::ChunkBody body{[](const void* ctx, int64_t b, int64_t e) { (*static_cast<const F*>(ctx))(b, e); },
                                &f};
-  detail::run_parallel(begin, end, grain, body);
+  detail::run_parallel(begin, end, grain, body, chunks_per_thread);
 }
 
 }  // namespace pagellm

@@ -53,10 +53,17 @@ struct alignas(64) SectionClaim {
   std::atomic<uint64_t> word{0};
 };
 
-// num_chunks chunks: the first `num_long` of length + 1, the rest of length (the last clipped to the range).
+// num_chunks chunks of length, `num_long` of them one longer (the last chunk clipped to the range). With
+// num_sections > 1 (home sections: num_chunks a multiple of it) the long chunks are dealt evenly to the sections,
+// first ones of each section first, so every thread's section holds the same number of indices (+-1); without,
+// the first num_long chunks are the long ones.
 struct ChunkPlan {
-  int64_t num_chunks = 1, length = 1, num_long = 0;
-  int64_t start(int64_t i) const { return i * length + std::min(i, num_long); }
+  int64_t num_chunks = 1, length = 1, num_long = 0, num_sections = 1;
+  int64_t start(int64_t i) const {
+    const int64_t per_section = num_chunks / num_sections, s = i / per_section, j = i % per_section;
+    const int64_t q = num_long / num_sections, r = num_long % num_sections;
+    return i * length + s * q + std::min(s, r) + std::min(j, q + (s < r ? 1 : 0));
+  }
 };
 
 class ThreadPool {
@@ -92,7 +99,7 @@ class ThreadPool {
 
   int num_threads() const { return num_threads_.load(std::memory_order_relaxed); }
 
-  void run(int64_t begin, int64_t end, int64_t grain, detail::ChunkBody body) {
+  void run(int64_t begin, int64_t end, int64_t grain, detail::ChunkBody body, int chunks_per_thread) {
     const int64_t range = end - begin;
     grain = std::max<int64_t>(grain, 1);
     if (tls_in_region || range <= grain || num_threads() <= 1) return body.fn(body.ctx, begin, end);
@@ -100,7 +107,8 @@ class ThreadPool {
     std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
     if (!lk.owns_lock()) return run_inline(begin, end, body);
     const int nthreads = settings_.num_threads;
-    const ChunkPlan plan = plan_chunks(range, grain, nthreads, settings_.chunks_per_thread);
+    const int cpt = chunks_per_thread > 0 ? std::min(chunks_per_thread, 64) : settings_.chunks_per_thread;
+    const ChunkPlan plan = plan_chunks(range, grain, nthreads, cpt);
     const int64_t num_chunks = plan.num_chunks;
     if (num_chunks <= 1) return run_inline(begin, end, body);
     const auto t_start = Clock::now();
@@ -136,19 +144,22 @@ class ThreadPool {
   }
 
   // How a region's range is cut. When it holds at least one grain per thread, every thread gets the same
-  // number of chunks (up to chunks_per_thread each) of equal length (+-1): the caller waits for the
-  // slowest thread, and an odd count leaves one thread a whole chunk more (a 576 x 576 bf16 projection at
-  // linear_small_m's 256 KiB grain made three chunks on two threads, so one thread streamed two thirds of
-  // the weight). Shorter ranges keep chunks of grain, the last one shorter.
+  // number of chunks (up to chunks_per_thread each) of equal length (+-1), the longer ones dealt evenly to
+  // the threads' home sections: the caller waits for the slowest thread, and an odd count leaves one thread
+  // a whole chunk more (a 576 x 576 bf16 projection at linear_small_m's 256 KiB grain made three chunks on
+  // two threads, so one thread streamed two thirds of the weight), as did the long chunks all in the first
+  // sections (the GEMM's 18 work items of a 64-row o_proj as 3, 3, 2, 2 | 2, 2, 2, 2: 10 items against 8).
+  // Shorter ranges keep chunks of grain, the last one shorter.
   static ChunkPlan plan_chunks(int64_t range, int64_t grain, int64_t nthreads, int64_t chunks_per_thread) {
     const int64_t fit = range / grain;  // chunks of at least grain
     if (fit >= nthreads) {
-      const int64_t n = std::min<int64_t>(kMaxChunks, nthreads * std::min(chunks_per_thread, fit / nthreads));
-      return {n, range / n, range % n};
+      const int64_t per_thread = std::min<int64_t>(kMaxChunks / nthreads, std::min(chunks_per_thread, fit / nthreads));
+      const int64_t n = nthreads * per_thread;
+      return {n, range / n, range % n, nthreads};
     }
     const int64_t want = std::min((range + grain - 1) / grain, nthreads * chunks_per_thread);
     const int64_t chunk = std::max(grain, (range + want - 1) / want);
-    return {(range + chunk - 1) / chunk, chunk, 0};
+    return {(range + chunk - 1) / chunk, chunk, 0, 1};
   }
 
   int64_t prefetched_bytes() const { return prefetched_bytes_.load(std::memory_order_relaxed); }
@@ -455,8 +466,8 @@ void prefetch_next(const void* ptr, int64_t bytes) { ThreadPool::instance().set_
 int64_t thread_pool_prefetched_bytes() { return ThreadPool::instance().prefetched_bytes(); }
 
 namespace detail {
-void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body) {
-  ThreadPool::instance().run(begin, end, grain, body);
+void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body, int chunks_per_thread) {
+  ThreadPool::instance().run(begin, end, grain, body, chunks_per_thread);
 }
 }  // namespace detail
 

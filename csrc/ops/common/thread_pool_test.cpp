@@ -23,7 +23,7 @@ struct Calls {
 
 // Runs parallel_for over [begin, end) and checks the contract: disjoint chunks covering every index
 // once, each >= grain except at most one shorter (the last).
-Calls check_cover(int64_t begin, int64_t end, int64_t grain) {
+Calls check_cover(int64_t begin, int64_t end, int64_t grain, int chunks_per_thread = 0) {
   Calls calls;
   std::mutex mu;
   std::vector<std::atomic<int>> hits(static_cast<size_t>(std::max<int64_t>(end - begin, 0)));
@@ -33,7 +33,7 @@ Calls check_cover(int64_t begin, int64_t end, int64_t grain) {
     std::lock_guard<std::mutex> lk(mu);
     calls.ranges.emplace_back(b, e);
     calls.threads.insert(std::this_thread::get_id());
-  });
+  }, chunks_per_thread);
   for (size_t i = 0; i < hits.size(); ++i) EXPECT_EQ(hits[i].load(), 1) << "index " << begin + i;
   int short_chunks = 0;
   for (auto [b, e] : calls.ranges) short_chunks += (e - b < grain) ? 1 : 0;
@@ -143,6 +143,37 @@ TEST_F(ThreadPoolTest, ChunksSplitEvenlyAcrossThreads) {
   EXPECT_EQ(lengths(check_cover(0, 100, 56)), (std::vector<int64_t>{44, 56}));
   configure_thread_pool({3, false, 50, 4});
   EXPECT_EQ(lengths(check_cover(0, 7, 2)), (std::vector<int64_t>{2, 2, 3}));
+}
+
+// The chunks one longer than the rest are dealt evenly to the home sections: each thread's own section holds
+// the same number of indices (+-1), so with equal speeds nobody waits a whole chunk for the other.
+TEST_F(ThreadPoolTest, LongChunksAreDealtEvenlyToTheSections) {
+  auto section_sums = [](const Calls& c, int nthreads) {
+    std::vector<std::pair<int64_t, int64_t>> r = c.ranges;
+    std::sort(r.begin(), r.end());
+    std::vector<int64_t> sums(nthreads, 0);
+    const size_t per = r.size() / nthreads;
+    for (size_t i = 0; i < r.size(); ++i) sums[i / per] += r[i].second - r[i].first;
+    return sums;
+  };
+  configure_thread_pool({2, false, 50, 4});
+  // the GEMM's 18 items of a 64-row o_proj / down_proj: 3, 2, 2, 2 | 3, 2, 2, 2 (was 3, 3, 2, 2 | 2, 2, 2, 2)
+  EXPECT_EQ(section_sums(check_cover(0, 18, 1), 2), (std::vector<int64_t>{9, 9}));
+  EXPECT_EQ(section_sums(check_cover(0, 30, 1), 2), (std::vector<int64_t>{15, 15}));  // qkv: 30 items
+  EXPECT_EQ(section_sums(check_cover(0, 31, 1), 2), (std::vector<int64_t>{16, 15}));
+  configure_thread_pool({3, false, 50, 4});
+  EXPECT_EQ(section_sums(check_cover(5, 5 + 40, 1), 3), (std::vector<int64_t>{14, 13, 13}));
+  EXPECT_EQ(section_sums(check_cover(0, 1000, 7), 3), (std::vector<int64_t>{334, 333, 333}));
+}
+
+// A region's own chunks_per_thread replaces the pool's setting (at most 64 per thread).
+TEST_F(ThreadPoolTest, ARegionCanAskForMoreChunks) {
+  configure_thread_pool({2, false, 50, 4});
+  EXPECT_EQ(check_cover(0, 18, 1).ranges.size(), 8u);       // the pool's 4 per thread
+  EXPECT_EQ(check_cover(0, 18, 1, 16).ranges.size(), 18u);  // one item each
+  EXPECT_EQ(check_cover(0, 960, 1, 16).ranges.size(), 32u);
+  EXPECT_EQ(check_cover(0, 10000, 1, 1000).ranges.size(), 128u);
+  EXPECT_EQ(check_cover(0, 7, 2, 16).ranges.size(), 2u);  // chunks of at least grain: one per thread fits
 }
 
 TEST_F(ThreadPoolTest, WorkersShareTheWork) {

@@ -159,6 +159,7 @@ constexpr int64_t kGemmNBlock = 16;
 // tiles per load from L2. 32-64 rows ran 5-15 % faster than 16 at 64-2048 rows (benchmarks/README.md, session 14).
 constexpr int64_t kGemmQuadNBlock = 32;
 constexpr int64_t kGemmMaxNBlock = std::max(kGemmNBlock, kGemmQuadNBlock);
+constexpr int kGemmChunksPerThread = 16;
 
 // Rows [m0, m1) x weight rows [n0, n1): 6 x 4 tiles, 4 x 4 and 2 x 4 ones, and the one-row kernel's on the edges.
 inline void gemm_block_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
@@ -235,6 +236,9 @@ inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c
 #endif
   // Items in x-block-major order: a thread's consecutive items share one x block (L2) while the weight
   // (at most a few MiB here, L3) passes once per x block; at M <= one block the weight streams once.
+  // kGemmChunksPerThread chunks per thread (the pool's default: 4): a 64-row decode projection of 18-30
+  // items then runs in chunks of 1 item and a 2048-row one in chunks of ~1/32 of the call, so the thread
+  // that finishes first waits at most one short chunk for the other (or takes it over).
   pagellm::cpu::parallel_for(0, mb * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t bm = item / nb, bn = item % nb;
@@ -252,7 +256,7 @@ inline void linear_gemm_bf16(c10::BFloat16* out, const c10::BFloat16* x, const c
       gemm_block_bf16(out, x, w, bias, a, m0, m1, n0, n1);
 #endif
     }
-  });
+  }, kGemmChunksPerThread);
 }
 
 }  // namespace pagellm::cpu
