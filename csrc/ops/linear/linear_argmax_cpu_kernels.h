@@ -3,20 +3,21 @@
 // dtype as linear_small_m stores it, compared as fp32; ties and NaNs as torch.argmax: the lowest index of the
 // maximum, the first NaN winning).
 //
-// Why: a greedy row needs one token id, not [1, V] logits: the fused op never writes the logits, never reads
+// Why: a greedy row needs one token id, not [1, V] logits: the fused op keeps them in an L1 block, never reads
 // them back for a second pass, and the engine skips the sampler's call for the row. The weight stream is
 // linear_small_m's (the same 4-row tiles, the same per-element bits), so the head's time is the same bytes.
-// Each chunk of weight tiles keeps its own best (value, index) per row, merged under a lock at the chunk's end:
-// the merge's order is a total order on (value, index), so the answer never depends on how chunks were cut
-// or which thread ran them.
+// Each chunk of weight tiles keeps its own best (value, index), merged under a lock at the chunk's end: the
+// merge's order is a total order on (value, index), so the answer never depends on how chunks were cut or which
+// thread ran them. One row only (the batch-1 head): more rows share the weight stream in linear_small_m's
+// many-row schedules, whose logits then take one argmax_rows pass (linear_cpu.cpp).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <mutex>
-#include <vector>
 
 #include "ops/linear/linear_cpu_kernels.h"
+#include "ops/sampling/argmax_cpu_kernels.h"
 
 namespace pagellm::cpu {
 
@@ -35,56 +36,52 @@ inline bool argmax_better(const ArgmaxCandidate& a, const ArgmaxCandidate& b) {
   return a.value > b.value;
 }
 
-// Rows [m0, m0 + mb) (mb <= kLinearMBlock) of x against every weight row; best[m] merged into for each row.
+// One row x [1, K] against every weight row: best = the argmax candidate of the N rounded logits. Each chunk
+// computes its tiles' logits into an L1 block of kArgmaxBlockTiles tiles exactly as linear_rows_block writes them,
+// then takes the block's argmax with argmax_rows' vector pass: per-logit compares inside the tile loop cost ~15 %
+// of the stream on one thread, a vector pass per 1024 logits (~1 MB of weight at K = 576) a few hundred cycles.
 template <typename T>
-void linear_argmax_block(ArgmaxCandidate* best, const T* x, const T* w, const T* bias, const LinearArgs& a) {
-  constexpr int64_t NR = 4;
+void linear_argmax_row(ArgmaxCandidate& best, const T* x, const T* w, const T* bias, const LinearArgs& a) {
+  constexpr int64_t NR = 4, kArgmaxBlockTiles = 256;
   const int64_t tiles = (a.N + NR - 1) / NR;
   const int64_t tile_bytes = NR * a.K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max<int64_t>(1, (256 << 10) / std::max<int64_t>(tile_bytes, 1));  // linear_rows_block's
   std::mutex merge;
   pagellm::cpu::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-    ArgmaxCandidate local[kLinearMBlock];
-    T tile_out[kLinearMBlock * NR];
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * NR, nr = std::min<int64_t>(NR, a.N - n0);
-      // The tile's outputs land in tile_out [M, NR] (ldo NR): the weight and bias pointers start at row n0.
-      LinearArgs ta = a;
-      ta.N = nr;
-      ta.ldo = NR;
-      const T* wt = w + n0 * a.ldw;
-      const T* bt = bias ? bias + n0 : nullptr;
-      if (nr == NR) {
-        linear_ntile<NR>(tile_out, x, wt, bt, ta, 0);
-      } else {
-        for (int64_t n = 0; n < nr; ++n) linear_ntile<1>(tile_out, x, wt, bt, ta, n);
-      }
-      for (int64_t m = 0; m < a.M; ++m) {
-        for (int64_t j = 0; j < nr; ++j) {  // in index order: a later equal value never replaces an earlier one
-          const float v = static_cast<float>(tile_out[m * NR + j]);
-          const ArgmaxCandidate c{v, n0 + j, std::isnan(v)};
-          if (argmax_better(c, local[m])) local[m] = c;
+    alignas(64) T block[kArgmaxBlockTiles * NR];
+    ArgmaxCandidate local;
+    for (int64_t t0 = begin; t0 < end; t0 += kArgmaxBlockTiles) {
+      const int64_t t1 = std::min(end, t0 + kArgmaxBlockTiles);
+      const int64_t n_begin = t0 * NR, n_end = std::min(a.N, t1 * NR);
+      // the block's weight rows and bias from row n_begin, outputs into block[0, n_end - n_begin)
+      LinearArgs ba = a;
+      ba.N = n_end - n_begin;
+      const T* wb = w + n_begin * a.ldw;
+      const T* bb = bias ? bias + n_begin : nullptr;
+      for (int64_t n0 = 0; n0 < ba.N; n0 += NR) {
+        if (n0 + NR <= ba.N) {
+          linear_ntile<NR>(block, x, wb, bb, ba, n0);
+        } else {
+          for (int64_t n = n0; n < ba.N; ++n) linear_ntile<1>(block, x, wb, bb, ba, n);
         }
       }
+      const int64_t i = argmax_row(block, ba.N);
+      const float v = static_cast<float>(block[i]);
+      const ArgmaxCandidate c{v, n_begin + i, std::isnan(v)};
+      if (argmax_better(c, local)) local = c;
     }
     std::lock_guard<std::mutex> lock(merge);
-    for (int64_t m = 0; m < a.M; ++m) {
-      if (argmax_better(local[m], best[m])) best[m] = local[m];
-    }
+    if (argmax_better(local, best)) best = local;
   });
 }
 
-// out[m] = argmax over N of the rounded logits of row m, for every row m < M.
+// out[0] = the index of the maximum of x [1, K]'s rounded logits (a.M must be 1; the glue sends more rows through
+// linear_small_m's many-row schedules and argmax_rows).
 template <typename T>
 void linear_argmax_kernel(int64_t* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
-  std::vector<ArgmaxCandidate> best(static_cast<size_t>(kLinearMBlock));
-  for (int64_t m0 = 0; m0 < a.M; m0 += kLinearMBlock) {
-    LinearArgs b = a;
-    b.M = std::min(kLinearMBlock, a.M - m0);
-    std::fill(best.begin(), best.end(), ArgmaxCandidate{});
-    linear_argmax_block(best.data(), x + m0 * a.ldx, w, bias, b);
-    for (int64_t m = 0; m < b.M; ++m) out[m0 + m] = best[m].index;
-  }
+  ArgmaxCandidate best;
+  linear_argmax_row(best, x, w, bias, a);
+  out[0] = best.index;
 }
 
 }  // namespace pagellm::cpu
