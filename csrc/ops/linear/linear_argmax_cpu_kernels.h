@@ -37,9 +37,10 @@ inline bool argmax_better(const ArgmaxCandidate& a, const ArgmaxCandidate& b) {
 }
 
 // One row x [1, K] against every weight row: best = the argmax candidate of the N rounded logits. Each chunk
-// computes its tiles' logits into an L1 block of kArgmaxBlockTiles tiles exactly as linear_rows_block writes them,
-// then takes the block's argmax with argmax_rows' vector pass: per-logit compares inside the tile loop cost ~15 %
-// of the stream on one thread, a vector pass per 1024 logits (~1 MB of weight at K = 576) a few hundred cycles.
+// computes its tiles' logits into an L1 block of kArgmaxBlockTiles tiles exactly as linear_rows_block writes them
+// (one weight row after another), then takes the block's argmax with argmax_rows' vector pass: per-logit compares
+// inside the tile loop cost ~15 % of the stream on one thread, a vector pass per 1024 logits (~1 MB of weight at
+// K = 576) a few hundred cycles.
 template <typename T>
 void linear_argmax_row(ArgmaxCandidate& best, const T* x, const T* w, const T* bias, const LinearArgs& a) {
   constexpr int64_t NR = 4, kArgmaxBlockTiles = 256;
@@ -58,13 +59,7 @@ void linear_argmax_row(ArgmaxCandidate& best, const T* x, const T* w, const T* b
       ba.N = n_end - n_begin;
       const T* wb = w + n_begin * a.ldw;
       const T* bb = bias ? bias + n_begin : nullptr;
-      for (int64_t n0 = 0; n0 < ba.N; n0 += NR) {
-        if (n0 + NR <= ba.N) {
-          linear_ntile<NR>(block, x, wb, bb, ba, n0);
-        } else {
-          for (int64_t n = n0; n < ba.N; ++n) linear_ntile<1>(block, x, wb, bb, ba, n);
-        }
-      }
+      linear_weight_rows(block, x, wb, bb, ba, 0, ba.N);  // linear_rows_block's one-row stream
       const int64_t i = argmax_row(block, ba.N);
       const float v = static_cast<float>(block[i]);
       const ArgmaxCandidate c{v, n_begin + i, std::isnan(v)};
