@@ -3,9 +3,10 @@
 // dtype as linear_small_m stores it, compared as fp32; ties and NaNs as torch.argmax: the lowest index of the
 // maximum, the first NaN winning).
 //
-// Why: a greedy row needs one token id, not [1, V] logits: the fused op keeps them in an L1 block, never reads
-// them back for a second pass, and the engine skips the sampler's call for the row. The weight stream is
-// linear_small_m's (the same 4-row tiles, the same per-element bits), so the head's time is the same bytes.
+// Why: a greedy row needs one token id, not [1, V] logits: the fused op keeps them in L1 blocks of 1024 and never
+// stores the row, and the engine skips the sampler's call for the row. The weight stream is
+// linear_small_m's at one row (the same chunks of 4-row tiles, each row read start to end, the same per-logit
+// bits), so the head's time is the same bytes.
 // Each chunk of weight tiles keeps its own best (value, index), merged under a lock at the chunk's end: the
 // merge's order is a total order on (value, index), so the answer never depends on how chunks were cut or which
 // thread ran them. One row only (the batch-1 head): more rows share the weight stream in linear_small_m's

@@ -3,7 +3,8 @@
 // Decode GEMV/GEMM-with-few-rows is bound by streaming the weight once from DRAM. The kernel walks
 // N in tiles of NR consecutive weight rows (a contiguous NR*K block when w is contiguous) split across
 // threads in chunks of whole tiles; inside a tile, x (tiny, L1-resident) is swept in blocks of MR rows
-// so the NR weight rows are pulled from DRAM once and re-read from L1 for the other M blocks. Each
+// so the NR weight rows are pulled from DRAM once and re-read from L1 for the other M blocks (one x row: the
+// tile's weight rows one after another, linear_weight_rows). Each
 // (m, n) keeps a 16-lane fp32 accumulator over K that is reduced horizontally at the end.
 // bf16 x/w use AVX512-BF16 `vdpbf16ps` on pairs (32 elements per instruction); other dtypes convert to
 // fp32 (cpu_vec.h) and use FMA. K tails use masked loads (both operands zeroed, so no garbage NaNs).
