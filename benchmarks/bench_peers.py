@@ -5,6 +5,7 @@
     python benchmarks/bench_peers.py --setup --rounds 3   # build/install the peers first (idempotent)
     python benchmarks/bench_peers.py --throughput         # + offline 64 x (128 -> 128), pagellm vs vLLM-CPU,
                                                           # --throughput-rounds interleaved rounds (default 3)
+    python benchmarks/bench_peers.py --pagellm-src /tmp/base/python   # pagellm from another checkout (A/B runs)
 
 Systems: pagellm bf16 (the GGUF dequantized), pagellm Q4_1 (the same GGUF's blocks natively,
 quantization="gguf"), llama.cpp F16 and Q4_1 (its llama-bench on that GGUF and on it dequantized to F16:
@@ -272,7 +273,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--throughput-rounds", type=int, default=3, help="interleaved offline-throughput rounds")
     ap.add_argument("--tag", default="run")
+    ap.add_argument("--pagellm-src", default=None,
+                    help="import pagellm from this python/ dir (another checkout with its built _C: base vs candidate)")
     args = ap.parse_args()
+    if args.pagellm_src:
+        from bench_step_profile import use_pagellm_from
+
+        use_pagellm_from(args.pagellm_src)
     kinds = set(args.systems.split(","))
     if not kinds <= {PAGELLM, LLAMACPP, VLLM} or PAGELLM not in kinds:
         raise SystemExit(f"--systems: a comma list of pagellm, llamacpp, vllm including pagellm; got {args.systems}")

@@ -46,7 +46,7 @@ def read_bandwidth_gbs(nbytes: int = 512 << 20, iters: int = 6) -> float:
 def op_bytes(name: str, shapes: list, kv_row_bytes: int, ctx: float, elem: int) -> tuple[float, str]:
     """Bytes an op must read per call, and what they are."""
     dims = [s for s in shapes if s]
-    if name == "linear_small_m" and len(dims) >= 3:
+    if name in ("linear_small_m", "linear_argmax") and len(dims) >= 3:  # linear_argmax: the greedy LM head
         n, k = dims[2]
         return n * k * elem, f"weight {n} x {k}"
     if name.startswith("paged_attention_decode"):

@@ -87,6 +87,7 @@ def instrument(eng, timers: StepTimers) -> callable:
                                               "_apply_sampled_tokens", "_collect_outputs", "_report_to_scheduler")}
     saved_runner = {k: runner.__dict__.get(k) for k in ("build_metadata", "_to_device", "_decode_with_graph", "_forward")}
     saved_logits = runner.model.__dict__.get("compute_logits")
+    heads = [k for k in ("compute_logits", "compute_greedy_token_ids") if hasattr(runner.model, k)]  # + the fused
     saved_update = detokenizer.IncrementalDetokenizer.update
     eng.scheduler = _SchedulerProxy(eng.scheduler, timers)
     eng._begin_rows = timers.wrap("step bookkeeping", saved_eng["_begin_rows"])
@@ -100,7 +101,8 @@ def instrument(eng, timers: StepTimers) -> callable:
     runner._to_device = timers.wrap("input preparation", runner._to_device)
     runner._decode_with_graph = timers.wrap("forward+pad", runner._decode_with_graph)
     runner._forward = timers.wrap("forward", runner._forward)
-    runner.model.compute_logits = timers.wrap("LM head", runner.model.compute_logits)
+    for k in heads:  # the greedy LM head (linear_argmax) is the LM head and the sampler's argmax in one
+        setattr(runner.model, k, timers.wrap("LM head", getattr(runner.model, k)))
     detokenizer.IncrementalDetokenizer.update = timers.wrap("detokenization", saved_update)
 
     def undo() -> None:
@@ -113,7 +115,8 @@ def instrument(eng, timers: StepTimers) -> callable:
             runner.__dict__.pop(k, None)
             if v is not None:
                 setattr(runner, k, v)
-        runner.model.__dict__.pop("compute_logits", None)
+        for k in heads:
+            runner.model.__dict__.pop(k, None)
         if saved_logits is not None:
             runner.model.compute_logits = saved_logits
         detokenizer.IncrementalDetokenizer.update = saved_update

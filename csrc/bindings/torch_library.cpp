@@ -82,6 +82,9 @@ TORCH_LIBRARY(pagellm, m) {
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
   m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
+  // out[m] = argmax_n of linear_small_m's out[m, n] (int64 [M]: the first index of the row's maximum, a NaN counting
+  // as the maximum, as argmax_rows); at M = 1 the logits are never stored (the greedy LM head). CPU only.
+  m.def("linear_argmax(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // The ceiling of the loaded CPU kernel library's bf16 pair dot product, for benchmarks' MFU: num_iters (<= 2^20)
   // rounds of 12 independent vdpbf16ps (64 FLOP each) in registers; out float32 [16] = 12 * num_iters * 2^-6.
   m.def("bf16_dot_peak(Tensor(a!) out, int num_iters) -> ()");

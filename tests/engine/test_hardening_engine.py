@@ -128,7 +128,8 @@ def assert_failed_then_usable(llm: LLM, outs, reference, match: str) -> None:
 # ------------------------------------------------------------------------------------ item 7: faults in step()
 FAULTS = {  # where the exception is raised, from which call on (a later step: some tokens exist already), how often
     "model": lambda eng: (eng.executor, "execute_model", 2, 1),
-    "sampler": lambda eng: (eng.sampler, "forward", 2, 1),
+    "sampler": lambda eng: (eng.sampler, "forward", 2, 1),  # run with the greedy head off: the sampler's argmax
+    "greedy head": lambda eng: (eng.model, "compute_greedy_token_ids", 2, 1),
     "detokenizer": lambda eng: (IncrementalDetokenizer, "update", len(PROMPTS) + 2, 1),  # mid-way through a step
     "outputs": lambda eng: (RequestState, "make_output", len(PROMPTS) + 2, 1),  # after the scheduler's update
     "outputs_always": lambda eng: (RequestState, "make_output", len(PROMPTS) + 2, 10**9),  # error outputs too
@@ -140,6 +141,8 @@ def test_fault_in_step_fails_its_requests_and_engine_stays_usable(llm, reference
     assert_idle(llm.llm_engine)
     obj, name, call, times = FAULTS[stage](llm.llm_engine)
     raise_on_call(monkeypatch, obj, name, RuntimeError(f"injected {stage} failure"), call, times)
+    if stage == "sampler":  # plain-greedy steps otherwise take the LM head's fused argmax, not the sampler
+        monkeypatch.setattr(llm.llm_engine, "greedy_head", False)
     outs = run_batch(llm)
     monkeypatch.undo()
     assert_failed_then_usable(llm, outs, reference, f"injected {stage} failure")

@@ -138,6 +138,7 @@ def test_forced_library_the_cpu_lacks_is_refused():
 def test_op_module_under_each_library(isa):
     """The op tests that cover every VecF kernel family, against the reference, under one library."""
     modules = ["tests/ops/test_norm_rope_activation.py", "tests/ops/test_cache_ops.py", "tests/ops/test_linear.py",
+               "tests/ops/test_linear_argmax.py",
                "tests/ops/test_attention.py"]
     env = {**os.environ, "PAGELLM_CPU_ISA": isa}
     check = subprocess.run([sys.executable, "-c", "import pagellm.cpu_isa as c; print(c.loaded_cpu_isa())"],

@@ -48,6 +48,9 @@ def _cases():
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
     yield "argmax_rows", (torch.empty(5, dtype=torch.int64), x.to(torch.bfloat16))
+    yield "linear_argmax", (torch.empty(5, dtype=torch.int64), x, torch.randn(24, 128), torch.randn(24))
+    yield "linear_argmax", (torch.empty(1, dtype=torch.int64), x[:1].to(torch.bfloat16), torch.randn(37, 128).to(
+        torch.bfloat16), None)  # one row: the fused path
     yield "gather_rows", (torch.empty(3, 128), x, torch.tensor([4, 0, 4]))
     xb = x.to(torch.bfloat16)
     yield "linear_amx", (torch.empty(5, 24, dtype=torch.bfloat16), xb, torch.randn(24, 128).to(xb.dtype), xb[0, :24])

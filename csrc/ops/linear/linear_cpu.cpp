@@ -2,7 +2,8 @@
 //   linear_small_m - weight-streaming kernel designed for small M (decode), correct for any M; bf16 takes
 //                    schedules with the same per-row bits at 2-16 rows on AVX-512 (linear_cpu_few_rows.h) and from
 //                    kLinearGemmMinM rows on (linear_cpu_gemm.h);
-//   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16.
+//   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16;
+//   linear_argmax  - the greedy LM head: argmax of linear_small_m's rounded outputs (linear_argmax_cpu_kernels.h).
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
@@ -12,6 +13,8 @@
 #include "ops/linear/linear_cpu_gemm.h"
 #include "ops/linear/linear_cpu_few_rows.h"
 #include "ops/linear/next_weight_hints.h"
+#include "ops/linear/linear_argmax_cpu_kernels.h"
+#include "ops/sampling/argmax_cpu_kernels.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -81,36 +84,77 @@ bool linear_trivial(at::Tensor& out, const LinearInputs& in) {
   return true;
 }
 
-void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
-                    const std::optional<at::Tensor>& bias) {
-  const LinearInputs in = check_linear(out, x, weight, bias);
-  if (linear_trivial(out, in)) return;
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+// At M = 1 (batch-1 decode) names the weight the step streams next to the pool's idle worker (next_weight_hints.h).
+void hint_next_weight(const at::Tensor& w, int64_t M) {
+  if (M != 1 || !use_thread_pool()) return;
+  const int64_t N = w.size(0), K = w.size(1);
+  const WeightRange next = NextWeightHints::for_this_thread().advance(
+      {w.data_ptr(), ((N - 1) * w.stride(0) + K) * static_cast<int64_t>(w.element_size())});
+  if (next.ptr != nullptr) pagellm::prefetch_next(next.ptr, next.bytes);
+}
+
+// linear_small_m's schedules on checked inputs (out [M, N]).
+void run_linear_small_m(at::Tensor& out, const LinearInputs& in) {
+  const int64_t M = in.x.size(0), K = in.x.size(1), N = in.w.size(0);
   LinearArgs a{M, N, K, in.x.stride(0), in.w.stride(0), out.stride(0)};
-  if (M == 1 && use_thread_pool()) {  // batch-1 decode: let the idle worker start on the next weight early
-    const WeightRange next = NextWeightHints::for_this_thread().advance(
-        {in.w.data_ptr(), ((N - 1) * in.w.stride(0) + K) * static_cast<int64_t>(in.w.element_size())});
-    if (next.ptr != nullptr) pagellm::prefetch_next(next.ptr, next.bytes);
-  }
 #if defined(PAGELLM_GEMM_QUAD) || defined(PAGELLM_LINEAR_DPBF16)
   const auto bf16 = [](const at::Tensor& t) { return reinterpret_cast<c10::BFloat16*>(t.data_ptr()); };
   c10::BFloat16* const bias_bf16 = in.b.defined() ? bf16(in.b) : nullptr;  // read only by the bf16 schedules
 #endif
 #ifdef PAGELLM_GEMM_QUAD
-  if (x.scalar_type() == at::kBFloat16 && M >= kLinearFewRowsMinM && M <= kLinearFewRowsMaxM) {  // verify rows
+  if (in.x.scalar_type() == at::kBFloat16 && M >= kLinearFewRowsMinM && M <= kLinearFewRowsMaxM) {  // verify rows
     linear_few_rows_bf16(bf16(out), bf16(in.x), bf16(in.w), bias_bf16, a);
     return;
   }
 #endif
 #ifdef PAGELLM_LINEAR_DPBF16
-  if (x.scalar_type() == at::kBFloat16 && M >= kLinearGemmMinM) {  // same bits per row, a GEMM schedule
+  if (in.x.scalar_type() == at::kBFloat16 && M >= kLinearGemmMinM) {  // same bits per row, a GEMM schedule
     linear_gemm_bf16(bf16(out), bf16(in.x), bf16(in.w), bias_bf16, a);
     return;
   }
 #endif
-  PAGELLM_DISPATCH_FLOAT_TYPES(x.scalar_type(), "linear_small_m", [&] {
+  PAGELLM_DISPATCH_FLOAT_TYPES(in.x.scalar_type(), "linear_small_m", [&] {
     linear_small_m_kernel<scalar_t>(out.data_ptr<scalar_t>(), in.x.data_ptr<scalar_t>(), in.w.data_ptr<scalar_t>(),
                                     in.b.defined() ? in.b.data_ptr<scalar_t>() : nullptr, a);
+  });
+}
+
+void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                    const std::optional<at::Tensor>& bias) {
+  const LinearInputs in = check_linear(out, x, weight, bias);
+  if (linear_trivial(out, in)) return;
+  hint_next_weight(in.w, x.size(0));
+  run_linear_small_m(out, in);
+}
+
+// out[m] = argmax_rows(linear_small_m(x, weight, bias))[m], the logits never stored at M = 1 (the greedy LM head).
+void linear_argmax(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
+                   const std::optional<at::Tensor>& bias) {
+  check_cpu(out, "out");
+  check_dtype(out, at::kLong, "out");
+  check_dim(x, 2, "x");
+  check_dim(weight, 2, "weight");
+  const int64_t M = x.size(0), N = weight.size(0);
+  TORCH_CHECK(out.dim() == 1 && out.size(0) == M, "out must have shape [", M, "] (the rows of x), got ", out.sizes());
+  TORCH_CHECK(out.stride(0) == 1 || M <= 1, "out must be contiguous");
+  TORCH_CHECK(N > 0, "weight must have at least one row, got shape ", weight.sizes());
+  TORCH_CHECK(N < kArgmaxMaxCols, "weight may have at most ", kArgmaxMaxCols - 1, " rows, got ", N);
+  // The logits linear_small_m would write, as a stride-0 stand-in: check_linear checks it as linear's out.
+  const LinearInputs in = check_linear(at::empty({1, N}, x.options()).expand({M, N}), x, weight, bias);
+  if (M == 0) return;
+  hint_next_weight(in.w, M);
+  if (M > 1 || in.x.size(1) == 0) {  // rows share the weight stream: the many-row schedules, then one argmax pass
+    at::Tensor logits = at::empty({M, N}, x.options());
+    if (!linear_trivial(logits, in)) run_linear_small_m(logits, in);
+    PAGELLM_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "linear_argmax", [&] {
+      argmax_rows_kernel<scalar_t>(out.data_ptr<int64_t>(), logits.data_ptr<scalar_t>(), M, N, N);
+    });
+    return;
+  }
+  const LinearArgs a{M, N, in.x.size(1), in.x.stride(0), in.w.stride(0), N};
+  PAGELLM_DISPATCH_FLOAT_TYPES(in.x.scalar_type(), "linear_argmax", [&] {
+    linear_argmax_kernel<scalar_t>(out.data_ptr<int64_t>(), in.x.data_ptr<scalar_t>(), in.w.data_ptr<scalar_t>(),
+                                   in.b.defined() ? in.b.data_ptr<scalar_t>() : nullptr, a);
   });
 }
 
@@ -138,4 +182,5 @@ void linear_amx(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, 
 TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("linear_small_m", &pagellm::cpu::linear_small_m);
   m.impl("linear_amx", &pagellm::cpu::linear_amx);
+  m.impl("linear_argmax", &pagellm::cpu::linear_argmax);
 }

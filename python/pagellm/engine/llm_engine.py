@@ -105,6 +105,9 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
                                       extra_groups=_common_extra_groups(kv_infos))
         self._init_batch_queue()  # pipeline micro-batches when the executor takes several steps at once
         self.sampler = Sampler(torch.Generator(device=self.device).manual_seed(mc.seed))
+        # plain-greedy steps take their tokens from the LM head's fused argmax (ops linear_argmax: no logits, no
+        # sampler call); False: logits + the sampler's argmax, the same tokens (A/B comparisons, tests)
+        self.greedy_head = True
         self.output_processor = OutputProcessor(self.tokenizer, sc.max_model_len)
         self.log_stats = log_stats
         # seq id -> torch.Generator for seeded sequences
@@ -264,6 +267,10 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
         lora_slots = None if self.lora is None else self.lora.row_slots(seq_ids)
         if lora_slots is not None:
             extra["lora_slots"] = lora_slots
+        sampling_rows = np.flatnonzero(sched_out.do_sample)
+        if self.greedy_head and not prompt_logprob_rows and not len(sched_out.draft_token_ids) \
+                and self._all_plain_greedy(seq_ids, sampling_rows):
+            extra["greedy_token_ids"] = True
         result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
         if self.spec_switch is not None and result.graph_warmup:  # a one-time cost, no sample of a step's
             self.spec_switch.discard_step()
@@ -271,12 +278,20 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
         if len(sched_out.draft_token_ids):
             update = self._sample_and_verify(sched_out, seq_ids, result.logits)
         else:
-            targets, rows, logit_rows = self._build_sampling_rows(seq_ids, np.flatnonzero(sched_out.do_sample))
-            token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
+            targets, rows, logit_rows = self._build_sampling_rows(seq_ids, sampling_rows)
+            if rows is None and result.sampled_token_ids is not None:  # the LM head's fused argmax
+                token_ids, logprob_lists = result.sampled_token_ids.tolist(), None
+            else:
+                token_ids, logprob_lists = self._sample(result.logits, rows, logit_rows)
             update = self._apply_sampled_tokens(targets, token_ids, logprob_lists)
         self._observe_hidden_states(sched_out, seq_ids, hidden_rows, result.hidden_states, update)
         self._report_to_scheduler(sched_out, seq_ids, update)
         return self._collect_outputs(update.changed)
+
+    def _all_plain_greedy(self, seq_ids: list[str], sampling_rows: np.ndarray) -> bool:
+        """Every sampling row's request is plain greedy (RequestState.plain_greedy): its token is the logits' argmax."""
+        seq_of = self.output_processor.seq
+        return all(seq_of(seq_ids[r])[0].plain_greedy for r in sampling_rows.tolist())
 
     def _begin_rows(self, seq_ids: list[str], num_computed: np.ndarray) -> list[int]:
         """Stamp first-scheduled metrics; returns the rows whose request still misses prompt logprobs."""

@@ -49,6 +49,9 @@ class ModelRunnerOutput:
     # the step ran eagerly or was captured on its way to a step graph (its shape's first sightings): a one-time
     # cost, not a sample of what such a step costs (the speculative switch leaves it out, spec_decode/switch.py)
     graph_warmup: bool = False
+    # int64 [len(logits_indices)]: each sampling row's argmax token, when the step asked for greedy token ids and
+    # the LM head fused the argmax (then `logits` is empty: [0, 0]); None otherwise
+    sampled_token_ids: torch.Tensor | None = None
 
 
 # the longest row a tree verification step may have to replay from a step graph (a spec row: 1 + its tree's nodes)
@@ -207,10 +210,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched_out, prompt_logprob_rows: list[int] | None = None,
                 hidden_state_rows: list[int] | None = None, lora_slots: np.ndarray | None = None,
-                draft_parents: np.ndarray | None = None, tree_pad_tokens: int = 0) -> ModelRunnerOutput:
+                draft_parents: np.ndarray | None = None, tree_pad_tokens: int = 0,
+                greedy_token_ids: bool = False) -> ModelRunnerOutput:
         """`lora_slots`: int32 adapter slot per row (-1: none), or None when no row uses an adapter.
         `draft_parents`: the spec rows' drafts are trees (engine/tree_step.py): each draft's parent in its row;
-        `tree_pad_tokens`: the nodes the scheduler clamped off those trees (a replayed step is padded back)."""
+        `tree_pad_tokens`: the nodes the scheduler clamped off those trees (a replayed step is padded back).
+        `greedy_token_ids`: every sampling row wants only its argmax token (plain greedy, no prompt logprobs):
+        where the model's LM head fuses the argmax, the output carries `sampled_token_ids` and no logits."""
         cow_copies = sched_out.cow_copies
         if len(cow_copies) and self.kv_caches.num_groups == 1:
             self.kv_caches.copy_blocks(self._to_device(cow_copies))
@@ -264,7 +270,14 @@ class ModelRunner:
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states,
                                      graph_warmup=graph_warmup)
-        logits = self.model.compute_logits(_take_positions(hidden, gather, self._to_device))  # model dtype
+        rows = _take_positions(hidden, gather, self._to_device)
+        if greedy_token_ids and not spans and len(gather) == len(logits_indices):
+            greedy = getattr(self.model, "compute_greedy_token_ids", None)
+            token_ids = greedy(rows) if greedy is not None else None
+            if token_ids is not None:  # the head's argmax without its [N, V] logits (linear_argmax)
+                return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states,
+                                         graph_warmup=graph_warmup, sampled_token_ids=token_ids)
+        logits = self.model.compute_logits(rows)  # model dtype
         prompt_logits = {r: logits[p : p + n] for r, p, n in spans}
         return ModelRunnerOutput(logits=logits[: len(logits_indices)], prompt_logits=prompt_logits,
                                  hidden_states=hidden_states, graph_warmup=graph_warmup)

@@ -110,5 +110,13 @@ class LMHead(_VocabWeight):
             return vocab_parallel_logits(self, self.vocab_shard, hidden)
         return self.linear_method.apply(self, hidden)
 
+    def greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden [N, embedding_dim] -> int64 [N] = forward(hidden).argmax(-1) (torch's rule: the first maximum),
+        from the method's fused head where it has one (no [N, vocabulary] logits); None where it has not, or under
+        tensor parallelism (each rank holds a block of the vocabulary): then the caller computes the logits."""
+        if self.vocab_shard is not None:
+            return None
+        return self.linear_method.apply_argmax(self, hidden)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tied={self.tied}"

@@ -230,6 +230,10 @@ class LlamaForCausalLM(CausalLMBase):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def compute_greedy_token_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """compute_logits(hidden).argmax(-1) as int64 [N] without the logits where the LM head can (None: it can't)."""
+        return self.lm_head.greedy_token_ids(hidden)
+
 
 @register_model("MistralForCausalLM")
 class MistralForCausalLM(LlamaForCausalLM):

@@ -37,6 +37,7 @@ __all__ = [
     "gelu_and_mul",
     "linear_small_m",
     "linear_amx",
+    "linear_argmax",
     "bf16_dot_peak",
     "argmax_rows",
     "gather_rows",
@@ -271,6 +272,25 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     _float(x, "x")
     _check_linear(out, x, weight, bias)
     torch.ops.pagellm.linear_small_m(out, x, weight, bias)
+
+
+def linear_argmax(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """out int64 [M] = argmax over N of linear_small_m's out [M, N] (the first maximum; NaN counts as the maximum):
+    the greedy LM head, which at M = 1 never stores the logits. CPU tensors."""
+    _float(x, "x")
+    _dtype(_tensor(out, "out"), torch.int64, "out")
+    _ndim(x, 2, "x")
+    if tuple(out.shape) != (x.shape[0],):
+        raise ValueError(f"out shape {tuple(out.shape)} must be {(x.shape[0],)}")
+    _check_linear(torch.empty((x.shape[0], weight.shape[0] if weight.dim() else 0), dtype=x.dtype, device=x.device),
+                  x, weight, bias)
+    if weight.shape[0] == 0:
+        raise ValueError("weight must have at least one row")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} must be {(weight.shape[0],)}")
+    if x.device.type != "cpu":
+        raise ValueError(f"linear_argmax runs on CPU tensors, got {x.device}")
+    torch.ops.pagellm.linear_argmax(out, x, weight, bias)
 
 
 def _check_linear(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

@@ -13,6 +13,7 @@ try:
 
     _SMALL_M_OK = _compiled.ops_available()[0]
     _linear_small_m = torch.ops.pagellm.linear_small_m.default if _SMALL_M_OK else None
+    _linear_argmax = torch.ops.pagellm.linear_argmax.default if _SMALL_M_OK else None
     _AMX_OK = _SMALL_M_OK and _compiled.amx_available()
     _linear_amx = torch.ops.pagellm.linear_amx.default if _AMX_OK else None
     # a CUDA build registers linear_small_m's GEMV (gemv_cuda.cuh) for the CUDA dispatch key
@@ -100,3 +101,27 @@ def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
     out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
     _linear_small_m(out.view(m, -1), x.reshape(m, k), weight, bias)
     return out
+
+
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """int64 [M] = linear(x, weight).argmax(-1) (the first maximum of each row's logits as `linear` rounds them) for
+    x [M, K], without storing the logits where `linear` would run linear_small_m (bf16 rows up to SMALL_M_MAX, fp32;
+    CPU): the `linear_argmax` op, the same per-logit bits. None where `linear` would take another kernel (AMX tiles,
+    F.linear): the caller then computes the logits."""
+    dtype = x.dtype
+    if (
+        _SMALL_M_OK
+        and (dtype is torch.bfloat16 or dtype is torch.float32)
+        and weight.dtype is dtype
+        and x.is_cpu
+        and weight.is_cpu
+        and x.dim() == 2
+        and 0 < x.shape[0]
+        and (dtype is torch.float32 or x.shape[0] <= SMALL_M_MAX)
+        and weight.shape[0] > 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    ):
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        _linear_argmax(out, x, weight, None)
+        return out
+    return None

@@ -28,6 +28,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "linear_small_m",
+    "linear_argmax",
     "linear_amx",
     "bf16_dot_peak",
     "int8_linear",
@@ -311,6 +312,13 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> No
 
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     out.copy_(F.linear(x.float(), weight.float(), None if bias is None else bias.float()))
+
+
+def linear_argmax(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """argmax_rows of linear_small_m's output: the logits rounded to x's dtype, then torch's argmax rule."""
+    logits = torch.empty((x.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+    linear_small_m(logits, x, weight, bias)
+    argmax_rows(out, logits)
 
 
 def linear_amx(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -96,6 +96,12 @@ class EmbeddingMethodBase(LinearMethodBase):
         """token_ids [...] (int64 or int32) -> [..., embedding_dim] in the model dtype: the rows of W, as the
         float path would hold them. Called inside captured steps: only tensor ops, no reads into Python."""
 
+    def apply_argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, embedding_dim] -> int64 [M]: `apply(layer, x).argmax(-1)` exactly (the first maximum of the
+        logits as `apply` rounds them; a NaN counts as the maximum), for greedy rows that need no logits. None
+        (the default): this method has no such path, the caller computes the logits."""
+        return None
+
 
 class QuantizationConfig(ABC):
     """A weight format: parsed once from the checkpoint's `quantization_config` dict, then asked by each

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagellm.ops.linear_dispatch import linear
+from pagellm.ops.linear_dispatch import linear, linear_argmax
 from pagellm.ops.row_dispatch import embedding
 from pagellm.quantization.base import EmbeddingMethodBase, LinearMethodBase, new_linear_param
 
@@ -34,3 +34,6 @@ class UnquantizedEmbeddingMethod(UnquantizedLinearMethod, EmbeddingMethodBase):
 
     def embedding(self, layer: nn.Module, token_ids: torch.Tensor) -> torch.Tensor:
         return embedding(token_ids, layer.weight)
+
+    def apply_argmax(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        return linear_argmax(x, layer.weight)
