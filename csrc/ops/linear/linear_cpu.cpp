@@ -14,6 +14,7 @@
 #include "ops/linear/linear_cpu_few_rows.h"
 #include "ops/linear/next_weight_hints.h"
 #include "ops/linear/linear_argmax_cpu_kernels.h"
+#include "ops/linear/linear_checks.h"
 #include "ops/sampling/argmax_cpu_kernels.h"
 
 #include <sys/syscall.h>
@@ -52,24 +53,9 @@ LinearInputs check_linear(const at::Tensor& out, const at::Tensor& x, const at::
   check_cpu(out, "out");
   check_cpu(x, "x");
   check_cpu(weight, "weight");
-  check_float(x, "x");
-  check_same_dtype(weight, x, "weight", "x");
-  check_same_dtype(out, x, "out", "x");
-  check_dim(x, 2, "x");
-  check_dim(weight, 2, "weight");
-  check_dim(out, 2, "out");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
+  if (bias.has_value() && bias->defined()) check_cpu(*bias, "bias");
   LinearInputs in;
-  if (bias.has_value() && bias->defined()) {
-    in.b = *bias;
-    check_cpu(in.b, "bias");
-    check_same_dtype(in.b, x, "bias", "x");
-    TORCH_CHECK(in.b.dim() == 1 && in.b.size(0) == N, "bias must have shape [", N, "], got ", in.b.sizes());
-    in.b = in.b.contiguous();
-  }
-  check_last_contiguous(out, "out");
+  in.b = linear::check_linear_args(out, x, weight, bias);
   in.x = x.stride(1) == 1 ? x : x.contiguous();
   in.w = weight.stride(1) == 1 ? weight : weight.contiguous();
   return in;

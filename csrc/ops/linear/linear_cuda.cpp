@@ -7,6 +7,7 @@
 
 #include "ops/cuda_common/torch_glue.h"
 #include "ops/linear/gemv_launch.h"
+#include "ops/linear/linear_checks.h"
 
 namespace pagellm::cuda {
 namespace {
@@ -18,25 +19,13 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   check_cuda(weight, "weight");
   check_same_device(weight, x, "weight", "x");
   check_same_device(out, x, "out", "x");
-  const DType dt = to_dtype(x, "x");
-  check_same_dtype(weight, x, "weight", "x");
-  check_same_dtype(out, x, "out", "x");
-  check_dim(x, 2, "x");
-  check_dim(weight, 2, "weight");
-  check_dim(out, 2, "out");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  TORCH_CHECK(weight.size(1) == K, "weight must have shape [N, ", K, "] (K of x), got ", weight.sizes());
-  TORCH_CHECK(out.size(0) == M && out.size(1) == N, "out must have shape [", M, ", ", N, "], got ", out.sizes());
-  at::Tensor b;
   if (bias.has_value() && bias->defined()) {
-    b = *bias;
-    check_cuda(b, "bias");
-    check_same_device(b, x, "bias", "x");
-    check_same_dtype(b, x, "bias", "x");
-    TORCH_CHECK(b.dim() == 1 && b.size(0) == N, "bias must have shape [", N, "], got ", b.sizes());
-    b = b.contiguous();
+    check_cuda(*bias, "bias");
+    check_same_device(*bias, x, "bias", "x");
   }
-  check_last_contiguous(out, "out");
+  const DType dt = to_dtype(x, "x");
+  const at::Tensor b = linear::check_linear_args(out, x, weight, bias);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   if (out.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();

@@ -55,6 +55,20 @@ _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pa
 CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "8"))
 
 
+def _cpu_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """bf16 or fp32 CPU tensors of one dtype and no autograd (the ops have none): pagellm's CPU kernels may run it."""
+    dtype = x.dtype
+    return (
+        _SMALL_M_OK
+        and (dtype is torch.bfloat16 or dtype is torch.float32)
+        and weight.dtype is dtype
+        and x.is_cpu
+        and weight.is_cpu
+        and (bias is None or bias.dtype is dtype)
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, except bf16 and fp32 CPU inputs, and bf16 / fp16 CUDA inputs of a few rows, go through pagellm's own
     kernels (see above).
@@ -62,20 +76,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Everything else (other dtypes or devices, autograd, mixed dtypes) is exactly F.linear."""
     # Checked cheapest first: this runs ~4 times per layer per decode step.
     dtype = x.dtype
-    if (
-        _SMALL_M_OK
-        and (dtype is torch.bfloat16 or dtype is torch.float32)
-        and weight.dtype is dtype
-        and x.is_cpu
-        and weight.is_cpu
-        and x.dim() >= 1
-        and (bias is None or bias.dtype is dtype)
-    ):
+    if x.dim() >= 1 and _cpu_kernel_takes(x, weight, bias):
         k = x.shape[-1]
         m = x.numel() // k if k else 0
-        no_grad = not torch.is_grad_enabled() or not (x.requires_grad or weight.requires_grad)  # op has no autograd
         fp32 = dtype is torch.float32
-        if 0 < m and (fp32 or m <= _OWN_MAX_M) and no_grad:
+        if 0 < m and (fp32 or m <= _OWN_MAX_M):
             op = _linear_small_m if fp32 or m <= SMALL_M_MAX else _linear_amx
             n = weight.shape[0]
             if x.dim() == 2:  # the decode case; every torch call costs microseconds here
@@ -108,18 +113,12 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     x [M, K], without storing the logits where `linear` would run linear_small_m (bf16 rows up to SMALL_M_MAX, fp32;
     CPU): the `linear_argmax` op, the same per-logit bits. None where `linear` would take another kernel (AMX tiles,
     F.linear): the caller then computes the logits."""
-    dtype = x.dtype
     if (
-        _SMALL_M_OK
-        and (dtype is torch.bfloat16 or dtype is torch.float32)
-        and weight.dtype is dtype
-        and x.is_cpu
-        and weight.is_cpu
-        and x.dim() == 2
+        x.dim() == 2
         and 0 < x.shape[0]
-        and (dtype is torch.float32 or x.shape[0] <= SMALL_M_MAX)
+        and (x.dtype is torch.float32 or x.shape[0] <= SMALL_M_MAX)
         and weight.shape[0] > 0
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and _cpu_kernel_takes(x, weight, None)
     ):
         out = torch.empty(x.shape[0], dtype=torch.int64)
         _linear_argmax(out, x, weight, None)
