@@ -41,7 +41,7 @@ from torch import nn
 from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pack_awq, quantize_awq, unpack_awq_int4
 from pagellm.quantization.awq_gptq import DAMP_FRACTION, gptq_quantize
 from pagellm.quantization.awq_group_search import search_quantize
-from pagellm.quantization.awq_refine import refine_rounding
+from pagellm.quantization.awq_refine import REFINE_DAMP, refine_rounding
 from pagellm.quantization.awq_search import InputStats, apply_clip, search_clip, search_scale
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -70,13 +70,16 @@ class AWQCalibrationConfig:
     gptq_damp: float = DAMP_FRACTION  # GPTQ's H + damp * mean(diag H) * I
     group_search: bool = False  # each group's (scale, zero) by output error (supersedes the clip search)
     true_sequential: bool = False  # each linear rounded for the inputs the already rounded ones give it
-    refine_sweeps: int = 0  # coordinate-descent sweeps over q / zeros / scales on the output error (awq_refine)
+    refine_sweeps: int = 0  # coordinate-descent sweeps over q and the scales on the output error (awq_refine)
+    refine_damp: float = REFINE_DAMP  # the refinement's H + damp * mean(diag H) * I
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
         if not isinstance(self.refine_sweeps, int) or isinstance(self.refine_sweeps, bool) or self.refine_sweeps < 0:
             raise ValueError(f"refine_sweeps must be a non-negative integer, got {self.refine_sweeps!r}")
+        if not self.refine_damp >= 0:
+            raise ValueError(f"refine_damp must be >= 0, got {self.refine_damp}")
         if not 0 < self.gptq_damp < 1:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
 
@@ -222,7 +225,7 @@ def quantize_linear(w: torch.Tensor, stats: InputStats, config: AWQCalibrationCo
             return packed
         groups = (unpack_awq_int4(packed[0]).t(), unpack_awq_int4(packed[1]).t(), packed[2].t())
     if config.refine_sweeps:
-        groups = refine_rounding(w, *groups, stats.gram, G, sweeps=config.refine_sweeps, damp=config.gptq_damp)
+        groups = refine_rounding(w, *groups, stats.gram, G, sweeps=config.refine_sweeps, damp=config.refine_damp)
     return pack_awq(*groups)
 
 
