@@ -1,7 +1,7 @@
 """Coordinate descent on a rounded AWQ linear's output error, after GPTQ (or any rounding), on plain tensors.
 
-    refine_rounding(w, q, zeros, scales, gram, G)   -> (q, zeros, scales), the same format, whose output error
-                                                      sum_n e_n H e_n^T (e = dequantized - W) is never larger
+    refine_rounding(w, q, zeros, scales, gram, G)   -> (q, zeros, scales), the same format, whose (damped) output
+                                                      error sum_n e_n H e_n^T (e = dequantized - W) is never larger
 
 GPTQ decides each column once, in order, and the group search judges a group on its own Gram block only; neither
 revisits a decision once later columns are rounded. The error is an exact quadratic in the integers, so a
@@ -13,7 +13,8 @@ and, per coordinate, takes the move with the most negative change of the objecti
 
 (A zero point's +-1 alone shifts the whole group by -+s, which the q moves before it already weighed weight by
 weight: tried, never taken on GPTQ's or RTN's roundings of Q4_1-grid weights, so zero points stay as given.)
-A sweep visits the groups in order, each group's columns, then its scale, every row at once; P's other columns are brought up to date once per group (one [out, G] x [G, in] product). Sweeps stop
+A sweep visits the groups in order, each group's columns, then its scale, every row at once; P's other
+columns are brought up to date once per group (one [out, G] x [G, in] product). Sweeps stop
 early when nothing moves. H is the Gram matrix damped, H + damp * mean(diag H) * I, more than GPTQ's
 (`REFINE_DAMP`): the damping term is a weight-space error that keeps the refinement from fitting the
 calibration tokens' noise. Everything is float64 (P takes thousands of rank-1 updates).
