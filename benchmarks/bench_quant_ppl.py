@@ -8,6 +8,7 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:32,awq:64,awq-rtn:32   # awq[-rtn]:G = group size G
     python benchmarks/bench_quant_ppl.py --methods bf16,awq:64,awq+gptq:64   # + GPTQ rounding (--rounding gptq)
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+seq:32   # + --group-search --true-sequential
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+refine:64   # + --refine-sweeps 2 (refine8: 8)
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -141,21 +142,28 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 
 
 # "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
-AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential"}
+AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
+               "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N"}
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:
     """("gptq", "search", ...) of "awq+gptq+search"-style names ("awq" -> ()), None for other names."""
     parts = name.split("+")
-    if parts[0] != "awq" or any(p not in AWQ_OPTIONS for p in parts[1:]):
+    if parts[0] != "awq" or any(p not in AWQ_OPTIONS and not re.fullmatch(r"refine[1-9]\d*", p) for p in parts[1:]):
         return None
     return tuple(parts[1:])
+
+
+def refine_sweeps(options: tuple[str, ...]) -> int:
+    """--refine-sweeps of an option set: "refine" -> 2, "refine<N>" -> N, none -> 0."""
+    found = [o for o in options if o.startswith("refine")]
+    return (int(found[0][len("refine"):] or 2)) if found else 0
 
 
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
                    rounding: str = "rtn", options: tuple[str, ...] = ()) -> str:
     """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` and the
-    `options` ("search", "seq": `AWQ_OPTIONS`) (its calibration text never includes this benchmark's
+    `options` ("search", "seq", "refine": `AWQ_OPTIONS`) (its calibration text never includes this benchmark's
     held-out excerpt; group size `group`, None = the automatic choice), written once under `cache` and reused."""
     from pagellm.entrypoints.quantize import quantize_model_awq
     from pagellm.model_loader import open_model
@@ -171,6 +179,7 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
+                       refine_sweeps=refine_sweeps(options),
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
@@ -351,7 +360,7 @@ def main() -> None:
     ap.add_argument("--methods", default="bf16,int8",
                     help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
                          "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq+gptq+search+seq[:<group>] "
-                         "(+ options: gptq, search, seq = AWQ_OPTIONS), awq-rtn[:<group>] "
+                         "(+ options: gptq, search, seq, refine = AWQ_OPTIONS), awq-rtn[:<group>] "
                          "(round-to-nearest, no calibration), or a registered "
                          "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")

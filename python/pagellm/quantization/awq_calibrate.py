@@ -38,9 +38,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pack_awq, quantize_awq
+from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pack_awq, quantize_awq, unpack_awq_int4
 from pagellm.quantization.awq_gptq import DAMP_FRACTION, gptq_quantize
 from pagellm.quantization.awq_group_search import search_quantize
+from pagellm.quantization.awq_refine import REFINE_DAMP, refine_rounding
 from pagellm.quantization.awq_search import InputStats, apply_clip, search_clip, search_scale
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -69,10 +70,16 @@ class AWQCalibrationConfig:
     gptq_damp: float = DAMP_FRACTION  # GPTQ's H + damp * mean(diag H) * I
     group_search: bool = False  # each group's (scale, zero) by output error (supersedes the clip search)
     true_sequential: bool = False  # each linear rounded for the inputs the already rounded ones give it
+    refine_sweeps: int = 0  # coordinate-descent sweeps over q and the scales on the output error (awq_refine)
+    refine_damp: float = REFINE_DAMP  # the refinement's H + damp * mean(diag H) * I
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if not isinstance(self.refine_sweeps, int) or isinstance(self.refine_sweeps, bool) or self.refine_sweeps < 0:
+            raise ValueError(f"refine_sweeps must be a non-negative integer, got {self.refine_sweeps!r}")
+        if not self.refine_damp >= 0:
+            raise ValueError(f"refine_damp must be >= 0, got {self.refine_damp}")
         if not 0 < self.gptq_damp < 1:
             raise ValueError(f"gptq_damp must be in (0, 1), got {self.gptq_damp}")
 
@@ -206,16 +213,20 @@ def quantize_linear(w: torch.Tensor, stats: InputStats, config: AWQCalibrationCo
         torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [out, in] (scales folded) -> AutoAWQ's (qweight, qzeros, scales) by `config.rounding`, `clip`: the
     clip search (RTN: once on W; GPTQ: per group on its error-updated weights), unless `config.group_search`
-    chooses every group's (scale, zero) instead."""
+    chooses every group's (scale, zero) instead; then `config.refine_sweeps` of `refine_rounding` towards W."""
     G = config.group_size
     if config.rounding == "gptq":
-        return pack_awq(*gptq_quantize(w, stats.gram, G, clip=clip, group_search=config.group_search,
-                                       damp=config.gptq_damp))
-    if config.group_search:
-        return pack_awq(*search_quantize(w, stats.gram, G))
-    if clip:
-        w = apply_clip(w, *search_clip(stats, w, G), G)
-    return quantize_awq(w, G)
+        groups = gptq_quantize(w, stats.gram, G, clip=clip, group_search=config.group_search, damp=config.gptq_damp)
+    elif config.group_search:
+        groups = search_quantize(w, stats.gram, G)
+    else:
+        packed = quantize_awq(apply_clip(w, *search_clip(stats, w, G), G) if clip else w, G)
+        if not config.refine_sweeps:
+            return packed
+        groups = (unpack_awq_int4(packed[0]).t(), unpack_awq_int4(packed[1]).t(), packed[2].t())
+    if config.refine_sweeps:
+        groups = refine_rounding(w, *groups, stats.gram, G, sweeps=config.refine_sweeps, damp=config.refine_damp)
+    return pack_awq(*groups)
 
 
 def load_float_model(model_dir: str):
