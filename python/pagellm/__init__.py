@@ -20,6 +20,7 @@ _LAZY = {
     "LLMEngine": "pagellm.engine.llm_engine",
     "EngineArgs": "pagellm.config",
     "SamplingParams": "pagellm.sampling_params",
+    "RequestOutputKind": "pagellm.sampling_params",
     "RequestOutput": "pagellm.outputs",
     "CompletionOutput": "pagellm.outputs",
     "Logprob": "pagellm.outputs",

@@ -11,7 +11,7 @@ from pagellm.engine.llm_engine import LLMEngine
 from pagellm.inputs import InputProcessor, PromptType, chat_prompt
 from pagellm.lora.request import LoRARequest, lora_requests_per_prompt
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
@@ -171,6 +171,8 @@ class LLM:
             engine._resolve_lora(lr)  # an unknown adapter refuses the whole batch before anything is queued
         # tokenized and checked once, all of them before any is queued: a bad batch queues nothing
         processed = [self.input_processor.process(p, sp) for p, sp in zip(prompts, params_list)]
+        for req in processed:  # the processor's own clones: _run_engine reads only the finished outputs
+            req.params.output_kind = RequestOutputKind.FINAL_ONLY
         ids = []
         try:
             for i, req in enumerate(processed):

@@ -14,6 +14,16 @@ class SamplingType(IntEnum):
     RANDOM_SEED = 2
 
 
+class RequestOutputKind(IntEnum):
+    """Which RequestOutputs LLMEngine.step returns for a request (vLLM's names and values). CUMULATIVE: one after
+    every step that changed it, each holding everything so far; FINAL_ONLY: only the finished one. LLM.generate
+    asks for FINAL_ONLY (it reads nothing else): building a batched decode step's 64 intermediate outputs was
+    ~0.3 ms of the step's single-threaded host time (benchmarks/README.md, session 18)."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 # vLLM's logprobs_mode names: values from the model's logits (raw) or from the logits the token is drawn
 # from (processed: after bias, min_tokens, penalties, temperature, min-p, top-k, top-p), as log-probabilities
 # or as the logits themselves. "raw" / "processed" are this engine's older names for the *_logprobs ones.
@@ -106,6 +116,8 @@ class SamplingParams:
         "processed_logprobs" / "processed_logits" (after logit bias, min_tokens, penalties, temperature
         and min-p/top-k/top-p masking: what the token was drawn from; greedy rows have no temperature);
         "raw" / "processed" = the *_logprobs ones; None = the engine's logprobs_mode (default raw_logprobs).
+    output_kind: RequestOutputKind.CUMULATIVE (default: an output after every step that changed the request) or
+        FINAL_ONLY (only the finished output; what LLM.generate uses).
     """
 
     n: int = 1
@@ -130,6 +142,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logprobs_mode: str | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine (EOS ids of the model, unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False, compare=False)
 
@@ -202,6 +215,9 @@ class SamplingParams:
             raise _bad("prompt_logprobs", self.prompt_logprobs, "an integer >= 0 or None")
         if self.logprobs_mode is not None and self.logprobs_mode not in _LOGPROBS_MODES:
             raise _bad("logprobs_mode", self.logprobs_mode, f"None or one of {_LOGPROBS_MODES}")
+        if not _is_int(self.output_kind) or self.output_kind not in tuple(RequestOutputKind):
+            raise _bad("output_kind", self.output_kind, "RequestOutputKind.CUMULATIVE or RequestOutputKind.FINAL_ONLY")
+        self.output_kind = RequestOutputKind(self.output_kind)
 
     def _verify_stops_and_flags(self) -> None:
         if not all(isinstance(s, str) for s in self.stop):

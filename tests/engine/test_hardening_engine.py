@@ -49,6 +49,21 @@ def run_batch(llm: LLM, params: SamplingParams | None = None, prompts=PROMPTS):
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params or greedy(), use_tqdm=False)
 
 
+def run_batch_cumulative(llm: LLM, params: SamplingParams | None = None, prompts=PROMPTS):
+    """run_batch through the engine's own step loop with CUMULATIVE outputs (an output after every step): LLM.generate
+    asks for FINAL_ONLY, so there no output is built before a request finishes."""
+    eng = llm.llm_engine
+    ids = [f"cumulative-{i}-{id(prompts)}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        eng.add_request(rid, {"prompt_token_ids": p}, params or greedy())
+    finished = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return [finished[i] for i in ids]
+
+
 def tokens(outs) -> list[list[list[int]]]:
     return [[list(c.token_ids) for c in o.outputs] for o in outs]
 
@@ -113,13 +128,17 @@ def reference(tiny_llama_dir):
     return {"greedy": tokens(run_batch(fresh)), "seeded": tokens(run_batch(fresh, seeded_n2(), PROMPTS[:1]))}
 
 
-def assert_failed_then_usable(llm: LLM, outs, reference, match: str) -> None:
-    """Every output of the batch failed with `match`, kept a prefix of the reference, and the engine
-    recovered: idle, and the next batch equals a fresh engine's."""
+def assert_failed_then_usable(llm: LLM, outs, reference, match: str, last_step: bool = False) -> None:
+    """Every output of the batch failed with `match`, kept a prefix of the reference (a proper one unless the
+    failure was in the batch's last step), and the engine recovered: idle, and the next batch equals a fresh
+    engine's."""
     for out, ref in zip(outs, reference["greedy"]):
         assert out.finished and out.error is not None and match in out.error
         got = out.outputs[0].token_ids
-        assert out.outputs[0].finish_reason == "error" and got == ref[0][: len(got)] and len(got) < MAX_TOKENS
+        assert got == ref[0][: len(got)]
+        # a failure in the last step finds the sequences finished by length already (error set, reason kept)
+        assert (len(got) < MAX_TOKENS and out.outputs[0].finish_reason == "error") or \
+            (last_step and out.outputs[0].finish_reason in ("error", "length"))
     assert_idle(llm.llm_engine)
     assert tokens(run_batch(llm)) == reference["greedy"]
     assert_idle(llm.llm_engine)
@@ -131,8 +150,12 @@ FAULTS = {  # where the exception is raised, from which call on (a later step: s
     "sampler": lambda eng: (eng.sampler, "forward", 2, 1),  # run with the greedy head off: the sampler's argmax
     "greedy head": lambda eng: (eng.model, "compute_greedy_token_ids", 2, 1),
     "detokenizer": lambda eng: (IncrementalDetokenizer, "update", len(PROMPTS) + 2, 1),  # mid-way through a step
-    "outputs": lambda eng: (RequestState, "make_output", len(PROMPTS) + 2, 1),  # after the scheduler's update
+    # after the scheduler's update; these two run CUMULATIVE requests (run_batch_cumulative), so outputs are built
+    # every step
+    "outputs": lambda eng: (RequestState, "make_output", len(PROMPTS) + 2, 1),
     "outputs_always": lambda eng: (RequestState, "make_output", len(PROMPTS) + 2, 10**9),  # error outputs too
+    # LLM.generate's FINAL_ONLY requests: outputs are built in the last step only; its second one raises
+    "final outputs": lambda eng: (RequestState, "make_output", 2, 1),
 }
 
 
@@ -143,9 +166,9 @@ def test_fault_in_step_fails_its_requests_and_engine_stays_usable(llm, reference
     raise_on_call(monkeypatch, obj, name, RuntimeError(f"injected {stage} failure"), call, times)
     if stage == "sampler":  # plain-greedy steps otherwise take the LM head's fused argmax, not the sampler
         monkeypatch.setattr(llm.llm_engine, "greedy_head", False)
-    outs = run_batch(llm)
+    outs = run_batch_cumulative(llm) if stage.startswith("outputs") else run_batch(llm)
     monkeypatch.undo()
-    assert_failed_then_usable(llm, outs, reference, f"injected {stage} failure")
+    assert_failed_then_usable(llm, outs, reference, f"injected {stage} failure", last_step=stage == "final outputs")
 
 
 def test_fault_in_speculative_step(llm, reference, monkeypatch):

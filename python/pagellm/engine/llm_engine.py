@@ -323,7 +323,8 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
                               update.finished)
 
     def _collect_outputs(self, changed: dict[str, RequestState]) -> list[RequestOutput]:
-        outputs = [st.make_output() for st in changed.values()]  # all built before any request is forgotten
+        # all built before any request is forgotten; a FINAL_ONLY request's only when it finished
+        outputs = [st.make_output() for st in changed.values() if st.finished or not st.final_only]
         for st in changed.values():
             if st.finished:
                 self._forget(st)

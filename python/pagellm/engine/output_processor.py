@@ -15,7 +15,7 @@ from typing import Sequence
 from pagellm.engine.detokenizer import IncrementalDetokenizer, StopStringChecker, decode_tokens
 from pagellm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagellm.sampling.metadata import is_plain_greedy
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
@@ -62,6 +62,7 @@ class RequestState:
         # one sequence sampled as the argmax of the raw logits, nothing else asked of the sampler (the engine's greedy
         # fast path: no SamplingRow, no metadata)
         self.plain_greedy = params.n == 1 and is_plain_greedy(params)
+        self.final_only = params.output_kind == RequestOutputKind.FINAL_ONLY  # step() returns only its last output
 
     # ------------------------------------------------------------------ sequences
     def _new_seq(self, index: int) -> SequenceState:
