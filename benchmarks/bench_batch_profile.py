@@ -70,6 +70,9 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
     runner._decode_with_graph = timed(secs, "forward", runner._decode_with_graph)
     runner._forward = timed(secs, "forward", runner._forward)
     runner.model.compute_logits = timed(secs, "LM head", runner.model.compute_logits)
+    greedy_head = getattr(runner.model, "compute_greedy_token_ids", None)
+    if greedy_head is not None:  # plain-greedy steps: the LM head with its argmax fused (linear_argmax)
+        runner.model.compute_greedy_token_ids = timed(secs, "LM head", greedy_head)
     eng._sample = timed(secs, "sampler", eng._sample)
     from pagellm import _C
 
@@ -92,6 +95,7 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
         for k in ("_decode_with_graph", "_forward"):
             runner.__dict__.pop(k, None)
         runner.model.__dict__.pop("compute_logits", None)
+        runner.model.__dict__.pop("compute_greedy_token_ids", None)
         eng.__dict__.pop("_sample", None)
     total = time.perf_counter() - t0
     out = {"elapsed_s": total, "output_tok_s": sum(r.output_len for r in reqs) / total, "kinds": {},
