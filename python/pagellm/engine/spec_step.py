@@ -19,6 +19,7 @@ from pagellm.engine.tree_step import (
     verify_greedy_paths,
 )
 from pagellm.logger import init_logger
+from pagellm.ops.row_dispatch import gather_rows
 from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
 from pagellm.sampling.metadata import plain_greedy_metadata
@@ -160,26 +161,33 @@ class SpecDecodeStep:
         logits row); a new child of n > 1 sampling gets its parent row's."""
         if not rows or hidden is None:
             return
-        counts = sched_out.num_scheduled_tokens[rows].astype(np.int64)
-        starts = (np.cumsum(counts) - counts).tolist()  # the rows' first positions in `hidden`
-        pick = {}
+        counts = sched_out.num_scheduled_tokens
         last_rows = getattr(self, "_tree_last_rows", {})  # tree rows: the accepted path's last node
-        for r, start, n in zip(rows, starts, counts.tolist()):
-            kept = update.tokens_by_seq.get(seq_ids[r])
-            offset = last_rows.get(seq_ids[r], len(kept) - 1) if kept else n - 1
-            pick[seq_ids[r]] = start + offset
+        kept_by_seq = update.tokens_by_seq
+        pick, start = {}, 0  # seq_id -> its row in `hidden` (the rows' positions, row after row)
+        for r in rows:
+            n = int(counts[r])
+            sid = seq_ids[r]
+            kept = kept_by_seq.get(sid)
+            pick[sid] = start + (last_rows.get(sid, len(kept) - 1) if kept else n - 1)
+            start += n
         for parent_id, child_id, _ in update.forks:
             if parent_id in pick:
                 pick[child_id] = pick[parent_id]
         ids, lens, positions = [], [], []
+        seq_of = self.output_processor.seq
         for sid, pos in pick.items():
-            st, seq = self.output_processor.seq(sid)
+            st, seq = seq_of(sid)
             if not seq.finished:
                 ids.append(sid)
                 lens.append(len(st.prompt_token_ids) + len(seq.output_token_ids))
                 positions.append(pos)
-        if ids:
-            self.proposer.observe_hidden_states(ids, lens, hidden[torch.as_tensor(positions, device=hidden.device)])
+        if len(ids) == 1:  # batch 1: a view of the runner's copy (each step's hidden_states is a new tensor)
+            self.proposer.observe_hidden_states(ids, lens, hidden[positions[0] : positions[0] + 1])
+        elif ids:
+            index = torch.as_tensor(positions, dtype=torch.long)
+            self.proposer.observe_hidden_states(ids, lens, gather_rows(hidden, index) if hidden.is_cpu
+                                                else hidden[index.to(hidden.device)])
 
     def _draft_parents(self, sched_out, seq_ids: list[str]) -> np.ndarray | None:
         """Each scheduled draft's parent within its row (-1: the row's first token), flat like

@@ -77,7 +77,8 @@ class MedusaProposer(BaseProposer):
         # with a draft vocabulary, lm_head scores only its rows (draft_vocab_lm_head): indices map back to tokens
         self.draft_vocab = heads.draft_vocab if heads.share_lm_head else None
         self._dtype = next(heads.parameters()).dtype
-        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # seq_id -> (sequence length, h [H])
+        # seq_id -> (sequence length, hidden states [n, H] as handed over, the sequence's row in them)
+        self._hidden: dict[str, tuple[int, torch.Tensor, int]] = {}
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -115,14 +116,16 @@ class MedusaProposer(BaseProposer):
     # ------------------------------------------------------------------ the engine's hidden states
     def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden: torch.Tensor) -> None:
         """hidden [len(seq_ids), H]: row i is the final hidden state whose logits gave the newest token
-        of seq_ids[i], which then had num_tokens[i] tokens (prompt + output)."""
-        hidden = hidden.detach().to(self._dtype)
+        of seq_ids[i], which then had num_tokens[i] tokens (prompt + output). Kept as (tensor, row), unconverted:
+        propose() reads the rows it drafts from in one gather (the engine hands over a copy, never a step buffer)."""
+        hidden = hidden.detach()
         for i, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
-            self._hidden[sid] = (int(n), hidden[i])
+            self._hidden[sid] = (int(n), hidden, i)
 
     def hidden_state_of(self, seq_id: str) -> tuple[int, torch.Tensor] | None:
         """(sequence length, h [H]) last observed for a sequence (None: none)."""
-        return self._hidden.get(seq_id)
+        state = self._hidden.get(seq_id)
+        return None if state is None else (state[0], state[1][state[2]].to(self._dtype))
 
     @property
     def num_tracked_seqs(self) -> int:
@@ -135,8 +138,8 @@ class MedusaProposer(BaseProposer):
         if not fresh:
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
-        hidden = torch.stack([h for _, h in fresh])
-        tokens = self.heads.draft_chain(hidden, _last_ids(r for r, _ in fresh), self.lm_head, k, self._token_ids)
+        tokens = self.heads.draft_chain(self._stack(fresh), _last_ids(r for r, _ in fresh), self.lm_head, k,
+                                        self._token_ids)
         return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens.tolist())}
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
@@ -147,14 +150,25 @@ class MedusaProposer(BaseProposer):
         for sid in seq_ids:
             self._hidden.pop(sid, None)
 
-    def _fresh(self, requests: Sequence[DraftRequest]) -> list[tuple[DraftRequest, torch.Tensor]]:
-        """The requests whose stored hidden state is for their current length, with it."""
+    def _fresh(self, requests: Sequence[DraftRequest]) -> list[tuple[DraftRequest, tuple[torch.Tensor, int]]]:
+        """The requests whose stored hidden state is for their current length, with it ((tensor, row))."""
         fresh = []
+        hidden = self._hidden
         for r in requests:
-            state = self._hidden.get(r.seq_id)
+            state = hidden.get(r.seq_id)
             if state is not None and state[0] == len(r.prompt_token_ids) + len(r.output_token_ids):
-                fresh.append((r, state[1]))
+                fresh.append((r, state[1:]))
         return fresh
+
+    def _stack(self, fresh: Sequence[tuple[DraftRequest, tuple[torch.Tensor, int]]]) -> torch.Tensor:
+        """[len(fresh), H] the requests' hidden states in the heads' dtype: a slice when they are consecutive rows of
+        one handed-over tensor (always at batch 1), else one gather."""
+        first, row0 = fresh[0][1]
+        if all(t is first and i == row0 + n for n, (_, (t, i)) in enumerate(fresh)):
+            hidden = first[row0 : row0 + len(fresh)]
+        else:
+            hidden = torch.stack([t[i] for _, (t, i) in fresh])
+        return hidden.to(self._dtype)
 
 
 class MedusaTreeProposer(MedusaProposer):
@@ -202,13 +216,13 @@ class MedusaTreeProposer(MedusaProposer):
         trees = [(r, h) for r, h in fresh if r.seq_id in self._tree_ok]
         chains = [(r, h) for r, h in fresh if r.seq_id not in self._tree_ok]
         if trees:
-            nodes = self.heads.draft_tree(torch.stack([h for _, h in trees]), _last_ids(r for r, _ in trees),
+            nodes = self.heads.draft_tree(self._stack(trees), _last_ids(r for r, _ in trees),
                                           self.tree.parents, self.tree.ranks, self.lm_head, self._token_ids)
             for (r, _), row in zip(trees, nodes.tolist()):
                 self._tree_rows.add(r.seq_id)
                 out[r.seq_id] = row[: r.max_num_drafts]
         if chains:
-            tokens = self.heads.draft_chain(torch.stack([h for _, h in chains]), _last_ids(r for r, _ in chains),
+            tokens = self.heads.draft_chain(self._stack(chains), _last_ids(r for r, _ in chains),
                                             self.lm_head, self.tree.depth, self._token_ids)
             out.update({r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(chains, tokens.tolist())})
         return out
