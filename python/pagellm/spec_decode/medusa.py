@@ -38,10 +38,16 @@ import torch
 from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
-from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
-from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head  # noqa: F401 (re-export)
+from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads, tree_plan
+from pagellm.spec_decode.medusa_heads import (  # noqa: F401 (re-export)
+    DraftVocabLMHead,
+    MedusaHeads,
+    base_model_hash,
+    draft_vocab_lm_head,
+)
 from pagellm.spec_decode.medusa_tree import MedusaTree, tree_from_options
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
+from pagellm.step_graph import StepGraphCache, iter_tensors
 
 logger = init_logger(__name__)
 
@@ -186,6 +192,10 @@ class MedusaTreeProposer(MedusaProposer):
         self.tree = tree
         self.num_speculative_tokens = max(tree.num_nodes, tree.depth)
         self._tree_ok: set[str] = set()  # sequences that may take a tree this step
+        # Hydra heads with a draft vocabulary: tree drafting replayed from step graphs, one per batch size (None: not
+        # yet made, False: drafting stays eager)
+        self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
+            lm_head, DraftVocabLMHead) else False
         self._tree_rows: set[str] = set()  # sequences whose last drafts were a tree
 
     @property
@@ -206,6 +216,26 @@ class MedusaTreeProposer(MedusaProposer):
             return None
         return list(self.tree.parents[:num_drafts])
 
+    def _draft_tree(self, hidden: torch.Tensor, last_ids: torch.Tensor) -> torch.Tensor:
+        """The tree's tokens [B, num_nodes] (HydraHeads.draft_tree), replayed from a step graph per batch size when
+        the heads allow it: a tree's drafting is ~50 small torch calls whose Python and dispatcher code a served step
+        meets cold, right after the target's forward streamed its weights through the caches (session 18). The heads'
+        parameters are fixed while serving; the first call runs eagerly (it makes the bf16 drafting weights the
+        graphs then read as constants)."""
+        def draft(inputs: list[torch.Tensor]) -> torch.Tensor:
+            return self.heads.draft_tree(inputs[0], inputs[1], self.tree.parents, self.tree.ranks, self.lm_head,
+                                         self._token_ids)
+
+        if self._graphs is False:
+            return draft([hidden, last_ids])
+        if self._graphs is None:
+            out = draft([hidden, last_ids])
+            plan = tree_plan(tuple(self.tree.parents), tuple(self.tree.ranks))
+            self._graphs = StepGraphCache([*iter_tensors(self.heads), *iter_tensors(self.lm_head),
+                                           *iter_tensors(plan)], max_graphs=8, capture_after=1)
+            return out
+        return self._graphs.run(("tree", hidden.shape[0]), [hidden.contiguous(), last_ids], draft)
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         fresh = self._fresh(requests)
@@ -216,8 +246,7 @@ class MedusaTreeProposer(MedusaProposer):
         trees = [(r, h) for r, h in fresh if r.seq_id in self._tree_ok]
         chains = [(r, h) for r, h in fresh if r.seq_id not in self._tree_ok]
         if trees:
-            nodes = self.heads.draft_tree(self._stack(trees), _last_ids(r for r, _ in trees),
-                                          self.tree.parents, self.tree.ranks, self.lm_head, self._token_ids)
+            nodes = self._draft_tree(self._stack(trees), _last_ids(r for r, _ in trees))
             for (r, _), row in zip(trees, nodes.tolist()):
                 self._tree_rows.add(r.seq_id)
                 out[r.seq_id] = row[: r.max_num_drafts]
