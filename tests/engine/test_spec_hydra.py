@@ -114,25 +114,27 @@ def test_tree_plan_levels():
 
 @pytest.mark.parametrize("paths", [[[0], [1], [2], [0, 0], [0, 1], [0, 0, 0]],
                                    [[0], [1], [0, 0], [1, 0], [1, 1], [1, 0, 0], [1, 1, 1]]])
-def test_tree_drafting_replays_from_step_graphs(paths):
-    """A Hydra tree proposer with a draft vocabulary drafts from a step graph per batch size: the same tokens as the
-    eager draft_tree, bit for bit, for every batch size and input (odd sizes, a level whose parents are not all of
-    the previous level's grown nodes)."""
+def test_drafting_replays_from_step_graphs(paths):
+    """Hydra proposers with a draft vocabulary draft from a step graph per (kind, batch size): the same tree and chain
+    tokens as the eager draft_tree / draft_chain, bit for bit, for every batch size and input (odd sizes, a level whose
+    parents are not all of the previous level's grown nodes)."""
     heads = _random_hydra(hidden=H, vocab=V)
     heads.set_draft_vocab(torch.tensor([1, 2, 3, 5, 8, 13, 21, 34, 40, 44, 47, 52]))
     lm = draft_vocab_lm_head(torch.randn(V, H), heads.draft_vocab)
     proposer = MedusaTreeProposer(heads, MedusaTree.from_spec(paths), lm)
     gen = torch.Generator().manual_seed(5)
     with torch.inference_mode():
-        for batch in (1, 1, 3, 2, 3, 1):  # eager (the first call), captures, then replays
+        for batch in (1, 1, 1, 3, 3, 3, 2):  # per batch size: eager, captured, replayed
             hidden, last = torch.randn(batch, H, generator=gen), torch.randint(0, V, (batch,), generator=gen)
             got = proposer._draft_tree(hidden, last).clone()
             expect = heads.draft_tree(hidden, last, proposer.tree.parents, proposer.tree.ranks, lm,
                                       proposer._token_ids)
             assert torch.equal(got, expect)
             assert set(got.flatten().tolist()) <= set(heads.draft_vocab.tolist())
+            chain = proposer._draft_chain(hidden, last, K).clone()
+            assert torch.equal(chain, heads.draft_chain(hidden, last, lm, K, proposer._token_ids))
     graphs = proposer._graphs
-    assert graphs.num_graphs == 3 and graphs.num_replays == 2  # batch 1 and 3 replayed once each
+    assert graphs.num_graphs == 4 and graphs.num_replays == 4  # trees and chains at batch 1 and 3
     # without a draft vocabulary (the target's LM head, any callable) drafting stays eager
     plain = _random_hydra()
     eager = MedusaTreeProposer(plain, MedusaTree.from_spec(paths), lambda x: x @ torch.randn(V, H).t())

@@ -112,13 +112,23 @@ class HydraHeads(MedusaHeads):
         """x [N, K] bf16 -> (x W^T + b) [N, H] fp32 through bf16 copies of W, b, remade whenever the parameters change
         (their version counters: an optimizer step, load_state_dict) so that a training's evaluation drafts with the
         weights of the moment."""
+        _, w, b = self._draft_weight(layer)
+        return linear(x, w, b).float()
+
+    def _draft_weight(self, layer: nn.Linear) -> tuple:
         w, b = layer.weight, layer.bias
         key = (w._version, b._version, w.data_ptr(), b.data_ptr())
         cached = self._draft_weights.get(id(layer))
         if cached is None or cached[0] != key:
             cached = (key, w.detach().to(torch.bfloat16).contiguous(), b.detach().to(torch.bfloat16).contiguous())
             self._draft_weights[id(layer)] = cached
-        return linear(x, cached[1], cached[2]).float()
+        return cached
+
+    def prepare_drafting(self) -> None:
+        """Make every head's bf16 drafting weights now (a step graph of drafting reads them as constants)."""
+        for blocks in self.hydra_head:
+            for block in blocks:
+                self._draft_weight(block.linear)
 
     def teacher_forced(self, hidden: torch.Tensor, input_ids: torch.Tensor | None,
                        lm_head: LmHead | None = None, num_heads: int | None = None) -> torch.Tensor:

@@ -85,6 +85,10 @@ class MedusaProposer(BaseProposer):
         self._dtype = next(heads.parameters()).dtype
         # seq_id -> (sequence length, hidden states [n, H] as handed over, the sequence's row in them)
         self._hidden: dict[str, tuple[int, torch.Tensor, int]] = {}
+        # Hydra heads scoring a draft vocabulary draft from step graphs, one per (kind, batch size): None until the first
+        # draft, False: drafting stays eager (other heads or LM heads, whose tensors the graphs would not know)
+        self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
+            lm_head, DraftVocabLMHead) else False
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -144,9 +148,32 @@ class MedusaProposer(BaseProposer):
         if not fresh:
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
-        tokens = self.heads.draft_chain(self._stack(fresh), _last_ids(r for r, _ in fresh), self.lm_head, k,
-                                        self._token_ids)
+        tokens = self._draft_chain(self._stack(fresh), _last_ids(r for r, _ in fresh), k)
         return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens.tolist())}
+
+    def _draft_chain(self, hidden: torch.Tensor, last_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, k] the heads' greedy chain (draft_chain), from a step graph when the heads allow it."""
+        def draft(inputs: list[torch.Tensor]) -> torch.Tensor:
+            return self.heads.draft_chain(inputs[0], inputs[1], self.lm_head, k, self._token_ids)
+
+        return self._replay(("chain", hidden.shape[0], k), draft, [hidden, last_ids])
+
+    def _replay(self, key: tuple, draft: Callable[[list[torch.Tensor]], torch.Tensor],
+                inputs: list[torch.Tensor]) -> torch.Tensor:
+        """draft(inputs), replayed from the step graph of `key` when the heads allow it: drafting is ~20-50 small
+        torch calls whose Python and dispatcher code a served step meets cold, right after the target's forward
+        streamed its weights through the caches (session 18: a 6-node Hydra tree 0.77-0.85 -> 0.42-0.45 ms after a
+        300 MB sweep). The heads' parameters are fixed while serving (their bf16 drafting weights, made before the
+        first capture, are the graphs' constants); the result is read at once (a replay reuses its buffers)."""
+        if self._graphs is False:
+            return draft(inputs)
+        if self._graphs is None:
+            self.heads.prepare_drafting()
+            constants = [*iter_tensors(self.heads), *iter_tensors(self.lm_head)]
+            if isinstance(self, MedusaTreeProposer):
+                constants += iter_tensors(tree_plan(tuple(self.tree.parents), tuple(self.tree.ranks)))
+            self._graphs = StepGraphCache(constants, max_graphs=8, capture_after=2)
+        return self._graphs.run(key, [t.contiguous() for t in inputs], draft)
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Indices into the heads' logits -> token ids (the same unless a draft vocabulary is scored)."""
@@ -192,10 +219,6 @@ class MedusaTreeProposer(MedusaProposer):
         self.tree = tree
         self.num_speculative_tokens = max(tree.num_nodes, tree.depth)
         self._tree_ok: set[str] = set()  # sequences that may take a tree this step
-        # Hydra heads with a draft vocabulary: tree drafting replayed from step graphs, one per batch size (None: not
-        # yet made, False: drafting stays eager)
-        self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
-            lm_head, DraftVocabLMHead) else False
         self._tree_rows: set[str] = set()  # sequences whose last drafts were a tree
 
     @property
@@ -217,24 +240,12 @@ class MedusaTreeProposer(MedusaProposer):
         return list(self.tree.parents[:num_drafts])
 
     def _draft_tree(self, hidden: torch.Tensor, last_ids: torch.Tensor) -> torch.Tensor:
-        """The tree's tokens [B, num_nodes] (HydraHeads.draft_tree), replayed from a step graph per batch size when
-        the heads allow it: a tree's drafting is ~50 small torch calls whose Python and dispatcher code a served step
-        meets cold, right after the target's forward streamed its weights through the caches (session 18). The heads'
-        parameters are fixed while serving; the first call runs eagerly (it makes the bf16 drafting weights the
-        graphs then read as constants)."""
+        """The tree's tokens [B, num_nodes] (HydraHeads.draft_tree), from a step graph when the heads allow it."""
         def draft(inputs: list[torch.Tensor]) -> torch.Tensor:
             return self.heads.draft_tree(inputs[0], inputs[1], self.tree.parents, self.tree.ranks, self.lm_head,
                                          self._token_ids)
 
-        if self._graphs is False:
-            return draft([hidden, last_ids])
-        if self._graphs is None:
-            out = draft([hidden, last_ids])
-            plan = tree_plan(tuple(self.tree.parents), tuple(self.tree.ranks))
-            self._graphs = StepGraphCache([*iter_tensors(self.heads), *iter_tensors(self.lm_head),
-                                           *iter_tensors(plan)], max_graphs=8, capture_after=1)
-            return out
-        return self._graphs.run(("tree", hidden.shape[0]), [hidden.contiguous(), last_ids], draft)
+        return self._replay(("tree", hidden.shape[0]), draft, [hidden, last_ids])
 
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
@@ -251,8 +262,7 @@ class MedusaTreeProposer(MedusaProposer):
                 self._tree_rows.add(r.seq_id)
                 out[r.seq_id] = row[: r.max_num_drafts]
         if chains:
-            tokens = self.heads.draft_chain(self._stack(chains), _last_ids(r for r, _ in chains),
-                                            self.lm_head, self.tree.depth, self._token_ids)
+            tokens = self._draft_chain(self._stack(chains), _last_ids(r for r, _ in chains), self.tree.depth)
             out.update({r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(chains, tokens.tolist())})
         return out
 
