@@ -59,9 +59,10 @@ def _split_small(sched_out) -> SpecRows:
             plain.append(r)
             plain_logits.append(logit)
         logit += 1 + k
-    as_rows = np.asarray
-    return SpecRows(as_rows(plain, dtype=np.int64), as_rows(plain_logits, dtype=np.int64), as_rows(spec, dtype=np.int64),
-                    as_rows(spec_logits, dtype=np.int64), drafts)
+    def rows(values: list[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    return SpecRows(rows(plain), rows(plain_logits), rows(spec), rows(spec_logits), drafts)
 
 
 def keep_rows(split: SpecRows, keep: np.ndarray) -> SpecRows:

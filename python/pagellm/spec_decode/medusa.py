@@ -85,8 +85,8 @@ class MedusaProposer(BaseProposer):
         self._dtype = next(heads.parameters()).dtype
         # seq_id -> (sequence length, hidden states [n, H] as handed over, the sequence's row in them)
         self._hidden: dict[str, tuple[int, torch.Tensor, int]] = {}
-        # Hydra heads scoring a draft vocabulary draft from step graphs, one per (kind, batch size): None until the first
-        # draft, False: drafting stays eager (other heads or LM heads, whose tensors the graphs would not know)
+        # Hydra heads scoring a draft vocabulary draft from step graphs, one per (kind, batch size): None until the
+        # first draft, False: drafting stays eager (other heads or LM heads, whose tensors the graphs would not know)
         self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
             lm_head, DraftVocabLMHead) else False
 
