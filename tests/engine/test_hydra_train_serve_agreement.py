@@ -129,4 +129,6 @@ def test_greedy_with_hydra_drafts_matches_plain_decoding(tiny_llama_dir, heads_a
     outs = _generate(llm, prompts, _greedy())
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert eng.spec_stats.num_accepted_draft_tokens > 0
+    # a draft vocabulary's LM head: trees and chains were drafted from step graphs
+    assert proposer._graphs.num_replays > 0
     _assert_all_blocks_free(eng)

@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
-from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads
+from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads, tree_plan
+from pagellm.spec_decode.medusa import MedusaTreeProposer
+from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads, draft_vocab_lm_head
+from pagellm.spec_decode.medusa_tree import MedusaTree
 from pagellm.spec_decode.medusa_train import (LR_FLOOR, MedusaTrainConfig, head_inputs, head_targets, init_heads_from,
                                                lr_factor, medusa_loss, train_heads)
 
@@ -93,6 +95,50 @@ def test_draft_tree_nodes_are_their_parents_top_k():
     # the tree's first-rank path is the greedy chain
     chain = heads.draft_chain(hidden, last, lambda x: x @ lm.t())
     assert torch.equal(got[:, [0, 3, 6]], chain)
+
+
+def test_tree_plan_levels():
+    """Levels grow the nodes that have children; a level's inputs name their parents' guesses by (group, rank)."""
+    plan = tree_plan((-1, -1, -1, 0, 0, 1, 3, 3), (0, 1, 2, 0, 1, 0, 0, 1))
+    assert plan.depth == 3 and plan.max_rank == 3
+    assert plan.grown == ((-1,), (0, 1), (3,))
+    assert plan.input_tokens[1][0].tolist() == [0, 0] and plan.input_tokens[1][1].tolist() == [0, 1]
+    assert plan.state_groups[1].tolist() == [0, 0]  # nodes 0 and 1 both grow from the root state
+    assert plan.state_groups[2].tolist() == [0]  # node 3 from node 0, the first of level 1
+    assert plan.node_tokens[0].tolist() == [0, 0, 0, 1, 1, 2, 3, 3]  # the guessing group over all levels
+    with pytest.raises(ValueError, match="must come before it"):
+        tree_plan((-1, 2, 0), (0, 0, 0))
+    with pytest.raises(ValueError, match="non-empty"):
+        tree_plan((), ())
+
+
+@pytest.mark.parametrize("paths", [[[0], [1], [2], [0, 0], [0, 1], [0, 0, 0]],
+                                   [[0], [1], [0, 0], [1, 0], [1, 1], [1, 0, 0], [1, 1, 1]]])
+def test_drafting_replays_from_step_graphs(paths):
+    """Hydra proposers with a draft vocabulary draft from a step graph per (kind, batch size): the same tree and chain
+    tokens as the eager draft_tree / draft_chain, bit for bit, for every batch size and input (odd sizes, a level whose
+    parents are not all of the previous level's grown nodes)."""
+    heads = _random_hydra(hidden=H, vocab=V)
+    heads.set_draft_vocab(torch.tensor([1, 2, 3, 5, 8, 13, 21, 34, 40, 44, 47, 52]))
+    lm = draft_vocab_lm_head(torch.randn(V, H), heads.draft_vocab)
+    proposer = MedusaTreeProposer(heads, MedusaTree.from_spec(paths), lm)
+    gen = torch.Generator().manual_seed(5)
+    with torch.inference_mode():
+        for batch in (1, 1, 1, 3, 3, 3, 2):  # per batch size: eager, captured, replayed
+            hidden, last = torch.randn(batch, H, generator=gen), torch.randint(0, V, (batch,), generator=gen)
+            got = proposer._draft_tree(hidden, last).clone()
+            expect = heads.draft_tree(hidden, last, proposer.tree.parents, proposer.tree.ranks, lm,
+                                      proposer._token_ids)
+            assert torch.equal(got, expect)
+            assert set(got.flatten().tolist()) <= set(heads.draft_vocab.tolist())
+            chain = proposer._draft_chain(hidden, last, K).clone()
+            assert torch.equal(chain, heads.draft_chain(hidden, last, lm, K, proposer._token_ids))
+    graphs = proposer._graphs
+    assert graphs.num_graphs == 4 and graphs.num_replays == 4  # trees and chains at batch 1 and 3
+    # without a draft vocabulary (the target's LM head, any callable) drafting stays eager
+    plain = _random_hydra()
+    eager = MedusaTreeProposer(plain, MedusaTree.from_spec(paths), lambda x: x @ torch.randn(V, H).t())
+    assert eager._graphs is False
 
 
 def test_drafting_weights_follow_the_parameters():

@@ -22,6 +22,29 @@ def test_take_rows_equals_indexing(rows, width):
     assert torch.equal(got, logits[torch.as_tensor(idx, dtype=torch.long)])
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_split_spec_rows_small_batches_equal_the_numpy_split(seed, monkeypatch):
+    """split_spec_rows' Python walk over a few rows gives the numpy split's arrays and drafts (random mixes of
+    plain rows, spec rows and rows that sample nothing)."""
+    from types import SimpleNamespace
+
+    import pagellm.spec_decode.batch as B
+
+    rng = np.random.default_rng(seed)
+    num_rows = int(rng.integers(1, 12))
+    do_sample = rng.random(num_rows) < 0.8
+    num_drafts = np.where(do_sample & (rng.random(num_rows) < 0.6), rng.integers(1, 8, num_rows), 0).astype(np.int32)
+    sched_out = SimpleNamespace(do_sample=do_sample, num_draft_tokens=num_drafts,
+                                draft_token_ids=rng.integers(0, 1000, int(num_drafts.sum())).astype(np.int64))
+    small = B.split_spec_rows(sched_out)
+    monkeypatch.setattr(B, "SMALL_BATCH_ROWS", 0)
+    full = B.split_spec_rows(sched_out)
+    for name in ("plain_rows", "plain_logit_rows", "spec_rows", "spec_logit_rows"):
+        a, b = getattr(small, name), getattr(full, name)
+        assert a.dtype == np.int64 and a.tolist() == b.tolist(), name
+    assert small.draft_token_ids == full.draft_token_ids
+
+
 @pytest.mark.parametrize("positions", [[0], [3], [2, 3, 4, 5], [0, 2, 5], [6, 1], list(range(9))])
 def test_take_positions_equals_indexing(positions):
     from pagellm.engine.model_runner import _take_positions

@@ -261,11 +261,17 @@ class ModelRunner:
         logits_indices = sched_out.logits_indices
         hidden_states = None
         if hidden_state_rows:  # draft heads read these (speculative decoding)
-            rows, qsl = hidden_state_rows, sched_out.query_start_loc
-            positions_of_rows = np.concatenate([np.arange(qsl[r], qsl[r + 1], dtype=np.int64) for r in rows])
-            # a copy (the proposer keeps rows past this step; a replay reuses `hidden`'s buffer), by gather_rows:
-            # hidden[tensor] is an OpenMP region from ~6 rows on, which cost batch-8 Medusa steps ~5 ms each
-            hidden_states = gather_rows(hidden, self._to_device(positions_of_rows))
+            rows, qsl = [int(r) for r in hidden_state_rows], sched_out.query_start_loc
+            # a copy (the proposer keeps rows past this step; a replay reuses `hidden`'s buffer): of a slice when the
+            # rows are consecutive (batch 1) and few (a copy below torch's parallel grain stays on this thread), else
+            # by gather_rows: hidden[tensor] is an OpenMP region from ~6 rows on, which cost batch-8 Medusa steps ~5 ms
+            # each
+            start, end = int(qsl[rows[0]]), int(qsl[rows[-1] + 1])
+            if rows == list(range(rows[0], rows[0] + len(rows))) and (end - start) * hidden.shape[-1] < 32768:
+                hidden_states = hidden[start:end].clone()
+            else:
+                positions_of_rows = np.concatenate([np.arange(qsl[r], qsl[r + 1], dtype=np.int64) for r in rows])
+                hidden_states = gather_rows(hidden, self._to_device(positions_of_rows))
         gather, spans = _gather_positions(logits_indices, sched_out.query_start_loc, prompt_logprob_rows or [])
         if len(gather) == 0:
             return ModelRunnerOutput(logits=hidden.new_zeros((0, 0)), prompt_logits={}, hidden_states=hidden_states,

@@ -19,6 +19,7 @@ from pagellm.engine.tree_step import (
     verify_greedy_paths,
 )
 from pagellm.logger import init_logger
+from pagellm.ops.row_dispatch import gather_rows
 from pagellm.outputs import SpecDecodeMetrics
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
 from pagellm.sampling.metadata import plain_greedy_metadata
@@ -151,7 +152,7 @@ class SpecDecodeStep:
         slower, bench_spec_decode; a sequence whose batch falls back under the limit drafts from its next step's)."""
         if self.proposer is None or not self.proposer.needs_hidden_states or self._over_batch_limit:
             return []
-        return np.flatnonzero(sched_out.do_sample).tolist()
+        return [r for r, sampled in enumerate(sched_out.do_sample.tolist()) if sampled]
 
     def _observe_hidden_states(self, sched_out, seq_ids: list[str], rows: list[int], hidden,
                                update: StepUpdate) -> None:
@@ -160,26 +161,33 @@ class SpecDecodeStep:
         logits row); a new child of n > 1 sampling gets its parent row's."""
         if not rows or hidden is None:
             return
-        counts = sched_out.num_scheduled_tokens[rows].astype(np.int64)
-        starts = (np.cumsum(counts) - counts).tolist()  # the rows' first positions in `hidden`
-        pick = {}
+        counts = sched_out.num_scheduled_tokens
         last_rows = getattr(self, "_tree_last_rows", {})  # tree rows: the accepted path's last node
-        for r, start, n in zip(rows, starts, counts.tolist()):
-            kept = update.tokens_by_seq.get(seq_ids[r])
-            offset = last_rows.get(seq_ids[r], len(kept) - 1) if kept else n - 1
-            pick[seq_ids[r]] = start + offset
+        kept_by_seq = update.tokens_by_seq
+        pick, start = {}, 0  # seq_id -> its row in `hidden` (the rows' positions, row after row)
+        for r in rows:
+            n = int(counts[r])
+            sid = seq_ids[r]
+            kept = kept_by_seq.get(sid)
+            pick[sid] = start + (last_rows.get(sid, len(kept) - 1) if kept else n - 1)
+            start += n
         for parent_id, child_id, _ in update.forks:
             if parent_id in pick:
                 pick[child_id] = pick[parent_id]
         ids, lens, positions = [], [], []
+        seq_of = self.output_processor.seq
         for sid, pos in pick.items():
-            st, seq = self.output_processor.seq(sid)
+            st, seq = seq_of(sid)
             if not seq.finished:
                 ids.append(sid)
                 lens.append(len(st.prompt_token_ids) + len(seq.output_token_ids))
                 positions.append(pos)
-        if ids:
-            self.proposer.observe_hidden_states(ids, lens, hidden[torch.as_tensor(positions, device=hidden.device)])
+        if len(ids) == 1:  # batch 1: a view of the runner's copy (each step's hidden_states is a new tensor)
+            self.proposer.observe_hidden_states(ids, lens, hidden[positions[0] : positions[0] + 1])
+        elif ids:
+            index = torch.as_tensor(positions, dtype=torch.long)
+            self.proposer.observe_hidden_states(ids, lens, gather_rows(hidden, index) if hidden.is_cpu
+                                                else hidden[index.to(hidden.device)])
 
     def _draft_parents(self, sched_out, seq_ids: list[str]) -> np.ndarray | None:
         """Each scheduled draft's parent within its row (-1: the row's first token), flat like
@@ -189,16 +197,17 @@ class SpecDecodeStep:
         self._step_tree_parents, self._tree_pad_tokens = None, 0
         if self.proposer is None or not getattr(self.proposer, "proposes_trees", False):
             return None
-        rows = np.flatnonzero(sched_out.num_draft_tokens)
-        per_row = [self.proposer.draft_parents(seq_ids[r], int(sched_out.num_draft_tokens[r])) for r in rows]
+        counts = sched_out.num_draft_tokens.tolist()  # Python ints: numpy calls are slow right after a forward
+        rows = [r for r, k in enumerate(counts) if k]
+        per_row = [self.proposer.draft_parents(seq_ids[r], counts[r]) for r in rows]
         if all(p is None for p in per_row):
             return None
-        self._step_tree_parents = dict(zip(rows.tolist(), per_row))
+        self._step_tree_parents = dict(zip(rows, per_row))
         full = getattr(self.proposer, "tree_num_nodes", None)
         if full is not None:
             self._tree_pad_tokens = sum(full - len(p) for p in per_row if p is not None)
         flat = [p for r, parents in zip(rows, per_row)
-                for p in (parents if parents is not None else chain_parents(int(sched_out.num_draft_tokens[r])))]
+                for p in (parents if parents is not None else chain_parents(counts[r]))]
         return np.asarray(flat, dtype=np.int32)
 
     def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor, rows) -> TreePaths | None:
@@ -311,7 +320,11 @@ def _take_rows(logits: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     else a copy. torch's gather of [1 + k, V] is an OpenMP region, which a loaded 2-core machine stalls for 15-20 ms
     (measured at load 14, vs 0.1 ms for these serial piecewise copies); many rows still go through the gather."""
     n = len(rows)
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and (n == 1 or bool((np.diff(rows) == 1).all())):
+    if n and n <= SERIAL_GATHER_MAX_ROWS:  # a few rows: checked in Python (numpy calls cost ~10 us each here)
+        first = int(rows[0])
+        if np.asarray(rows).tolist() == list(range(first, first + n)):
+            return logits[first : first + n]
+    elif n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((np.diff(rows) == 1).all()):
         return logits[int(rows[0]) : int(rows[0]) + n]
     if n > SERIAL_GATHER_MAX_ROWS or logits.device.type != "cpu" or not logits.is_contiguous():
         return logits[torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))]

@@ -37,6 +37,11 @@ def tree_step_inputs(sched_out, draft_parents: np.ndarray) -> tuple[np.ndarray, 
     the row's first token), row by row like the drafts. Returns positions int64 [num_tokens] (a draft's is
     its row's first position + 1 + its depth) and tree_mask bool [num_tokens, max query length]: each row's
     ancestor mask (causal for rows without drafts, [[True]] for a decode)."""
+    if len(sched_out.num_draft_tokens) == 1:  # batch 1: the row's tree as cached per shape
+        k, n = int(sched_out.num_draft_tokens[0]), int(sched_out.total_num_scheduled_tokens)
+        if k and n == 1 + k:
+            row_mask, depths = _row_tree(tuple(np.asarray(draft_parents).tolist()))
+            return int(sched_out.positions[0]) + depths, row_mask.clone()
     positions = np.array(sched_out.positions, dtype=np.int64, copy=True)
     qsl = np.asarray(sched_out.query_start_loc).astype(np.int64)
     num_drafts = np.asarray(sched_out.num_draft_tokens).astype(np.int64)
@@ -91,7 +96,7 @@ def _row_tree(draft_parents: tuple[int, ...]) -> tuple[torch.Tensor, np.ndarray]
     proposer serves one or a few shapes, and building the mask node by node cost ~0.1 ms a verify step. The mask is
     only read (copied into the step's mask)."""
     row_mask = tree_mask_from_parents([-1] + [p + 1 for p in draft_parents])
-    return row_mask, row_mask.sum(dim=1).numpy() - 1  # depth = ancestors
+    return row_mask, (row_mask.sum(dim=1).numpy() - 1).astype(np.int64)  # depth = ancestors
 
 
 def longest_accepted_path(parents: Sequence[int], accepted: Sequence[bool]) -> list[int]:

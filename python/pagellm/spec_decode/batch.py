@@ -18,9 +18,14 @@ class SpecRows:
     draft_token_ids: list[list[int]]  # per spec row
 
 
+SMALL_BATCH_ROWS = 16  # up to this many scheduler rows, split_spec_rows walks them in Python
+
+
 def split_spec_rows(sched_out) -> SpecRows:
     """Logits rows follow SchedulerOutput.logits_indices: row by row over the sampling rows, one for a
     plain row, 1 + k for a spec row."""
+    if len(sched_out.do_sample) <= SMALL_BATCH_ROWS:
+        return _split_small(sched_out)
     sampling = np.flatnonzero(sched_out.do_sample)
     k = sched_out.num_draft_tokens.astype(np.int64)
     count = 1 + k[sampling]
@@ -33,6 +38,31 @@ def split_spec_rows(sched_out) -> SpecRows:
     bounds = np.concatenate([[0], np.cumsum(spec_counts - 1)]).tolist()
     drafts = [flat[bounds[i] : bounds[i + 1]] for i in range(len(spec_counts))]
     return SpecRows(sampling[~is_spec], start[~is_spec], sampling[is_spec], spec_logit_rows, drafts)
+
+
+def _split_small(sched_out) -> SpecRows:
+    """split_spec_rows over a few rows in plain Python: the same arrays without ~15 numpy calls, each slow right
+    after a forward has streamed the weights through the caches (a batch-1 verify step's host path, session 18)."""
+    do_sample, num_drafts = sched_out.do_sample.tolist(), sched_out.num_draft_tokens.tolist()
+    flat = sched_out.draft_token_ids.tolist()
+    plain, plain_logits, spec, spec_logits, drafts = [], [], [], [], []
+    logit, draft = 0, 0
+    for r, (sampled, k) in enumerate(zip(do_sample, num_drafts)):
+        if not sampled:
+            continue
+        if k:
+            spec.append(r)
+            spec_logits.extend(range(logit, logit + 1 + k))
+            drafts.append(flat[draft : draft + k])
+            draft += k
+        else:
+            plain.append(r)
+            plain_logits.append(logit)
+        logit += 1 + k
+    def rows(values: list[int]) -> np.ndarray:
+        return np.asarray(values, dtype=np.int64)
+
+    return SpecRows(rows(plain), rows(plain_logits), rows(spec), rows(spec_logits), drafts)
 
 
 def keep_rows(split: SpecRows, keep: np.ndarray) -> SpecRows:

@@ -27,6 +27,8 @@ The embedding is not stored: the proposer reads it from the target's checkpoint 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -110,13 +112,23 @@ class HydraHeads(MedusaHeads):
         """x [N, K] bf16 -> (x W^T + b) [N, H] fp32 through bf16 copies of W, b, remade whenever the parameters change
         (their version counters: an optimizer step, load_state_dict) so that a training's evaluation drafts with the
         weights of the moment."""
+        _, w, b = self._draft_weight(layer)
+        return linear(x, w, b).float()
+
+    def _draft_weight(self, layer: nn.Linear) -> tuple:
         w, b = layer.weight, layer.bias
         key = (w._version, b._version, w.data_ptr(), b.data_ptr())
         cached = self._draft_weights.get(id(layer))
         if cached is None or cached[0] != key:
             cached = (key, w.detach().to(torch.bfloat16).contiguous(), b.detach().to(torch.bfloat16).contiguous())
             self._draft_weights[id(layer)] = cached
-        return linear(x, cached[1], cached[2]).float()
+        return cached
+
+    def prepare_drafting(self) -> None:
+        """Make every head's bf16 drafting weights now (a step graph of drafting reads them as constants)."""
+        for blocks in self.hydra_head:
+            for block in blocks:
+                self._draft_weight(block.linear)
 
     def teacher_forced(self, hidden: torch.Tensor, input_ids: torch.Tensor | None,
                        lm_head: LmHead | None = None, num_heads: int | None = None) -> torch.Tensor:
@@ -154,32 +166,27 @@ class HydraHeads(MedusaHeads):
                    lm_head: LmHead | None = None, to_token_ids: Callable | None = None) -> torch.Tensor:
         """A candidate tree's tokens: node j is the ranks[j]-th most likely guess of its parent's head state
         (parents[j] = -1: the root, h_t after x_{t+1}); nodes in any order with parents first (MedusaTree's).
-        hidden [B, H], last_ids [B] -> [B, num_nodes] token ids."""
+        hidden [B, H], last_ids [B] -> [B, num_nodes] token ids. One batched head step, LM-head call and top-k per
+        level (the nodes that have children), the level's inputs and the tree's tokens gathered by indices computed
+        once per tree shape (`tree_plan`): a served step runs this right after the target's forward has streamed its
+        weights through the caches, where each torch op costs ~10-30 us of cold code and data (session 18)."""
         lm_head, to_ids = self._lm(lm_head), to_token_ids or (lambda x: x)
-        depth = [0] * len(parents)
-        for j, p in enumerate(parents):
-            depth[j] = 0 if p < 0 else depth[p] + 1
-        if max(depth) >= self.num_heads:
-            raise ValueError(f"the tree is {max(depth) + 1} deep; these heads draft {self.num_heads}")
-        has_children = {p for p in parents if p >= 0}
-        max_rank = max(ranks) + 1
-        root = self.step(0, hidden.float(), last_ids, draft=True)
-        topk = {-1: to_ids(lm_head(root).topk(max_rank, dim=-1).indices)}  # node -> [B, max_rank] its guesses
-        states = {-1: root}
-        tokens = torch.empty(hidden.shape[0], len(parents), dtype=torch.long)
-        for d in range(max(depth) + 1):  # one batched head step per level for the nodes that have children
-            level = [j for j in range(len(parents)) if depth[j] == d]
-            for j in level:
-                tokens[:, j] = topk[parents[j]][:, ranks[j]]
-            grow = [j for j in level if j in has_children]
-            if not grow:
-                continue
-            z = self.step(d + 1, torch.cat([states[parents[j]] for j in grow]), torch.cat([tokens[:, j] for j in grow]),
-                          draft=True)
-            guesses = to_ids(lm_head(z).topk(max_rank, dim=-1).indices).split(hidden.shape[0])
-            for j, zj, g in zip(grow, z.split(hidden.shape[0]), guesses):
-                states[j], topk[j] = zj, g
-        return tokens
+        plan = tree_plan(tuple(int(p) for p in parents), tuple(int(r) for r in ranks))
+        if plan.depth > self.num_heads:
+            raise ValueError(f"the tree is {plan.depth} deep; these heads draft {self.num_heads}")
+        b = hidden.shape[0]
+        z, tok = hidden.float(), last_ids
+        guesses = []  # per level: [num_grown * B, max_rank] token ids
+        for level in range(len(plan.grown)):
+            if level:  # the level's inputs: its grown nodes' tokens and their parents' states
+                prev = guesses[-1]
+                tok = prev.view(-1)[_token_index(plan.input_tokens[level], b, plan.max_rank, False)]
+                if plan.state_groups[level] is not None:
+                    z = z.view(-1, b, z.shape[-1])[plan.state_groups[level]].reshape(-1, z.shape[-1])
+            z = self.step(level, z, tok, draft=True)
+            guesses.append(to_ids(lm_head(z).topk(plan.max_rank, dim=-1).indices))
+        flat = guesses[0] if len(guesses) == 1 else torch.cat(guesses)
+        return flat.view(-1)[_token_index(plan.node_tokens, b, plan.max_rank, True)]
 
     def head_states(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         raise TypeError("Hydra head states depend on the drafted tokens: use teacher_forced or draft_chain")
@@ -188,6 +195,70 @@ class HydraHeads(MedusaHeads):
         if lm_head is None:
             raise ValueError("Hydra heads share the target's LM head: pass lm_head")
         return lm_head
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """How `HydraHeads.draft_tree` drafts one tree shape, level by level: level d runs head d on the states of the
+    nodes at depth d - 1 that have children (level 0: the root, h_t). A level's guesses are [num_grown * B, max_rank]
+    token ids, grown nodes one after another; a token is named by (group, rank): the grown node that guessed it
+    (numbered over all levels for the tree's tokens, within the previous level for a level's inputs) and its rank."""
+
+    depth: int
+    max_rank: int
+    grown: tuple[tuple[int, ...], ...]  # per level: the nodes whose states it computes (level 0: (-1,), the root)
+    input_tokens: tuple[tuple[torch.Tensor, torch.Tensor] | None, ...]  # per level >= 1: its grown nodes' tokens
+    state_groups: tuple[torch.Tensor | None, ...]  # per level >= 1: each grown node's parent group (None: in order)
+    node_tokens: tuple[torch.Tensor, torch.Tensor]  # [num_nodes] (group, rank) of each node's token
+
+
+@lru_cache(maxsize=64)
+def tree_plan(parents: tuple[int, ...], ranks: tuple[int, ...]) -> TreePlan:
+    """The drafting plan of a tree shape (ValueError for a parent after its child or a negative rank)."""
+    if len(parents) != len(ranks) or not parents:
+        raise ValueError("parents and ranks must be non-empty and of one length")
+    depth: list[int] = []
+    for j, p in enumerate(parents):
+        if not -1 <= p < j or ranks[j] < 0:
+            raise ValueError(f"node {j}: parent {p} must come before it, rank {ranks[j]} must be >= 0")
+        depth.append(0 if p < 0 else depth[p] + 1)
+    has_children = {p for p in parents if p >= 0}
+    grown: list[tuple[int, ...]] = [(-1,)]
+    while True:  # the next level's grown nodes: this level's children that have children
+        nxt = tuple(j for j in range(len(parents)) if depth[j] == len(grown) - 1 and j in has_children)
+        if not nxt:
+            break
+        grown.append(nxt)
+    offset, where = 0, {}  # node -> (its group over all levels, its group within its level)
+    for g in grown:
+        for i, j in enumerate(g):
+            where[j] = (offset + i, i)
+        offset += len(g)
+
+    def pair(groups: list[int], node_ranks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor(groups, dtype=torch.long), torch.tensor(node_ranks, dtype=torch.long)
+
+    input_tokens: list = [None]
+    state_groups: list = [None]
+    for level in range(1, len(grown)):
+        groups = [where[parents[j]][1] for j in grown[level]]
+        input_tokens.append(pair(groups, [ranks[j] for j in grown[level]]))
+        state_groups.append(None if groups == list(range(len(grown[level - 1]))) else torch.tensor(groups))
+    return TreePlan(max(depth) + 1, max(ranks) + 1, tuple(grown), tuple(input_tokens), tuple(state_groups),
+                    pair([where[p][0] for p in parents], list(ranks)))
+
+
+def _token_index(groups_ranks: tuple[torch.Tensor, torch.Tensor], batch: int, max_rank: int,
+                 batch_major: bool) -> torch.Tensor:
+    """Flat indices into guesses laid out [groups * B, max_rank]: [B, n] (batch_major) or [n * B] group-major."""
+    groups, ranks = groups_ranks
+    if batch == 1:
+        index = groups * max_rank + ranks
+        return index[None, :] if batch_major else index
+    rows = torch.arange(batch)
+    if batch_major:
+        return (groups[None, :] * batch + rows[:, None]) * max_rank + ranks[None, :]
+    return ((groups[:, None] * batch + rows[None, :]) * max_rank + ranks[:, None]).reshape(-1)
 
 
 HEAD_TYPES: dict[str, type[MedusaHeads]] = {"medusa": MedusaHeads, "hydra": HydraHeads}

@@ -38,10 +38,16 @@ import torch
 from pagellm.attention.tree_verify import check_tree_verification
 from pagellm.logger import init_logger
 from pagellm.spec_decode.base import BaseProposer, DraftRequest
-from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
-from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head  # noqa: F401 (re-export)
+from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads, tree_plan
+from pagellm.spec_decode.medusa_heads import (  # noqa: F401 (re-export)
+    DraftVocabLMHead,
+    MedusaHeads,
+    base_model_hash,
+    draft_vocab_lm_head,
+)
 from pagellm.spec_decode.medusa_tree import MedusaTree, tree_from_options
 from pagellm.spec_decode.registry import ProposerContext, SpeculativeConfig, register_proposer
+from pagellm.step_graph import StepGraphCache, iter_tensors
 
 logger = init_logger(__name__)
 
@@ -77,7 +83,12 @@ class MedusaProposer(BaseProposer):
         # with a draft vocabulary, lm_head scores only its rows (draft_vocab_lm_head): indices map back to tokens
         self.draft_vocab = heads.draft_vocab if heads.share_lm_head else None
         self._dtype = next(heads.parameters()).dtype
-        self._hidden: dict[str, tuple[int, torch.Tensor]] = {}  # seq_id -> (sequence length, h [H])
+        # seq_id -> (sequence length, hidden states [n, H] as handed over, the sequence's row in them)
+        self._hidden: dict[str, tuple[int, torch.Tensor, int]] = {}
+        # Hydra heads scoring a draft vocabulary draft from step graphs, one per (kind, batch size): None until the
+        # first draft, False: drafting stays eager (other heads or LM heads, whose tensors the graphs would not know)
+        self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
+            lm_head, DraftVocabLMHead) else False
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -115,14 +126,16 @@ class MedusaProposer(BaseProposer):
     # ------------------------------------------------------------------ the engine's hidden states
     def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden: torch.Tensor) -> None:
         """hidden [len(seq_ids), H]: row i is the final hidden state whose logits gave the newest token
-        of seq_ids[i], which then had num_tokens[i] tokens (prompt + output)."""
-        hidden = hidden.detach().to(self._dtype)
+        of seq_ids[i], which then had num_tokens[i] tokens (prompt + output). Kept as (tensor, row), unconverted:
+        propose() reads the rows it drafts from in one gather (the engine hands over a copy, never a step buffer)."""
+        hidden = hidden.detach()
         for i, (sid, n) in enumerate(zip(seq_ids, num_tokens)):
-            self._hidden[sid] = (int(n), hidden[i])
+            self._hidden[sid] = (int(n), hidden, i)
 
     def hidden_state_of(self, seq_id: str) -> tuple[int, torch.Tensor] | None:
         """(sequence length, h [H]) last observed for a sequence (None: none)."""
-        return self._hidden.get(seq_id)
+        state = self._hidden.get(seq_id)
+        return None if state is None else (state[0], state[1][state[2]].to(self._dtype))
 
     @property
     def num_tracked_seqs(self) -> int:
@@ -135,9 +148,32 @@ class MedusaProposer(BaseProposer):
         if not fresh:
             return {}
         k = min(self.num_speculative_tokens, max(r.max_num_drafts for r, _ in fresh))
-        hidden = torch.stack([h for _, h in fresh])
-        tokens = self.heads.draft_chain(hidden, _last_ids(r for r, _ in fresh), self.lm_head, k, self._token_ids)
+        tokens = self._draft_chain(self._stack(fresh), _last_ids(r for r, _ in fresh), k)
         return {r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(fresh, tokens.tolist())}
+
+    def _draft_chain(self, hidden: torch.Tensor, last_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """[B, k] the heads' greedy chain (draft_chain), from a step graph when the heads allow it."""
+        def draft(inputs: list[torch.Tensor]) -> torch.Tensor:
+            return self.heads.draft_chain(inputs[0], inputs[1], self.lm_head, k, self._token_ids)
+
+        return self._replay(("chain", hidden.shape[0], k), draft, [hidden, last_ids])
+
+    def _replay(self, key: tuple, draft: Callable[[list[torch.Tensor]], torch.Tensor],
+                inputs: list[torch.Tensor]) -> torch.Tensor:
+        """draft(inputs), replayed from the step graph of `key` when the heads allow it: drafting is ~20-50 small
+        torch calls whose Python and dispatcher code a served step meets cold, right after the target's forward
+        streamed its weights through the caches (session 18: a 6-node Hydra tree 0.77-0.85 -> 0.42-0.45 ms after a
+        300 MB sweep). The heads' parameters are fixed while serving (their bf16 drafting weights, made before the
+        first capture, are the graphs' constants); the result is read at once (a replay reuses its buffers)."""
+        if self._graphs is False:
+            return draft(inputs)
+        if self._graphs is None:
+            self.heads.prepare_drafting()
+            constants = [*iter_tensors(self.heads), *iter_tensors(self.lm_head)]
+            if isinstance(self, MedusaTreeProposer):
+                constants += iter_tensors(tree_plan(tuple(self.tree.parents), tuple(self.tree.ranks)))
+            self._graphs = StepGraphCache(constants, max_graphs=8, capture_after=2)
+        return self._graphs.run(key, [t.contiguous() for t in inputs], draft)
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Indices into the heads' logits -> token ids (the same unless a draft vocabulary is scored)."""
@@ -147,14 +183,25 @@ class MedusaProposer(BaseProposer):
         for sid in seq_ids:
             self._hidden.pop(sid, None)
 
-    def _fresh(self, requests: Sequence[DraftRequest]) -> list[tuple[DraftRequest, torch.Tensor]]:
-        """The requests whose stored hidden state is for their current length, with it."""
+    def _fresh(self, requests: Sequence[DraftRequest]) -> list[tuple[DraftRequest, tuple[torch.Tensor, int]]]:
+        """The requests whose stored hidden state is for their current length, with it ((tensor, row))."""
         fresh = []
+        hidden = self._hidden
         for r in requests:
-            state = self._hidden.get(r.seq_id)
+            state = hidden.get(r.seq_id)
             if state is not None and state[0] == len(r.prompt_token_ids) + len(r.output_token_ids):
-                fresh.append((r, state[1]))
+                fresh.append((r, state[1:]))
         return fresh
+
+    def _stack(self, fresh: Sequence[tuple[DraftRequest, tuple[torch.Tensor, int]]]) -> torch.Tensor:
+        """[len(fresh), H] the requests' hidden states in the heads' dtype: a slice when they are consecutive rows of
+        one handed-over tensor (always at batch 1), else one gather."""
+        first, row0 = fresh[0][1]
+        if all(t is first and i == row0 + n for n, (_, (t, i)) in enumerate(fresh)):
+            hidden = first[row0 : row0 + len(fresh)]
+        else:
+            hidden = torch.stack([t[i] for _, (t, i) in fresh])
+        return hidden.to(self._dtype)
 
 
 class MedusaTreeProposer(MedusaProposer):
@@ -192,6 +239,14 @@ class MedusaTreeProposer(MedusaProposer):
             return None
         return list(self.tree.parents[:num_drafts])
 
+    def _draft_tree(self, hidden: torch.Tensor, last_ids: torch.Tensor) -> torch.Tensor:
+        """The tree's tokens [B, num_nodes] (HydraHeads.draft_tree), from a step graph when the heads allow it."""
+        def draft(inputs: list[torch.Tensor]) -> torch.Tensor:
+            return self.heads.draft_tree(inputs[0], inputs[1], self.tree.parents, self.tree.ranks, self.lm_head,
+                                         self._token_ids)
+
+        return self._replay(("tree", hidden.shape[0]), draft, [hidden, last_ids])
+
     @torch.inference_mode()
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         fresh = self._fresh(requests)
@@ -202,14 +257,12 @@ class MedusaTreeProposer(MedusaProposer):
         trees = [(r, h) for r, h in fresh if r.seq_id in self._tree_ok]
         chains = [(r, h) for r, h in fresh if r.seq_id not in self._tree_ok]
         if trees:
-            nodes = self.heads.draft_tree(torch.stack([h for _, h in trees]), _last_ids(r for r, _ in trees),
-                                          self.tree.parents, self.tree.ranks, self.lm_head, self._token_ids)
+            nodes = self._draft_tree(self._stack(trees), _last_ids(r for r, _ in trees))
             for (r, _), row in zip(trees, nodes.tolist()):
                 self._tree_rows.add(r.seq_id)
                 out[r.seq_id] = row[: r.max_num_drafts]
         if chains:
-            tokens = self.heads.draft_chain(torch.stack([h for _, h in chains]), _last_ids(r for r, _ in chains),
-                                            self.lm_head, self.tree.depth, self._token_ids)
+            tokens = self._draft_chain(self._stack(chains), _last_ids(r for r, _ in chains), self.tree.depth)
             out.update({r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(chains, tokens.tolist())})
         return out
 
