@@ -6,9 +6,10 @@
 // scalar rounding per output, rows past a whole tile re-swept), and the GEMM schedule's tiles fit 8 and 12
 // rows but not 13-16 or a remainder of 1-3 rows. Here x is packed once per call in quads of rows (zero rows pad
 // the last quad: registers are cheap at these M, another sweep of the weight is not), and every weight row is
-// read from memory once, by register tiles of 16-24 accumulators (of the 32 registers) over ceil(M / 4) quads:
-//   1 quad x 4 weight rows, 2 quads x 3, 3 quads x 2; 4 quads as two passes of 2 quads x 3, the second finding
-//   the weight rows in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products, and 3 + 1 quads were no faster).
+// read from memory once: at 1-2 quads (and 3 at K <= 768) one weight row after another against every quad (4-12
+// accumulators; the weight read start to end, one sequential stream, as at one row: session 18), else by register
+// tiles of 24 accumulators (of the 32 registers): 3 quads x 2 weight rows; 4 quads as two passes of 2 quads x 3, the
+// second finding the weight rows in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products, was no faster).
 // The tile is the quad tile's arithmetic (linear_cpu_gemm_quad.h): lane 4r + i of accumulator j holds what the
 // one-row kernel's accumulator of row r holds in lane 4j + i, vsum's first two levels are vertical adds and the
 // last two run on 4 (quad, weight row) pairs per vector, then bias and one vector rounding: every element has the
@@ -135,31 +136,91 @@ inline void few_rows_pass(c10::BFloat16* out, const c10::BFloat16* xq, const c10
     for (; n < n_end; ++n) few_rows_tile<Q, 1>(out, xq, w, load_bias(n, 1), a, q0, n, prefetch);
 }
 
+// Weight row n against all Q quads (every x row) at once. Called for n = n_begin, n_begin + 1, ..., it reads the weight
+// start to end, one sequential stream, as the one-row kernel does (linear_weight_rows), where few_rows_tile reads
+// NW rows side by side. The K loop is few_rows_tile's (lane 4r + i of acc[j][q] = the one-row kernel's lane 4j + i of
+// row 4q + r); vsum's levels 3-4 on the Q quads' sums in one vector, + bias, one rounding: the same bits.
+template <int Q>
+__attribute__((always_inline)) inline void few_rows_row_tile(c10::BFloat16* out, const c10::BFloat16* xq,
+                                                             const c10::BFloat16* wr, float bias,
+                                                             const LinearArgs& a, int64_t n, int64_t pf) {
+  static_assert(Q >= 1 && Q <= 4, "16 accumulators at most");
+  __m512 acc[4][Q];
+  _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
+    _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
+  const int64_t qs = quad_stride(a.K);
+  const auto chunk = [&](int64_t k, bool tail) __attribute__((always_inline)) {
+    if (!tail) __builtin_prefetch(wr + k + pf, 0, 3);
+    const c10::BFloat16* xt = xq + k * 4;
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {
+      const BF16x32 wv = quad_weight_quarter(wr + k + 8 * j, tail ? a.K - k - 8 * j : 8);
+      _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q)
+        acc[j][q] = vdot_bf16({acc[j][q]}, wv, {(__m512bh)_mm512_load_si512(xt + q * qs + 32 * j)}).v;
+    }
+  };
+  int64_t k = 0;
+  for (; k + 32 <= a.K; k += 32) chunk(k, false);
+  if (k < a.K) chunk(k, true);
+  __m512 y[4];
+  _Pragma("GCC unroll 4") for (int q = 0; q < 4; ++q) {  // vsum's levels 1-2; missing quads repeat the last one
+    const int c = q < Q ? q : Q - 1;
+    y[q] = _mm512_add_ps(_mm512_add_ps(acc[0][c], acc[2][c]), _mm512_add_ps(acc[1][c], acc[3][c]));
+  }
+  const __m512 z0 = quad_level3(y[0], y[1]), z1 = quad_level3(y[2], y[3]);
+  __m512 v = _mm512_add_ps(_mm512_shuffle_ps(z0, z1, 0x88), _mm512_shuffle_ps(z0, z1, 0xDD));
+  // lane 4L + q holds row 4q + L: to row order, then + bias
+  v = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), v);
+  v = _mm512_add_ps(v, _mm512_set1_ps(bias));
+  alignas(32) uint16_t h[16];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(h), round_bf16_like_c10(v));
+  for (int64_t r = 0; r < a.M; ++r) std::memcpy(out + r * a.ldo + n, h + r, 2);
+}
+
+// Weight rows [n_begin, n_end) one after another (few_rows_row_tile), prefetched pf_rows rows ahead.
+template <int Q>
+inline void few_rows_by_row(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
+                            const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end,
+                            int64_t pf_rows) {
+  const int64_t pf = pf_rows * a.ldw;
+  for (int64_t n = n_begin; n < n_end; ++n)
+    few_rows_row_tile<Q>(out, xq, w + n * a.ldw, bias ? static_cast<float>(bias[n]) : 0.f, a, n, pf);
+}
+
 // Weight rows per block: a multiple of every tile's NW (4, 3, 2); 27 KiB at K = 576, so a 4-quad M's second pass
 // over the block finds its rows in L1 (L2 at K = 1536).
 constexpr int64_t kFewRowsNBlock = 24;
 
-// Weight rows [n_begin, n_end) for all M rows: 1-3 quads in one tile row; 4 quads as two passes of 2 (4 quads x 1
-// weight row took 5 loads per 4 dot products and was no faster; 2 x 3: 5 per 6).
+// Weight rows [n_begin, n_end) for all M rows. 1-2 quads, and 3 while their packed x fits a quarter of L1: weight
+// rows one after another, each against every quad (few_rows_by_row). At 2-7 rows that took 1.00-1.15x one row's time
+// where side-by-side tiles took 1.2-1.35x (benchmarks/README.md, session 18): one sequential stream, as at one row.
+// With more quads each x load serves only one dot product (the K loop turns load-bound), and down's 3 packed quads
+// (36 KiB at K = 1536) leave L1, so: 3 quads x 2 weight rows side by side; 4 quads as two passes of 2 quads x 3 (4
+// quads x 1 weight row took 5 loads per 4 dot products and was no faster at one thread; 2 x 3: 5 per 6).
 inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
                            const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   const int64_t num_quads = (a.M + 3) / 4;
-  // 4 quads: both passes per 3 weight rows while the 4 packed quads fit half of L1 (K <= 768: at K = 576, 13-16
-  // rows ran 1.3x M = 1's time against 1.5x with whole blocks), else per block (K = 1536: 1.8x against 2.0x).
-  const int64_t sub = 32 * a.K <= (24 << 10) ? 3 : kFewRowsNBlock;
+  const bool small_x = 32 * a.K <= (24 << 10);  // 4 packed quads fit half of L1 (K <= 768)
+  if (num_quads <= 2 || (num_quads == 3 && small_x)) {
+    switch (num_quads) {
+      case 1: few_rows_by_row<1>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch1); break;
+      case 2: few_rows_by_row<2>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch); break;
+      default: few_rows_by_row<3>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch); break;
+    }
+    return;
+  }
+  // 4 quads: both passes per 3 weight rows while the 4 packed quads fit half of L1 (at K = 576, 13-16 rows ran 1.3x
+  // M = 1's time against 1.5x with whole blocks), else per block (K = 1536: 1.8x against 2.0x).
+  const int64_t sub = small_x ? 3 : kFewRowsNBlock;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += kFewRowsNBlock) {
     const int64_t n1 = std::min(n_end, n0 + kFewRowsNBlock);
-    switch (num_quads) {
-      case 1: few_rows_pass<1, 4>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch1); break;
-      case 2: few_rows_pass<2, 3>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
-      case 3: few_rows_pass<3, 2>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch); break;
-      default:
-        for (int64_t s0 = n0; s0 < n1; s0 += sub) {
-          const int64_t s1 = std::min(n1, s0 + sub);
-          few_rows_pass<2, 3>(out, xq, w, bias, a, 0, s0, s1, kFewRowsPrefetch);
-          few_rows_pass<2, 3>(out, xq, w, bias, a, 2, s0, s1, 0);
-        }
-        break;
+    if (num_quads == 3) {
+      few_rows_pass<3, 2>(out, xq, w, bias, a, 0, n0, n1, kFewRowsPrefetch);
+      continue;
+    }
+    for (int64_t s0 = n0; s0 < n1; s0 += sub) {
+      const int64_t s1 = std::min(n1, s0 + sub);
+      few_rows_pass<2, 3>(out, xq, w, bias, a, 0, s0, s1, kFewRowsPrefetch);
+      few_rows_pass<2, 3>(out, xq, w, bias, a, 2, s0, s1, 0);
     }
   }
 }
