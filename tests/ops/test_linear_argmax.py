@@ -70,6 +70,27 @@ def test_multi_row_fused_path_every_m(dtype, n, k):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_row_edge_values(dtype):
+    """2-16 rows: every logit -inf (the first index), a NaN in a chunk's first vector or in a short last block (the
+    first NaN), +inf beside NaNs; each as argmax_rows of the stored logits and torch.argmax rule."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 5003, 40
+    x = torch.rand(16, k, generator=g).to(dtype) + 0.5
+    w = (torch.randn(n, k, generator=g) / 8).to(dtype)
+    minus_inf = torch.full((n,), float("-inf")).to(dtype)
+    first_nan, late_nan = w.clone(), w.clone()
+    first_nan[0, 1] = float("nan")
+    first_nan[4000, 0] = float("nan")
+    late_nan[n - 2, 5] = float("nan")  # in the last, partial block of logits
+    late_nan[n - 300, :] = float("inf")
+    for weight, bias, expect in ((w, minus_inf, 0), (first_nan, None, 0), (late_nan, None, n - 2)):
+        for m in (2, 5, 9, 16):
+            got = _fused(x[:m], weight, bias)
+            assert torch.equal(got, _two_ops(x[:m], weight, bias))
+            assert got.tolist() == [expect] * m
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_and_nans_follow_torch_argmax(dtype):
     """Duplicated maximal weight rows far apart (different chunks of the pool): the lowest index; a NaN logit beats
     every number, the first NaN winning; +inf beats finite values."""

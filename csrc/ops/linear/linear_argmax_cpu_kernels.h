@@ -17,6 +17,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 
 #include "ops/linear/linear_cpu_few_rows.h"
@@ -98,10 +99,74 @@ inline void linear_rows_logits(T* out, const T* x, const T* xq, const T* w, cons
   if (n0 < a.N) linear_weight_rows(out, x, w, bias, a, n0, a.N);
 }
 
+// One logits row's running argmax over the blocks of a chunk, taken in increasing index order: 16 lanes keep the
+// (value, index) of their first maximum (a strictly greater value replaces it), a block that may hold a NaN (its
+// probe; an infinity trips it too) is scanned for its first NaN, and a block too short for a vector goes through
+// `scalar`. argmax_row's pass without its per-call merge of 64 lanes: with one call per 240 logits that merge and
+// the scalar tail cost 9-28 % of a verify step's LM head (session 18); here each row merges its lanes once a chunk.
+struct RowArgmax {
+  VecF val, idx;
+  bool started = false;
+  ArgmaxCandidate scalar;  // short blocks and NaNs
+
+  template <typename T>
+  void update(const T* x, int64_t nb, int64_t n0) {
+    if (scalar.nan) return;  // the chunk's first NaN is found: nothing later can win
+    int64_t i = 0;
+    if (!started && nb >= kLanes) {
+      val = vload(x);
+      idx = vadd(iota(), vset1(static_cast<float>(n0)));
+      started = true;
+      i = kLanes;
+    }
+    VecF probe = vfma(val, vzero(), vzero());
+    if (started) {
+      const VecF zero = vzero();
+      for (; i + kLanes <= nb; i += kLanes) {
+        const VecF xv = vload(x + i);
+        const VecF at = vadd(iota(), vset1(static_cast<float>(n0 + i)));
+        idx = vselect_lt(val, xv, at, idx);
+        val = vselect_lt(val, xv, xv, val);
+        probe = vfma(xv, zero, probe);
+      }
+    }
+    for (; i < nb; ++i) {  // a block's last partial vector, or a whole short block
+      const float v = static_cast<float>(x[i]);
+      const ArgmaxCandidate c{v, n0 + i, std::isnan(v)};
+      if (argmax_better(c, scalar)) scalar = c;
+    }
+    if (!std::isnan(vsum(probe))) return;  // no NaN (nor an infinity: inf x 0) in the vectors
+    for (int64_t j = 0; j < nb; ++j)
+      if (std::isnan(static_cast<float>(x[j]))) {
+        scalar = {std::numeric_limits<float>::quiet_NaN(), n0 + j, true};
+        return;
+      }
+  }
+
+  // The chunk's best over the lanes and `scalar`, in torch.argmax's order.
+  ArgmaxCandidate best() const {
+    ArgmaxCandidate b = scalar;
+    if (!started || b.nan) return b;
+    alignas(64) float vals[kLanes], idxs[kLanes];
+    vstore(vals, val);
+    vstore(idxs, idx);
+    for (int l = 0; l < kLanes; ++l) {
+      const ArgmaxCandidate c{vals[l], static_cast<int64_t>(idxs[l]), false};
+      if (argmax_better(c, b)) b = c;
+    }
+    return b;
+  }
+
+  static VecF iota() {
+    alignas(64) static const float lanes[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return vload(lanes);
+  }
+};
+
 // out[m] = argmax of x[m]'s rounded logits for 2 <= M <= kArgmaxMaxRows rows (a verify step's LM head): the weight
 // streams once, as in linear_small_m at these M (the few-row schedule's blocks, or 4-row tiles), each chunk's logits
-// [M, 240] kept in an L1 block, each block row's argmax by argmax_rows' vector pass, the rows' candidates merged
-// under a lock in torch.argmax's order (as linear_argmax_row): the [M, N] logits are never stored.
+// [M, 240] kept in an L1 block and folded into each row's running argmax (RowArgmax), the rows' chunk candidates
+// merged under a lock in torch.argmax's order (as linear_argmax_row): the [M, N] logits are never stored.
 template <typename T>
 void linear_argmax_rows(int64_t* out, const T* x, const T* w, const T* bias, const LinearArgs& a) {
   const T* xq = nullptr;
@@ -120,24 +185,20 @@ void linear_argmax_rows(int64_t* out, const T* x, const T* w, const T* bias, con
   std::mutex merge;
   pagellm::cpu::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     alignas(64) T block[kArgmaxMaxRows * kArgmaxRowsBlock];
-    ArgmaxCandidate local[kArgmaxMaxRows];
+    RowArgmax rows[kArgmaxMaxRows];
     const int64_t n_end = std::min(a.N, end * unit);
     for (int64_t n0 = begin * unit; n0 < n_end; n0 += kArgmaxRowsBlock) {
       LinearArgs ba = a;  // weight rows [n0, n0 + ba.N) into block [M, kArgmaxRowsBlock]
       ba.N = std::min(kArgmaxRowsBlock, n_end - n0);
       ba.ldo = kArgmaxRowsBlock;
       linear_rows_logits(block, x, xq, w + n0 * a.ldw, bias ? bias + n0 : nullptr, ba);
-      for (int64_t m = 0; m < a.M; ++m) {
-        const T* row = block + m * kArgmaxRowsBlock;
-        const int64_t i = argmax_row(row, ba.N);
-        const float v = static_cast<float>(row[i]);
-        const ArgmaxCandidate c{v, n0 + i, std::isnan(v)};
-        if (argmax_better(c, local[m])) local[m] = c;
-      }
+      for (int64_t m = 0; m < a.M; ++m) rows[m].update(block + m * kArgmaxRowsBlock, ba.N, n0);
     }
     std::lock_guard<std::mutex> lock(merge);
-    for (int64_t m = 0; m < a.M; ++m)
-      if (argmax_better(local[m], best[m])) best[m] = local[m];
+    for (int64_t m = 0; m < a.M; ++m) {
+      const ArgmaxCandidate c = rows[m].best();
+      if (argmax_better(c, best[m])) best[m] = c;
+    }
   });
   for (int64_t m = 0; m < a.M; ++m) out[m] = best[m].index;
 }

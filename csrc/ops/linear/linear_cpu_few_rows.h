@@ -6,8 +6,8 @@
 // scalar rounding per output, rows past a whole tile re-swept), and the GEMM schedule's tiles fit 8 and 12
 // rows but not 13-16 or a remainder of 1-3 rows. Here x is packed once per call in quads of rows (zero rows pad
 // the last quad: registers are cheap at these M, another sweep of the weight is not), and every weight row is
-// read from memory once: at 1-2 quads (and 3 at K <= 768) one weight row after another against every quad (4-12
-// accumulators; the weight read start to end, one sequential stream, as at one row: session 18), else by register
+// read from memory once: at 1-2 quads one weight row after another against every quad (4 or 8 accumulators; the
+// weight read start to end, one sequential stream, as at one row: session 18), else by register
 // tiles of 24 accumulators (of the 32 registers): 3 quads x 2 weight rows; 4 quads as two passes of 2 quads x 3, the
 // second finding the weight rows in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products, was no faster).
 // The tile is the quad tile's arithmetic (linear_cpu_gemm_quad.h): lane 4r + i of accumulator j holds what the
@@ -144,7 +144,7 @@ template <int Q>
 __attribute__((always_inline)) inline void few_rows_row_tile(c10::BFloat16* out, const c10::BFloat16* xq,
                                                              const c10::BFloat16* wr, float bias,
                                                              const LinearArgs& a, int64_t n, int64_t pf) {
-  static_assert(Q >= 1 && Q <= 4, "16 accumulators at most");
+  static_assert(Q >= 1 && Q <= 4, "one vector of 4 quads' sums");
   __m512 acc[4][Q];
   _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j)
     _Pragma("GCC unroll 4") for (int q = 0; q < Q; ++q) acc[j][q] = _mm512_setzero_ps();
@@ -190,22 +190,19 @@ inline void few_rows_by_row(c10::BFloat16* out, const c10::BFloat16* xq, const c
 // over the block finds its rows in L1 (L2 at K = 1536).
 constexpr int64_t kFewRowsNBlock = 24;
 
-// Weight rows [n_begin, n_end) for all M rows. 1-2 quads, and 3 while their packed x fits a quarter of L1: weight
-// rows one after another, each against every quad (few_rows_by_row). At 2-7 rows that took 1.00-1.15x one row's time
-// where side-by-side tiles took 1.2-1.35x (benchmarks/README.md, session 18): one sequential stream, as at one row.
-// With more quads each x load serves only one dot product (the K loop turns load-bound), and down's 3 packed quads
-// (36 KiB at K = 1536) leave L1, so: 3 quads x 2 weight rows side by side; 4 quads as two passes of 2 quads x 3 (4
-// quads x 1 weight row took 5 loads per 4 dot products and was no faster at one thread; 2 x 3: 5 per 6).
+// Weight rows [n_begin, n_end) for all M rows. 1-2 quads: weight rows one after another, each against every quad
+// (few_rows_by_row): at 2-4 rows 0.97-1.05x one row's time where side-by-side tiles took 1.15-1.3x, at 5-8 rows
+// 1.1-1.3x against 1.2-1.4x (benchmarks/README.md, session 18): one sequential stream, as at one row. With more quads
+// each x load serves only one dot product (the K loop turns load-bound: row by row at 3 quads ran 0.9-1.2x the
+// side-by-side tiles' time, at 4 quads 1.0-1.4x), so: 3 quads x 2 weight rows side by side; 4 quads as two passes of
+// 2 quads x 3 (2 x 3: 5 loads per 6 dot products).
 inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* xq, const c10::BFloat16* w,
                            const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end) {
   const int64_t num_quads = (a.M + 3) / 4;
   const bool small_x = 32 * a.K <= (24 << 10);  // 4 packed quads fit half of L1 (K <= 768)
-  if (num_quads <= 2 || (num_quads == 3 && small_x)) {
-    switch (num_quads) {
-      case 1: few_rows_by_row<1>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch1); break;
-      case 2: few_rows_by_row<2>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch); break;
-      default: few_rows_by_row<3>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch); break;
-    }
+  if (num_quads <= 2) {
+    if (num_quads == 1) few_rows_by_row<1>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch1);
+    else few_rows_by_row<2>(out, xq, w, bias, a, n_begin, n_end, kFewRowsPrefetch);
     return;
   }
   // 4 quads: both passes per 3 weight rows while the 4 packed quads fit half of L1 (at K = 576, 13-16 rows ran 1.3x
