@@ -3,7 +3,8 @@
 //                    schedules with the same per-row bits at 2-16 rows on AVX-512 (linear_cpu_few_rows.h) and from
 //                    kLinearGemmMinM rows on (linear_cpu_gemm.h);
 //   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16;
-//   linear_argmax  - the greedy LM head: argmax of linear_small_m's rounded outputs (linear_argmax_cpu_kernels.h).
+//   linear_argmax  - the greedy LM head: argmax of linear_small_m's rounded outputs, fused at 1-16 rows
+//                    (linear_argmax_cpu_kernels.h).
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
