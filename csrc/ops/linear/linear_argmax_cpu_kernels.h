@@ -88,7 +88,7 @@ template <typename T>
 inline void linear_rows_logits(T* out, const T* x, const T* xq, const T* w, const T* bias, const LinearArgs& a) {
 #ifdef PAGELLM_GEMM_QUAD
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    few_rows_range(out, xq, w, bias, a, 0, a.N);
+    few_rows_range(out, x, xq, w, bias, a, 0, a.N);
     return;
   }
 #endif
@@ -173,9 +173,11 @@ void linear_argmax_rows(int64_t* out, const T* x, const T* w, const T* bias, con
   int64_t unit = 4;  // weight rows per unit of work: linear_rows_block's tiles
 #ifdef PAGELLM_GEMM_QUAD
   if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the caller packs x once; the pool's workers read it
-    c10::BFloat16* packed = quad_scratch<struct ArgmaxRowsScratch>((a.M + 3) / 4 * quad_stride(a.K));
-    few_rows_pack(packed, x, a);
-    xq = packed;
+    if (few_rows_packs_x(a.M)) {
+      c10::BFloat16* packed = quad_scratch<struct ArgmaxRowsScratch>((a.M + 3) / 4 * quad_stride(a.K));
+      few_rows_pack(packed, x, a);
+      xq = packed;
+    }
     unit = kFewRowsNBlock;
   }
 #endif
