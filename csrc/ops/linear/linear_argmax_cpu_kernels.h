@@ -173,7 +173,7 @@ void linear_argmax_rows(int64_t* out, const T* x, const T* w, const T* bias, con
   int64_t unit = 4;  // weight rows per unit of work: linear_rows_block's tiles
 #ifdef PAGELLM_GEMM_QUAD
   if constexpr (std::is_same_v<T, c10::BFloat16>) {  // the caller packs x once; the pool's workers read it
-    if (few_rows_packs_x(a.M)) {
+    if (few_rows_packs_x(a)) {
       c10::BFloat16* packed = quad_scratch<struct ArgmaxRowsScratch>((a.M + 3) / 4 * quad_stride(a.K));
       few_rows_pack(packed, x, a);
       xq = packed;

@@ -6,8 +6,8 @@
 // scalar rounding per output, rows past a whole tile re-swept), and the GEMM schedule's tiles fit 8 and 12
 // rows but not 13-16 or a remainder of 1-3 rows. Here x is packed once per call in quads of rows (zero rows pad
 // the last quad: registers are cheap at these M, another sweep of the weight is not), and every weight row is
-// read from memory once: at 2-4 rows (one quad) and 5-8 rows (x as it is, few_rows_wide) one weight row after another
-// against every x row (the weight read start to end, one sequential stream, as at one row: session 18), at 9-16 rows
+// read from memory once: at 2-4 rows (one quad) and 5-10 rows (x as it is, few_rows_wide) one weight row after another
+// against every x row (the weight read start to end, one sequential stream, as at one row: session 18), at 11-16 rows
 // by register tiles of 24 accumulators (of the 32 registers): 3 quads x 2 weight rows; 4 quads as two passes of 2
 // quads x 3, the second finding the weight rows in L1 / L2 (4 quads x 1 weight row, 5 loads per 4 dot products, was
 // no faster).
@@ -193,25 +193,11 @@ inline void few_rows_by_row(c10::BFloat16* out, const c10::BFloat16* xq, const c
 // i + lane i + 8) on pairs of accumulators' 256-bit halves, level 2 (i + i + 4) on 128-bit blocks, levels 3-4 within
 // blocks (quad_level3, then lanes 0 + 1): 23 vector ops for the MR outputs instead of MR horizontal reductions; then
 // bias and one vector rounding: each output the one-row kernel's bits.
+// The MR <= 8 sums of acc[0..8) (vsum's tree side by side, see few_rows_wide_tile) + bias, rounded, stored to
+// out[r * ldo + n] for rows r < MR.
 template <int MR>
-__attribute__((always_inline)) inline void few_rows_wide_tile(c10::BFloat16* out, const c10::BFloat16* x,
-                                                              const c10::BFloat16* wr, float bias,
-                                                              const LinearArgs& a, int64_t n, int64_t pf) {
-  static_assert(MR >= 5 && MR <= 8, "8 accumulators at most, one vector of sums");
-  __m512 acc[8];
-  _Pragma("GCC unroll 8") for (int r = 0; r < 8; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= a.K; k += 32) {
-    __builtin_prefetch(wr + k + pf, 0, 3);
-    const BF16x32 wv = bf16x32_load(wr + k);
-    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
-      acc[r] = vdot_bf16({acc[r]}, wv, bf16x32_load(x + r * a.ldx + k)).v;
-  }
-  if (k < a.K) {
-    const BF16x32 wv = bf16x32_load(wr + k, a.K - k);
-    _Pragma("GCC unroll 8") for (int r = 0; r < MR; ++r)
-      acc[r] = vdot_bf16({acc[r]}, wv, bf16x32_load(x + r * a.ldx + k, a.K - k)).v;
-  }
+__attribute__((always_inline)) inline void few_rows_wide_store(c10::BFloat16* out, const __m512* acc, float bias,
+                                                               const LinearArgs& a, int64_t n) {
   // level 1: h[p] lanes 0-7 = row 2p's lane i + lane i + 8, lanes 8-15 = row 2p + 1's
   __m512 h[4];
   _Pragma("GCC unroll 4") for (int p = 0; p < 4; ++p)
@@ -230,6 +216,36 @@ __attribute__((always_inline)) inline void few_rows_wide_tile(c10::BFloat16* out
     std::memcpy(out + r * a.ldo + n, hv + (r < 4 ? 4 * r : 4 * (r - 4) + 2), 2);
 }
 
+// 5-10 rows (MR, few_rows_takes_wide): weight row n against every x row in the one-row kernel's own layout (x unpacked: one 32-element
+// load per row and chunk, the weight chunk loaded once, no broadcasts: MR + 1 loads per MR dot products where two
+// quads took 12 per 8), weight rows one after another. Each group of 8 sums runs vsum's exact tree side by side:
+// level 1 (lane i + lane i + 8) on pairs of accumulators' 256-bit halves, level 2 (i + i + 4) on 128-bit blocks,
+// levels 3-4 within blocks (quad_level3, then lanes 0 + 1): 23 vector ops for 8 outputs instead of 8 horizontal
+// reductions; then bias and one vector rounding: each output the one-row kernel's bits.
+template <int MR>
+__attribute__((always_inline)) inline void few_rows_wide_tile(c10::BFloat16* out, const c10::BFloat16* x,
+                                                              const c10::BFloat16* wr, float bias,
+                                                              const LinearArgs& a, int64_t n, int64_t pf) {
+  static_assert(MR >= 5 && MR <= 16, "16 accumulators at most");  // 11-16 compile, but ran slower (above)
+  constexpr int kAcc = MR > 8 ? 16 : 8;
+  __m512 acc[kAcc];
+  _Pragma("GCC unroll 16") for (int r = 0; r < kAcc; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= a.K; k += 32) {
+    __builtin_prefetch(wr + k + pf, 0, 3);
+    const BF16x32 wv = bf16x32_load(wr + k);
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r)
+      acc[r] = vdot_bf16({acc[r]}, wv, bf16x32_load(x + r * a.ldx + k)).v;
+  }
+  if (k < a.K) {
+    const BF16x32 wv = bf16x32_load(wr + k, a.K - k);
+    _Pragma("GCC unroll 16") for (int r = 0; r < MR; ++r)
+      acc[r] = vdot_bf16({acc[r]}, wv, bf16x32_load(x + r * a.ldx + k, a.K - k)).v;
+  }
+  few_rows_wide_store<MR < 8 ? MR : 8>(out, acc, bias, a, n);
+  if constexpr (MR > 8) few_rows_wide_store<MR - 8>(out + 8 * a.ldo, acc + 8, bias, a, n);
+}
+
 template <int MR>
 inline void few_rows_wide(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* w,
                           const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin, int64_t n_end) {
@@ -240,29 +256,37 @@ inline void few_rows_wide(c10::BFloat16* out, const c10::BFloat16* x, const c10:
     few_rows_wide_tile<MR>(out, x, w + n * a.ldw, bias ? static_cast<float>(bias[n]) : 0.f, a, n, pf);
 }
 
-// x packed in quads for every M but 5-8 (few_rows_wide reads x as it is).
-inline bool few_rows_packs_x(int64_t M) { return M < 5 || M > 8; }
+// Rows few_rows_wide takes: 5-8, and 9-10 while their x rows stay small (K <= 768: 11.5 KiB of bf16). At 9-10 rows
+// and K = 576 it took 1.17-1.36x one row's time where the quad tiles took 1.45-1.66x; at 11-13 rows the two were
+// even, at 16 rows and at K = 1536 from 9 rows it ran 1.1-1.5x the quad tiles' time (session 18).
+inline bool few_rows_takes_wide(const LinearArgs& a) { return a.M >= 5 && (a.M <= 8 || (a.M <= 10 && a.K <= 768)); }
+
+// x is packed in quads unless few_rows_wide reads it as it is.
+inline bool few_rows_packs_x(const LinearArgs& a) { return !few_rows_takes_wide(a); }
 
 // Weight rows per block: a multiple of every tile's NW (4, 3, 2); 27 KiB at K = 576, so a 4-quad M's second pass
 // over the block finds its rows in L1 (L2 at K = 1536).
 constexpr int64_t kFewRowsNBlock = 24;
 
-// Weight rows [n_begin, n_end) for all M rows. One weight row after another against every x row at 2-8 rows: one quad
-// (few_rows_by_row) or 5-8 rows in the one-row layout (few_rows_wide); session 18 measured them at 0.97-1.05x one
-// row's time (2-5 rows) and 1.02-1.2x (7-8 rows) where side-by-side quad tiles took 1.15-1.3x: one sequential stream,
-// as at one row. Two quads row by row took 1.1-1.2x (3 loads per 2 dot products, 2 broadcast). Above 8 rows each x
-// load feeding one dot product makes the K loop load-bound (3 quads row by row: 0.9-1.2x the side-by-side tiles'
-// time, 4 quads 1.0-1.4x), so: 3 quads x 2 weight rows side by side; 4 quads as two passes of 2 quads x 3 (5 loads per
-// 6 dot products).
+// Weight rows [n_begin, n_end) for all M rows. One weight row after another against every x row at 2-10 rows: one
+// quad (few_rows_by_row) or 5-10 rows in the one-row layout (few_rows_wide, few_rows_takes_wide); session 18 measured
+// 0.97-1.05x one row's time at 2-5 rows, 1.02-1.2x at 7-8 and 1.17-1.36x at 9-10 (K = 576) where the side-by-side
+// quad tiles took 1.15-1.3x, 1.2-1.3x and 1.45-1.66x: one sequential stream, as at one row. Two quads row by row took
+// 1.1-1.2x (3 loads per 2 dot products, one a broadcast). At 11-16 rows (9-16 at K = 1536) each x load feeding one dot
+// product makes the K loop load-bound, so: 3 quads x 2 weight rows side by side; 4 quads as two passes of 2 quads x 3
+// (5 loads per 6 dot products).
 inline void few_rows_range(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* xq,
                            const c10::BFloat16* w, const c10::BFloat16* bias, const LinearArgs& a, int64_t n_begin,
                            int64_t n_end) {
-  switch (a.M) {
-    case 5: few_rows_wide<5>(out, x, w, bias, a, n_begin, n_end); return;
-    case 6: few_rows_wide<6>(out, x, w, bias, a, n_begin, n_end); return;
-    case 7: few_rows_wide<7>(out, x, w, bias, a, n_begin, n_end); return;
-    case 8: few_rows_wide<8>(out, x, w, bias, a, n_begin, n_end); return;
-    default: break;
+  if (few_rows_takes_wide(a)) {
+    switch (a.M) {
+      case 5: few_rows_wide<5>(out, x, w, bias, a, n_begin, n_end); return;
+      case 6: few_rows_wide<6>(out, x, w, bias, a, n_begin, n_end); return;
+      case 7: few_rows_wide<7>(out, x, w, bias, a, n_begin, n_end); return;
+      case 8: few_rows_wide<8>(out, x, w, bias, a, n_begin, n_end); return;
+      case 9: few_rows_wide<9>(out, x, w, bias, a, n_begin, n_end); return;
+      default: few_rows_wide<10>(out, x, w, bias, a, n_begin, n_end); return;
+    }
   }
   const int64_t num_quads = (a.M + 3) / 4;
   const bool small_x = 32 * a.K <= (24 << 10);  // 4 packed quads fit half of L1 (K <= 768)
@@ -292,7 +316,7 @@ inline void linear_few_rows_bf16(c10::BFloat16* out, const c10::BFloat16* x, con
   const int64_t num_quads = (a.M + 3) / 4;
   // The caller packs x once into its own buffer; the pool's workers read it while the caller waits in parallel_for.
   c10::BFloat16* xq = nullptr;
-  if (few_rows_packs_x(a.M)) {
+  if (few_rows_packs_x(a)) {
     xq = quad_scratch<struct FewRowsScratch>(num_quads * quad_stride(a.K));
     few_rows_pack(xq, x, a);
   }
