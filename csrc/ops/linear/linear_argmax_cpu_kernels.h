@@ -77,6 +77,19 @@ void linear_argmax_row(ArgmaxCandidate& best, const T* x, const T* w, const T* b
 
 // Rows of x the fused multi-row path takes (a speculative verify step's 1 + k rows); more rows store their logits.
 constexpr int64_t kArgmaxMaxRows = 16;
+// Whether linear_argmax fuses M rows (else linear_small_m's logits, then argmax_rows). Not at 5-8 bf16 rows on AVX-512
+// (few_rows_wide): there the fused op took 1.04-1.14x the two ops' time (one thread, in one process, session 18; the
+// cause not found), where at 2-4 and 9-16 rows it took 0.93-0.99x.
+inline bool argmax_fuses_rows(bool bf16, int64_t M) {
+  if (M > kArgmaxMaxRows) return false;
+#ifdef PAGELLM_GEMM_QUAD
+  if (bf16 && M >= 5 && M <= 8) return false;
+#else
+  (void)bf16;
+#endif
+  return true;
+}
+
 // Weight rows per L1 block of logits: a multiple of the few-row schedule's blocks (24) and of the 4-row tiles; 16
 // rows x 240 fp32 logits = 15 KiB.
 constexpr int64_t kArgmaxRowsBlock = 240;

@@ -114,7 +114,7 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   run_linear_small_m(out, in);
 }
 
-// out[m] = argmax_rows(linear_small_m(x, weight, bias))[m], the logits never stored at M <= kArgmaxMaxRows (the greedy
+// out[m] = argmax_rows(linear_small_m(x, weight, bias))[m], the logits never stored where argmax_fuses_rows (the greedy
 // LM head of a decode row or a verify step's rows).
 void linear_argmax(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias) {
@@ -131,7 +131,8 @@ void linear_argmax(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   const LinearInputs in = check_linear(at::empty({1, N}, x.options()).expand({M, N}), x, weight, bias);
   if (M == 0) return;
   hint_next_weight(in.w, M);
-  if (M > kArgmaxMaxRows || in.x.size(1) == 0) {  // the many-row schedules, then one argmax pass over the logits
+  if (!argmax_fuses_rows(in.x.scalar_type() == at::kBFloat16, M) || in.x.size(1) == 0) {
+    // the many-row (or few_rows_wide) schedules, then one argmax pass over the stored logits
     at::Tensor logits = at::empty({M, N}, x.options());
     if (!linear_trivial(logits, in)) run_linear_small_m(logits, in);
     PAGELLM_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "linear_argmax", [&] {
