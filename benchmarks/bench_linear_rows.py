@@ -7,6 +7,7 @@
     /other/checkout/.venv/bin/python benchmarks/bench_linear_rows.py   # the same against another build (A/B)
     python benchmarks/bench_linear_rows.py --rows 1,2,3,4,8,16 --threads 2 --no-torch   # small M, both cores
     python benchmarks/bench_linear_rows.py --vs-one-row --rows 2,4,8,13,16 --rotate-mb 128  # M rows / 1 row, paired
+    python benchmarks/bench_linear_rows.py --vs-one-row --argmax --rows 4,7,16 --rotate-mb 128  # the greedy LM head
 
 One thread (pagellm's pool and torch), thread CPU time per call (median), so a busy shared machine skews it
 less than wall time; with --threads N > 1, wall time per call (median; read it with the load average).
@@ -69,18 +70,25 @@ def peak_gflops() -> float | None:
     return 12 * PEAK_ITERS * 64 / t / 1e9
 
 
-def vs_one_row(rows: list[int], rotate_mb: int, timer) -> None:
-    """Median over alternating pairs of (M rows' time / 1 row's time) per shape, weights cycled as --rotate-mb."""
+def vs_one_row(rows: list[int], rotate_mb: int, timer, argmax: bool = False) -> None:
+    """Median over alternating pairs of (M rows' time / 1 row's time) per shape, weights cycled as --rotate-mb.
+    argmax: the LM head only, through linear_argmax (the greedy head: [M] token ids, no logits stored where fused)."""
     import statistics
 
     print("| shape | 1 row us | " + " | ".join(f"M={m}" for m in rows) + " |")
     print("|---|---:|" + "---:|" * len(rows))
     for name, n, k in SHAPES["default"]:
+        if argmax and name != "lm_head":
+            continue
         g = torch.Generator().manual_seed(0)
         w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
         ws = [w] + [w.clone() for _ in range((rotate_mb << 20) // (w.numel() * 2))]
         xs = {m: torch.randn(m, k, generator=g).bfloat16() for m in [1, *rows]}
         outs = {m: torch.empty(m, n, dtype=torch.bfloat16) for m in xs}
+        op = torch.ops.pagellm.linear_small_m
+        if argmax:
+            outs = {m: torch.empty(m, dtype=torch.int64) for m in xs}
+            op = torch.ops.pagellm.linear_argmax
         it, ones, ratios = 0, [], {m: [] for m in rows}
         for r in range(16 if name == "lm_head" else 61):
             for m in rows:
@@ -88,7 +96,7 @@ def vs_one_row(rows: list[int], rotate_mb: int, timer) -> None:
                 for mm in (1, m):
                     wv = ws[it % len(ws)]
                     it += 1
-                    t.append(timer(lambda: torch.ops.pagellm.linear_small_m(outs[mm], xs[mm], wv, None), 1, warm=False))
+                    t.append(timer(lambda: op(outs[mm], xs[mm], wv, None), 1, warm=False))
                 if r:  # round 0 warms up
                     ones.append(t[0])
                     ratios[m].append(t[1] / t[0])
@@ -113,6 +121,8 @@ def main() -> None:
                          "from DRAM as a decode step does (0: one copy, cache-warm)")
     ap.add_argument("--pagellm-src", default=None, help="import pagellm from this python/ dir (another build)")
     ap.add_argument("--vs-one-row", action="store_true", help="bf16: M rows' time over 1 row's, alternating pairs")
+    ap.add_argument("--argmax", action="store_true",
+                    help="with --vs-one-row: the LM head through linear_argmax (the greedy head) instead")
     args = ap.parse_args()
     if args.pagellm_src:
         from bench_step_profile import use_pagellm_from
@@ -129,7 +139,7 @@ def main() -> None:
     print(f"{args.dtype}, {args.shapes} shapes, {args.threads} thread(s), {clock}, load average {os.getloadavg()}")
     print(f"bf16 peak (bf16_dot_peak, {_C.cpu_kernels_isa()} kernels): {_fmt(peak, '.0f')} GFLOP/s per core\n")
     if args.vs_one_row:
-        vs_one_row([int(v) for v in args.rows.split(",")], args.rotate_mb, timer)
+        vs_one_row([int(v) for v in args.rows.split(",")], args.rotate_mb, timer, args.argmax)
         return
     if args.dtype != "bfloat16":
         peak = None  # the bf16 ceiling does not bound fp32 FMAs

@@ -171,11 +171,17 @@ def test_fault_in_step_fails_its_requests_and_engine_stays_usable(llm, reference
     assert_failed_then_usable(llm, outs, reference, f"injected {stage} failure", last_step=stage == "final outputs")
 
 
-def test_fault_in_speculative_step(llm, reference, monkeypatch):
+@pytest.mark.parametrize("stage", ["sampler verify", "argmax verify"])
+def test_fault_in_speculative_step(llm, reference, monkeypatch, stage):
+    """A verify step that raises: through the sampler (greedy head off), or from the fused head's argmax rows."""
     eng = llm.llm_engine
     eng.set_proposer(RepeatLastProposer())
     try:
-        raise_on_call(monkeypatch, eng.sampler, "verify", RuntimeError("injected verify failure"))
+        if stage == "sampler verify":  # plain-greedy verify steps otherwise verify from the head's argmax rows
+            monkeypatch.setattr(eng, "greedy_head", False)
+            raise_on_call(monkeypatch, eng.sampler, "verify", RuntimeError("injected verify failure"))
+        else:
+            raise_on_call(monkeypatch, eng, "_verify_from_argmax", RuntimeError("injected verify failure"))
         outs = run_batch(llm)
         monkeypatch.undo()
         assert_failed_then_usable(llm, outs, reference, "injected verify")

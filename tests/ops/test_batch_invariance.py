@@ -85,9 +85,9 @@ def test_linear_small_m_gemm_rows_equal_the_one_row_kernel(k, n):
 # each with single-row leftovers), 101 (several 24-row blocks) and 1000 at K = 576 (chunks of blocks on both threads)
 @pytest.mark.parametrize("k,n", [(31, 23), (200, 5), (1000, 49), (1536, 70), (576, 1), (96, 101), (576, 1000)])
 def test_linear_small_m_few_rows_equal_the_one_row_kernel(k, n):
-    """bf16 at 2-16 rows (verify rows; AVX-512: linear_cpu_few_rows.h, x packed in zero-padded quads, 1-4 quads
-    per tile row): every M from 2 to 17 (17: the GEMM schedule next door), every row the one-row kernel's bits,
-    with and without bias, strided x at an odd offset."""
+    """bf16 at 2-16 rows (verify rows; AVX-512: linear_cpu_few_rows.h: one quad row by row at 2-4 rows, x as it is
+    row by row at 5-10 (9-10 only at K <= 768), quad tiles above): every M from 2 to 17 (17: the GEMM schedule next
+    door), every row the one-row kernel's bits, with and without bias, strided x at an odd offset."""
     w, b = _rand(n, k, seed=11, scale=0.1), _rand(n, seed=12)
     x = _rand(40, k + 24, seed=13)[:, 7 : 7 + k]  # row stride > K, rows not 64-byte aligned
     for bias in (b, None):

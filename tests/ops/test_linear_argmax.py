@@ -51,6 +51,45 @@ def test_equals_argmax_of_linear_small_m(dtype, m, n, k, with_bias):
     assert torch.all(best - picked <= tol * (1 + best.abs())), (got, want)
 
 
+# verify steps' rows (2-16: the fused multi-row path; 17: the logits path next door) at odd K / N: one 240-row block
+# with a short tail (N 241), several blocks and pool chunks (N 5003, K 577: ~5.8 MB in bf16), a partial 32-element
+# K chunk (K 31), K 1536 (3-4 packed quads leave L1: the side-by-side tiles), N below one 4-row tile (N 3)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(241, 31), (5003, 577), (3, 200), (731, 1536)])
+def test_multi_row_fused_path_every_m(dtype, n, k):
+    g = torch.Generator().manual_seed(n * 7 + k)
+    x = torch.randn(17, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(dtype)
+    bias = torch.randn(n, generator=g).to(dtype)
+    for m in range(1, 18):
+        for b in (None, bias):
+            got = _fused(x[:m], w, b)
+            assert torch.equal(got, _two_ops(x[:m], w, b)), (m, b is None)
+            if m > 1:  # each row's token is the row's alone (batch invariance of the fused rows)
+                assert got[m - 1].item() == _fused(x[m - 1 : m], w, b).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_row_edge_values(dtype):
+    """2-16 rows: every logit -inf (the first index), a NaN in a chunk's first vector or in a short last block (the
+    first NaN), +inf beside NaNs; each as argmax_rows of the stored logits and torch.argmax rule."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 5003, 40
+    x = torch.rand(16, k, generator=g).to(dtype) + 0.5
+    w = (torch.randn(n, k, generator=g) / 8).to(dtype)
+    minus_inf = torch.full((n,), float("-inf")).to(dtype)
+    first_nan, late_nan = w.clone(), w.clone()
+    first_nan[0, 1] = float("nan")
+    first_nan[4000, 0] = float("nan")
+    late_nan[n - 2, 5] = float("nan")  # in the last, partial block of logits
+    late_nan[n - 300, :] = float("inf")
+    for weight, bias, expect in ((w, minus_inf, 0), (first_nan, None, 0), (late_nan, None, n - 2)):
+        for m in (2, 5, 9, 16):
+            got = _fused(x[:m], weight, bias)
+            assert torch.equal(got, _two_ops(x[:m], weight, bias))
+            assert got.tolist() == [expect] * m
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ties_and_nans_follow_torch_argmax(dtype):
     """Duplicated maximal weight rows far apart (different chunks of the pool): the lowest index; a NaN logit beats

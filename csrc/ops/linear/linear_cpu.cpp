@@ -3,7 +3,8 @@
 //                    schedules with the same per-row bits at 2-16 rows on AVX-512 (linear_cpu_few_rows.h) and from
 //                    kLinearGemmMinM rows on (linear_cpu_gemm.h);
 //   linear_amx     - bf16 on AMX tiles (linear_amx_kernels.h), for CPUs with AMX-BF16;
-//   linear_argmax  - the greedy LM head: argmax of linear_small_m's rounded outputs (linear_argmax_cpu_kernels.h).
+//   linear_argmax  - the greedy LM head: argmax of linear_small_m's rounded outputs, fused at 1-16 rows
+//                    (linear_argmax_cpu_kernels.h).
 #include <torch/library.h>
 
 #include "ops/common/checks.h"
@@ -113,7 +114,8 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
   run_linear_small_m(out, in);
 }
 
-// out[m] = argmax_rows(linear_small_m(x, weight, bias))[m], the logits never stored at M = 1 (the greedy LM head).
+// out[m] = argmax_rows(linear_small_m(x, weight, bias))[m], the logits never stored where argmax_fuses_rows (the greedy
+// LM head of a decode row or a verify step's rows).
 void linear_argmax(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                    const std::optional<at::Tensor>& bias) {
   check_cpu(out, "out");
@@ -129,7 +131,8 @@ void linear_argmax(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   const LinearInputs in = check_linear(at::empty({1, N}, x.options()).expand({M, N}), x, weight, bias);
   if (M == 0) return;
   hint_next_weight(in.w, M);
-  if (M > 1 || in.x.size(1) == 0) {  // rows share the weight stream: the many-row schedules, then one argmax pass
+  if (!argmax_fuses_rows(in.x.scalar_type() == at::kBFloat16, M) || in.x.size(1) == 0) {
+    // the many-row (or few_rows_wide) schedules, then one argmax pass over the stored logits
     at::Tensor logits = at::empty({M, N}, x.options());
     if (!linear_trivial(logits, in)) run_linear_small_m(logits, in);
     PAGELLM_DISPATCH_FLOAT_TYPES(logits.scalar_type(), "linear_argmax", [&] {

@@ -268,15 +268,16 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
         if lora_slots is not None:
             extra["lora_slots"] = lora_slots
         sampling_rows = np.flatnonzero(sched_out.do_sample)
-        if self.greedy_head and not prompt_logprob_rows and not len(sched_out.draft_token_ids) \
-                and self._all_plain_greedy(seq_ids, sampling_rows):
+        # every sampling row plain greedy: the LM head's fused argmax gives the tokens, and a spec row's verify needs
+        # only its rows' argmax (spec_step.verify_from_argmax), so no [rows, V] logits (session 18)
+        if self.greedy_head and not prompt_logprob_rows and self._all_plain_greedy(seq_ids, sampling_rows):
             extra["greedy_token_ids"] = True
         result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
         if self.spec_switch is not None and result.graph_warmup:  # a one-time cost, no sample of a step's
             self.spec_switch.discard_step()
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)
         if len(sched_out.draft_token_ids):
-            update = self._sample_and_verify(sched_out, seq_ids, result.logits)
+            update = self._sample_and_verify(sched_out, seq_ids, result.logits, target_ids=result.sampled_token_ids)
         else:
             targets, rows, logit_rows = self._build_sampling_rows(seq_ids, sampling_rows)
             if rows is None and result.sampled_token_ids is not None:  # the LM head's fused argmax

@@ -210,17 +210,20 @@ class SpecDecodeStep:
                 for p in (parents if parents is not None else chain_parents(counts[r]))]
         return np.asarray(flat, dtype=np.int32)
 
-    def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor, rows) -> TreePaths | None:
-        """The path of every tree row (greedy; sampled rows: typical acceptance's; None: no tree this step)."""
+    def _tree_paths(self, sched_out, split, spec_logits: torch.Tensor | None, rows,
+                    target_ids: list[int] | None = None) -> TreePaths | None:
+        """The path of every tree row (greedy; sampled rows: typical acceptance's; None: no tree this step).
+        target_ids: the spec logits rows' argmax when the LM head gave it (every row plain greedy; no spec_logits)."""
         self._tree_last_rows = {}
         parents = getattr(self, "_step_tree_parents", None)
         if not parents:
             return None
         seq_ids = [sched_out.request_ids[r] for r in split.spec_rows]
-        target_ids = argmax_rows(spec_logits).tolist()  # torch's argmax rule, without its slow CPU reduction
+        if target_ids is None:
+            target_ids = argmax_rows(spec_logits).tolist()  # torch's argmax rule, without its slow CPU reduction
         row_parents = [parents.get(int(r)) for r in split.spec_rows]
         chosen = typical_tree_paths(split, row_parents, rows, spec_logits, self.sampler.typical_acceptance,
-                                    self.vocab_size)
+                                    self.vocab_size)  # {} when rows is None (every row plain greedy)
         return choose_tree_paths(split, row_parents, target_ids, seq_ids, chosen)
 
     def _commit_tree_paths(self, sched_out, seq_ids: list[str], paths: TreePaths, accepted: list[list[int]]) -> None:
@@ -254,13 +257,17 @@ class SpecDecodeStep:
             return {}
 
     def _sample_and_verify(self, sched_out, seq_ids: list[str], logits: torch.Tensor,
-                           live: list[bool] | None = None) -> StepUpdate:
+                           live: list[bool] | None = None, target_ids: torch.Tensor | None = None) -> StepUpdate:
         """A step with spec rows: plain sampling rows are sampled as usual, spec rows verified; each spec
         row's accepted tokens are appended one by one with stop checks (a stop truncates the run). `live`
-        (a step collected from the pipeline): per scheduler row, False for one aborted in flight (no token)."""
+        (a step collected from the pipeline): per scheduler row, False for one aborted in flight (no token).
+        `target_ids` (int64 [logits rows]): every sampling row is plain greedy and the LM head gave each logits row's
+        argmax instead of the logits (the runner's greedy_token_ids): tokens and verification come from those."""
         split = split_spec_rows(sched_out)
         if live is not None:
             split = keep_rows(split, np.asarray(live, dtype=bool))
+        if target_ids is not None:
+            return self._verify_from_argmax(sched_out, seq_ids, split, target_ids.tolist())
         update = StepUpdate()
         if len(split.plain_rows):
             targets, rows, logit_rows = self._build_sampling_rows(seq_ids, split.plain_rows)
@@ -288,6 +295,32 @@ class SpecDecodeStep:
             verified = self.sampler.verify(spec_logits, split.draft_token_ids, md)
         if paths is not None:
             self._commit_tree_paths(sched_out, seq_ids, paths, verified.accepted_token_ids)
+        return self._append_verified(update, seqs, split, paths, verified)
+
+    def _verify_from_argmax(self, sched_out, seq_ids: list[str], split, target_ids: list[int]) -> StepUpdate:
+        """_sample_and_verify of a step whose sampling rows are all plain greedy, from each logits row's argmax: plain
+        rows take theirs; spec rows (chains and trees) keep their path's drafts up to the first one the target's
+        argmax before it disagrees with, then the target's token there (verify_greedy_paths: the sampler's greedy
+        rule on the same argmax)."""
+        update = StepUpdate()
+        if len(split.plain_rows):
+            targets, _, _ = self._build_sampling_rows(seq_ids, split.plain_rows)
+            update = self._apply_sampled_tokens(targets, [target_ids[r] for r in split.plain_logit_rows.tolist()], None)
+        seqs = [self.output_processor.seq(seq_ids[r]) for r in split.spec_rows]
+        spec_ids = [target_ids[r] for r in split.spec_logit_rows.tolist()]
+        paths = self._tree_paths(sched_out, split, None, None, spec_ids)
+        if paths is not None:
+            verified = verify_greedy_paths(paths)
+            self._commit_tree_paths(sched_out, seq_ids, paths, verified.accepted_token_ids)
+        else:  # every spec row a chain: each chain is its own path
+            chains = choose_tree_paths(split, [None] * len(seqs), spec_ids, [seq.seq_id for _, seq in seqs])
+            verified = verify_greedy_paths(chains)
+        return self._append_verified(update, seqs, split, paths, verified)
+
+    def _append_verified(self, update: StepUpdate, seqs: list, split, paths: TreePaths | None, verified) -> StepUpdate:
+        """Append each spec row's accepted tokens (stop checks truncate a run) and record the statistics."""
+        if paths is not None:
+            split = paths.chain_split
         lt = verified.logprobs
         lists = None if lt is None else (lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist())
         now, start = time.time(), 0

@@ -276,7 +276,8 @@ def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 
 def linear_argmax(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """out int64 [M] = argmax over N of linear_small_m's out [M, N] (the first maximum; NaN counts as the maximum):
-    the greedy LM head, which at M = 1 never stores the logits. CPU tensors."""
+    the greedy LM head, which at M <= 16 (a decode row, a verify step's 1 + k rows) never stores the logits. CPU
+    tensors."""
     _float(x, "x")
     _dtype(_tensor(out, "out"), torch.int64, "out")
     _ndim(x, 2, "x")
