@@ -87,3 +87,26 @@ def test_bf16_logits_alone_equal_logits_in_a_mixed_batch(tiny_llama_dir, vocab):
         prompt_lp = lambda o: [None if d is None else sorted((t, lp.logprob) for t, lp in d.items())  # noqa: E731
                                for d in o.prompt_logprobs]
         assert prompt_lp(alone[0]) == prompt_lp(together[i])
+
+
+def test_bf16_prompt_split_bits_with_the_fma_prefill(tiny_llama_dir, vocab, monkeypatch):
+    """A prompt cut differently - whole, in prefill chunks, or behind a prefix-cache hit (the cached blocks are not
+    recomputed; the rest may take the multi-query decode path) - gives the same bits once bf16 prefill runs the FMA
+    kernel (PAGELLM_PREFILL_BF16=0, read on every call): its online softmax keeps fp32 probabilities, as the decode
+    kernel does. The default bf16 pair-dot prefill kernel rounds the probabilities to bf16 before P.V, so there a
+    prompt's logits depend on how it was split (README, "Precision and batch invariance")."""
+    monkeypatch.setenv("PAGELLM_PREFILL_BF16", "0")
+    rng = random.Random(11)
+    prompts = [[rng.randrange(5, vocab) for _ in range(n)] for n in (30, 47, 70)]
+    llm = _make_llm(tiny_llama_dir, dtype="bfloat16")
+    whole = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(12), use_tqdm=False)
+    again = llm.generate([{"prompt_token_ids": p} for p in prompts], _params(12), use_tqdm=False)
+    assert all(o.num_cached_tokens >= 16 for o in again)  # the second run did hit the prefix cache
+    chunked_llm = _make_llm(tiny_llama_dir, dtype="bfloat16", enable_prefix_caching=False,
+                            max_num_batched_tokens=16, enable_chunked_prefill=True)
+    chunked = chunked_llm.generate([{"prompt_token_ids": p} for p in prompts], _params(12), use_tqdm=False)
+    ref = [o.outputs[0] for o in whole]
+    for outs in (again, chunked):
+        assert [list(o.outputs[0].token_ids) for o in outs] == [list(o.token_ids) for o in ref]
+        assert _top_logits([o.outputs[0] for o in outs]) == _top_logits(ref)
+    _assert_all_blocks_free(llm.llm_engine)
