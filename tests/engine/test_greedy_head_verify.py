@@ -13,6 +13,7 @@ pytest.importorskip("pagellm._C", reason="needs the C++ extension (make install)
 
 from pagellm import LLM, SamplingParams  # noqa: E402
 from pagellm.ops import linear_dispatch  # noqa: E402
+from test_greedy_head import _counted  # noqa: E402
 
 MAX_TOKENS = 24
 
@@ -28,18 +29,6 @@ def _prompts(vocab: int, num: int, seed: int) -> list[list[int]]:
             body += seg + [rng.randrange(5, vocab) for _ in range(rng.randrange(1, 4))]
         prompts.append(body + seg if i % 3 else [rng.randrange(5, vocab) for _ in range(rng.randrange(4, 20))])
     return prompts
-
-
-def _counted(monkeypatch, obj, name: str) -> list[int]:
-    calls: list[int] = []
-    real = getattr(obj, name)
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(obj, name, counting)
-    return calls
 
 
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
