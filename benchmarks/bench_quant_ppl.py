@@ -143,7 +143,8 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 
 # "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
 AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
-               "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N"}
+               "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N",
+               "noscale": "--scale-search none", "rscale": "--scale-search rounding"}
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:
@@ -161,7 +162,7 @@ def refine_sweeps(options: tuple[str, ...]) -> int:
 
 
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
-                   rounding: str = "rtn", options: tuple[str, ...] = ()) -> str:
+                   rounding: str = "rtn", options: tuple[str, ...] = (), seed: int = 0) -> str:
     """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` and the
     `options` ("search", "seq", "refine": `AWQ_OPTIONS`) (its calibration text never includes this benchmark's
     held-out excerpt; group size `group`, None = the automatic choice), written once under `cache` and reused."""
@@ -173,13 +174,15 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     group = choose_group_size(files.hf_config, group)
     src = Path(files.source).resolve()
     tail = ("" if rounding == "rtn" else f"-{rounding}") + "".join(f"-{o}" for o in options if o != "gptq")
+    tail += f"-seed{seed}" if seed else ""
     out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}{tail}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
-                       refine_sweeps=refine_sweeps(options),
+                       refine_sweeps=refine_sweeps(options), seed=seed,
+                       scale_search="none" if "noscale" in options else "rounding" if "rscale" in options else "rtn",
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
@@ -257,7 +260,8 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
         options = awq_options(name)
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
                                              int(option) if option else None,
-                                             "gptq" if "gptq" in options else "rtn", options), None
+                                             "gptq" if "gptq" in options else "rtn", options,
+                                             args.awq_seed), None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -378,6 +382,7 @@ def main() -> None:
     ap.add_argument("--awq-cache", default=str(AWQ_CACHE_DIR), help="where the awq method's checkpoint is kept")
     ap.add_argument("--awq-num-samples", type=int, default=32, help="awq calibration samples")
     ap.add_argument("--awq-seq-len", type=int, default=256, help="awq calibration tokens per sample")
+    ap.add_argument("--awq-seed", type=int, default=0, help="awq calibration sample choice (`pagellm quantize --seed`)")
     args = ap.parse_args()
     if args.clock == "cpu" and (args.threads != 1 or os.environ.get("PAGELLM_NUM_THREADS") != "1"):
         ap.error("--clock cpu times the calling thread only: pass --threads 1 with PAGELLM_NUM_THREADS=1")
