@@ -190,3 +190,23 @@ def test_bad_scale_search_is_refused(tmp_path, tiny_llama_dir, capsys):
     assert main(["quantize", "--method", "awq", "--model", str(tiny_llama_dir), "--output", str(tmp_path / "b2"),
                  "--scale-search", "bogus"]) == 2
     assert "scale_search 'bogus' not supported" in capsys.readouterr().err
+
+
+def test_gptq_damp_reaches_the_rounding(tmp_path, tiny_llama_dir, capsys):
+    """`--gptq-damp` / `quantize_model_awq(gptq_damp=...)` is the damping GPTQ rounds with (a different damping, a
+    different checkpoint), and a damping outside (0, 1) is refused before anything is written."""
+    from safetensors.torch import load_file
+
+    from pagellm.entrypoints.cli import main
+    from pagellm.entrypoints.quantize import quantize_model_awq
+
+    with pytest.raises(ValueError, match=r"gptq_damp must be in \(0, 1\)"):
+        quantize_model_awq(str(tiny_llama_dir), tmp_path / "bad", gptq_damp=1.5, rounding="gptq")
+    assert not (tmp_path / "bad").exists()
+    args = ["quantize", "--method", "awq", "--model", str(tiny_llama_dir), "--group-size", "32", "--num-samples", "2",
+            "--seq-len", "16", "--rounding", "gptq"]
+    assert main(args + ["--output", str(tmp_path / "d01"), "--gptq-damp", "0.01"]) == 0
+    assert main(args + ["--output", str(tmp_path / "d30"), "--gptq-damp", "0.3"]) == 0
+    assert "gptq damp 0.3" in capsys.readouterr().out
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("d01", "d30"))
+    assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".qweight"))

@@ -43,7 +43,7 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
                        num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, clip: bool = True,
                        dtype: str = "float16", seed: int = 0, overwrite: bool = False, rounding: str = "rtn",
                        group_search: bool = False, true_sequential: bool = False, refine_sweeps: int = 0,
-                       scale_search: str = "rtn", progress: Callable[[str], None] | None = None) -> Path:
+                       scale_search: str = "rtn", gptq_damp: float = 0.01, progress: Callable[[str], None] | None = None) -> Path:
     """AWQ-calibrate `model` (an HF dir, a .gguf, or None for the default model) and write the checkpoint to
     `output_dir`. Every argument is checked (ValueError) before any work; returns the output directory."""
     from pagellm.model_loader import open_model
@@ -71,12 +71,12 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
         raise ValueError(f"{files.path}: no tokenizer files; calibration needs the model's tokenizer")
     config = AWQCalibrationConfig(group_size=choose_group_size(files.hf_config, group_size), clip=clip,
                                   rounding=rounding, group_search=group_search, true_sequential=true_sequential,
-                                  refine_sweeps=refine_sweeps, scale_search=scale_search)
+                                  refine_sweeps=refine_sweeps, scale_search=scale_search, gptq_damp=gptq_damp)
     say = progress or (lambda _msg: None)
     say(f"model {files.source} ({files.hf_config.num_hidden_layers} layers), group size {config.group_size}, "
         f"{num_samples} samples x {seq_len} tokens, clip search {'on' if clip else 'off'}, rounding {rounding}, "
         f"group search {'on' if group_search else 'off'}, true-sequential {'on' if true_sequential else 'off'}, "
-        f"refine sweeps {refine_sweeps}, scale search {scale_search}")
+        f"refine sweeps {refine_sweeps}, scale search {scale_search}, gptq damp {gptq_damp:g}")
     samples = calibration_samples(files.tokenizer, num_samples, seq_len, seed)
     float_model = load_float_model(str(files.path))
     tensors = calibrate_model(float_model, samples, config, progress=progress)
@@ -90,7 +90,7 @@ def run(a: argparse.Namespace) -> int:
                              seq_len=a.seq_len, clip=not a.no_clip, dtype=a.dtype, seed=a.seed,
                              overwrite=a.overwrite, rounding=a.rounding, group_search=a.group_search,
                              true_sequential=a.true_sequential, refine_sweeps=a.refine_sweeps,
-                             scale_search=a.scale_search,
+                             scale_search=a.scale_search, gptq_damp=a.gptq_damp,
                              progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
@@ -120,6 +120,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--scale-search", default="rtn",
                    help="rtn: AWQ's scale grid judged by round-to-nearest (AutoAWQ) | rounding: s = 1 or a few low "
                         "alphas judged by the configured rounding | none: no AWQ scaling")
+    p.add_argument("--gptq-damp", type=float, default=0.01,
+                   help="GPTQ's damping: H + damp * mean(diag H) * I, in (0, 1) (default 0.01, GPTQ's)")
     p.add_argument("--dtype", default="float16", help="dtype of the unquantized tensors: float16 | bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0, help="calibration sample choice")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory")
