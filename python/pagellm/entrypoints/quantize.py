@@ -15,7 +15,9 @@ largest of 128 / 64 / 32 that divides every linear's in_features (SmolLM2-135M's
 `--rounding gptq` rounds each linear with GPTQ's error feedback (awq_gptq.py) after AWQ's scaling, in the
 same AutoAWQ layout; it adds well under a second of CPU per layer here (0.1 s for a 1536 x 576 linear), and
 on SmolLM2-135M brings word perplexity over bf16 from +16.7 % to +7.7 % (group 64; benchmarks/README.md session 15).
-Calibration text: calibration_data.py.
+`--scale-search rounding|none` judges AWQ's per-channel scale by the configured rounding or drops it, and
+`--gptq-damp` sets GPTQ's damping (benchmarks/README.md session 18: neither beat the defaults' perplexity
+beyond the held-out text's noise). Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
