@@ -210,3 +210,19 @@ def test_gptq_damp_reaches_the_rounding(tmp_path, tiny_llama_dir, capsys):
     assert "gptq damp 0.3" in capsys.readouterr().out
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("d01", "d30"))
     assert any(not torch.equal(a[k], b[k]) for k in a if k.endswith(".qweight"))
+
+
+def test_cli_defaults_are_gptq_group_search_and_refinement(tmp_path, tiny_llama_dir, capsys):
+    """Session 18: `pagellm quantize --method awq` rounds with GPTQ + group search + 2 refinement sweeps unless told
+    otherwise; `--rounding rtn --no-group-search --refine-sweeps 0` is AutoAWQ's recipe (quantize_model_awq's defaults)."""
+    from pagellm.entrypoints.cli import main
+
+    base = ["quantize", "--method", "awq", "--model", str(tiny_llama_dir), "--group-size", "32", "--num-samples", "2",
+            "--seq-len", "16"]
+    assert main(base + ["--output", str(tmp_path / "default")]) == 0
+    out = capsys.readouterr().out
+    assert "rounding gptq, group search on" in out and "refine sweeps 2" in out
+    assert main(base + ["--output", str(tmp_path / "rtn"), "--rounding", "rtn", "--no-group-search",
+                        "--refine-sweeps", "0"]) == 0
+    out = capsys.readouterr().out
+    assert "rounding rtn, group search off" in out and "refine sweeps 0" in out

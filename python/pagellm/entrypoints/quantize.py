@@ -7,7 +7,11 @@
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
 
-Defaults are sized for a small model on a few CPU cores (32 samples x 256 tokens): the default model
+The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2` (`--rounding rtn
+--no-group-search --refine-sweeps 0` is AutoAWQ's recipe, `quantize_model_awq`'s defaults): on the default model at
+group 32 word perplexity over bf16 +9.4 % (RTN) against +3.25 % (mean of 3 seeds at 128 x 256 tokens, +1.8 to
++4.7 %; benchmarks/README.md sessions 15-18).
+Sizes suit a small model on a few CPU cores (32 samples x 256 tokens): with RTN the default model
 (SmolLM2-135M, 30 layers) took 4 min 15 s on 2 shared cores (145 CPU-seconds, 1.7 GB peak RSS), about 5 s
 of CPU per layer for the searches and 2 s per layer forward. AutoAWQ's own defaults, 128 x 512, make the
 forwards 8x dearer (the searches cost the same: they work on Gram matrices). The group size defaults to the
@@ -109,16 +113,17 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES, help="calibration samples")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
     p.add_argument("--no-clip", action="store_true", help="skip the weight-clipping search")
-    p.add_argument("--rounding", default="rtn",
-                   help="rtn: round to nearest (AWQ) | gptq: GPTQ's error-compensated rounding, same format")
-    p.add_argument("--group-search", action="store_true",
-                   help="choose each group's (scale, integer zero) by the linear's output error "
-                        "(replaces the clip search)")
+    p.add_argument("--rounding", default="gptq",
+                   help="gptq (default): GPTQ's error-compensated rounding | rtn: round to nearest (AutoAWQ's); same "
+                        "format")
+    p.add_argument("--group-search", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each group's (scale, integer zero) by the linear's output error (replaces the clip "
+                        "search; on by default, --no-group-search: min / max, or the clip search)")
     p.add_argument("--true-sequential", action="store_true",
                    help="round each linear for the inputs the already rounded linears before it give it")
-    p.add_argument("--refine-sweeps", type=int, default=0,
-                   help="after rounding, this many coordinate-descent sweeps over each linear's integers, zero "
-                        "points and scales on its output error (awq_refine.py; 2 is a good start)")
+    p.add_argument("--refine-sweeps", type=int, default=2,
+                   help="after rounding, this many coordinate-descent sweeps over each linear's integers and group "
+                        "scales on its output error (awq_refine.py; default 2, 0: none)")
     p.add_argument("--scale-search", default="rtn",
                    help="rtn: AWQ's scale grid judged by round-to-nearest (AutoAWQ) | rounding: s = 1 or a few low "
                         "alphas judged by the configured rounding | none: no AWQ scaling")
