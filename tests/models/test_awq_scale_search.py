@@ -226,3 +226,17 @@ def test_cli_defaults_are_gptq_group_search_and_refinement(tmp_path, tiny_llama_
                         "--refine-sweeps", "0"]) == 0
     out = capsys.readouterr().out
     assert "rounding rtn, group search off" in out and "refine sweeps 0" in out
+
+
+def test_cli_parser_defaults():
+    """The command's defaults (session 18): 128 calibration samples, GPTQ, group search, 2 refinement sweeps, GPTQ
+    damping 1 %, AutoAWQ's RTN-judged scale search."""
+    import argparse
+
+    from pagellm.entrypoints.quantize import add_quantize_parser
+
+    parser = argparse.ArgumentParser()
+    add_quantize_parser(parser.add_subparsers())
+    a = parser.parse_args(["quantize", "--method", "awq", "--output", "x"])
+    assert (a.num_samples, a.seq_len, a.rounding, a.group_search, a.refine_sweeps, a.gptq_damp, a.scale_search) == (
+        128, 256, "gptq", True, 2, 0.01, "rtn")

@@ -7,10 +7,10 @@
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
 
-The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2` (`--rounding rtn
---no-group-search --refine-sweeps 0` is AutoAWQ's recipe, `quantize_model_awq`'s defaults): on the default model at
-group 32 word perplexity over bf16 +9.4 % (RTN) against +3.25 % (mean of 3 seeds at 128 x 256 tokens, +1.8 to
-+4.7 %; benchmarks/README.md sessions 15-18).
+The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2 --num-samples 128`
+(`--rounding rtn --no-group-search --refine-sweeps 0 --num-samples 32` is session 15's recipe, `quantize_model_awq`'s
+defaults): on the default model at group 32 word perplexity over bf16 +9.4 % (RTN) against +3.25 % (mean of 3
+seeds at 128 x 256 tokens, +1.8 to +4.7 %; 385 s on 2 lightly loaded cores; benchmarks/README.md sessions 15-18).
 Sizes suit a small model on a few CPU cores (32 samples x 256 tokens): with RTN the default model
 (SmolLM2-135M, 30 layers) took 4 min 15 s on 2 shared cores (145 CPU-seconds, 1.7 GB peak RSS), about 5 s
 of CPU per layer for the searches and 2 s per layer forward. AutoAWQ's own defaults, 128 x 512, make the
@@ -35,6 +35,8 @@ from typing import Callable
 
 QUANTIZE_METHODS = ("awq",)
 DEFAULT_NUM_SAMPLES = 32
+# the command's: 128 x 256 tokens took the mean of 3 seeds from +3.97 % to +3.25 % (group 32, session 18), ~6.5 min
+CLI_NUM_SAMPLES = 128
 DEFAULT_SEQ_LEN = 256
 
 
@@ -110,7 +112,7 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output directory (must be empty or new unless --overwrite)")
     p.add_argument("--group-size", type=int, default=None,
                    help="inputs per quantization group (default: the largest of 128/64/32 that fits the model)")
-    p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES, help="calibration samples")
+    p.add_argument("--num-samples", type=int, default=CLI_NUM_SAMPLES, help="calibration samples (default 128)")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
     p.add_argument("--no-clip", action="store_true", help="skip the weight-clipping search")
     p.add_argument("--rounding", default="gptq",
