@@ -17,6 +17,9 @@ headings stripped), or, without it, a python3.11-doc reST page. Perplexity is wo
 exp(sum of token NLLs / number of words), so it does not depend on the tokenizer: the tokens are scored in
 windows of --window tokens, each window after the first re-reading the previous --context tokens unscored,
 so every token is scored exactly once (the first one after BOS, when the tokenizer has one).
+Beside each difference to the first method: its paired standard error (per-token NLL differences summed
+over 64-token blocks): on this ~5k-token text about 0.7-1 point for AWQ against bf16 and for two AWQ
+calibrations against each other (benchmarks/README.md session 18), so single differences of a point are noise.
 A random model (--model-size 1b) has no meaningful perplexity: only TPOT is measured there.
 
 TPOT: one request at a time through LLMEngine (add_request / step), prompt --prompt-len tokens, --tpot-tokens
@@ -143,7 +146,8 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 
 # "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
 AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
-               "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N"}
+               "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N",
+               "noscale": "--scale-search none", "rscale": "--scale-search rounding"}
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:
@@ -161,7 +165,7 @@ def refine_sweeps(options: tuple[str, ...]) -> int:
 
 
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
-                   rounding: str = "rtn", options: tuple[str, ...] = ()) -> str:
+                   rounding: str = "rtn", options: tuple[str, ...] = (), seed: int = 0) -> str:
     """An AWQ checkpoint of `model` made by `pagellm quantize --method awq --rounding <rounding>` and the
     `options` ("search", "seq", "refine": `AWQ_OPTIONS`) (its calibration text never includes this benchmark's
     held-out excerpt; group size `group`, None = the automatic choice), written once under `cache` and reused."""
@@ -173,13 +177,15 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     group = choose_group_size(files.hf_config, group)
     src = Path(files.source).resolve()
     tail = ("" if rounding == "rtn" else f"-{rounding}") + "".join(f"-{o}" for o in options if o != "gptq")
+    tail += f"-seed{seed}" if seed else ""
     out = cache / f"{src.stem}-awq-g{group}-n{num_samples}-l{seq_len}-{AWQ_SEARCH_VERSION}{tail}"
     if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
         return str(out)
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
-                       refine_sweeps=refine_sweeps(options),
+                       refine_sweeps=refine_sweeps(options), seed=seed,
+                       scale_search="none" if "noscale" in options else "rounding" if "rscale" in options else "rtn",
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
     return str(out)
@@ -257,7 +263,8 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
         options = awq_options(name)
         model, quantization = awq_checkpoint(model, Path(args.awq_cache), args.awq_num_samples, args.awq_seq_len,
                                              int(option) if option else None,
-                                             "gptq" if "gptq" in options else "rtn", options), None
+                                             "gptq" if "gptq" in options else "rtn", options,
+                                             args.awq_seed), None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -286,13 +293,26 @@ def word_perplexity(llm, token_ids: list[int], num_words: int, window: int, cont
         scored_from.append(start - lo)
     params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    nll, n = 0.0, 0
-    for out, first in zip(outs, scored_from):
-        for pos in range(first, len(out.prompt_token_ids)):
-            nll -= out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob
-            n += 1
+    token_nlls = [-out.prompt_logprobs[pos][out.prompt_token_ids[pos]].logprob
+                  for out, first in zip(outs, scored_from) for pos in range(first, len(out.prompt_token_ids))]
+    nll, n = sum(token_nlls), len(token_nlls)
     assert n == len(token_ids) - 1, (n, len(token_ids))
-    return {"tokens_scored": n, "words": num_words, "nll_per_token": nll / n, "word_ppl": math.exp(nll / num_words)}
+    return {"tokens_scored": n, "words": num_words, "nll_per_token": nll / n, "word_ppl": math.exp(nll / num_words),
+            "token_nlls": token_nlls}
+
+
+SE_BLOCK_TOKENS = 64  # neighbouring tokens' NLL differences are correlated: the paired SE is taken over blocks
+
+
+def paired_standard_error(nlls: list[float], base_nlls: list[float], num_words: int) -> float:
+    """The standard error, in percentage points of word perplexity, of one method's log word-perplexity
+    difference to another's on this text: the per-token NLL differences summed over blocks of SE_BLOCK_TOKENS
+    tokens, whose spread says how much the same comparison would move on another text of this length."""
+    diffs = [a - b for a, b in zip(nlls, base_nlls)]
+    blocks = [sum(diffs[i:i + SE_BLOCK_TOKENS]) for i in range(0, len(diffs) - SE_BLOCK_TOKENS + 1, SE_BLOCK_TOKENS)]
+    if len(blocks) < 2:
+        return float("nan")
+    return statistics.stdev(blocks) * math.sqrt(len(blocks)) / num_words * 100
 
 
 # "cpu": the calling thread's CPU time (with --threads 1 the kernels run on it: time spent descheduled by other
@@ -322,7 +342,8 @@ def render(data: dict) -> str:
     for m in data["methods"]:
         ppl = m.get("ppl")
         ppl_cell = f"{ppl['word_ppl']:.3f}" if ppl else "-"
-        rel = (f"{(ppl['word_ppl'] / base['ppl']['word_ppl'] - 1) * 100:+.2f} %" if ppl and base.get("ppl") else "-")
+        rel = (f"{(ppl['word_ppl'] / base['ppl']['word_ppl'] - 1) * 100:+.2f} % (SE {ppl['se_vs_first']:.2f})"
+               if ppl and base.get("ppl") else "-")
         secs = f"{ppl['seconds']:.1f}" if ppl else "-"
         rows.append([m["method"], f"{m['weight_bytes'] / 2**20:,.0f}", ppl_cell, rel, secs, f"{m['tpot_ms']:.1f}",
                      f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
@@ -333,7 +354,8 @@ def render(data: dict) -> str:
     table = C.md_table(["method", "weights MiB", "word ppl", "ppl vs first", "ppl pass s (prefill)", "TPOT ms",
                         "TPOT vs first"], rows)
     return head + table + ("\n\nTargets: int8 ppl <= first + 0.5 %; int8 TPOT <= 0.6x first on the ~1B model; "
-                           "AWQ ppl <= first + 3 %.")
+                           "AWQ ppl <= first + 3 %. SE: the paired standard error of the difference to the first "
+                           "method in points (`paired_standard_error`).")
 
 
 def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], args) -> list[dict]:
@@ -345,6 +367,8 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
             results[m]["ppl"] = word_perplexity(llm, ids, words, args.window, args.context)
             results[m]["ppl"]["seconds"] = time.perf_counter() - t
             print(f"[ppl] {m}: {results[m]['ppl']['word_ppl']:.3f}", flush=True)
+            first = results[next(iter(results))]["ppl"]["token_nlls"]
+            results[m]["ppl"]["se_vs_first"] = paired_standard_error(results[m]["ppl"]["token_nlls"], first, words)
         decode_tpot_ms(llm, prompt, args.tpot_tokens, f"warmup-{m}")
     for r in range(args.repeats):
         for m, llm in llms.items():
@@ -352,6 +376,7 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
                                                                CLOCKS[args.clock]))
     for res in results.values():
         res["tpot_ms"] = statistics.median(res["tpot_runs_ms"])
+        res.get("ppl", {}).pop("token_nlls", None)  # thousands of numbers: not kept in the results file
     return list(results.values())
 
 
@@ -378,6 +403,7 @@ def main() -> None:
     ap.add_argument("--awq-cache", default=str(AWQ_CACHE_DIR), help="where the awq method's checkpoint is kept")
     ap.add_argument("--awq-num-samples", type=int, default=32, help="awq calibration samples")
     ap.add_argument("--awq-seq-len", type=int, default=256, help="awq calibration tokens per sample")
+    ap.add_argument("--awq-seed", type=int, default=0, help="awq calibration sample choice (`pagellm quantize --seed`)")
     args = ap.parse_args()
     if args.clock == "cpu" and (args.threads != 1 or os.environ.get("PAGELLM_NUM_THREADS") != "1"):
         ap.error("--clock cpu times the calling thread only: pass --threads 1 with PAGELLM_NUM_THREADS=1")

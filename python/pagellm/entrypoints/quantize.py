@@ -7,7 +7,11 @@
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
 
-Defaults are sized for a small model on a few CPU cores (32 samples x 256 tokens): the default model
+The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2 --num-samples 128`
+(`--rounding rtn --no-group-search --refine-sweeps 0 --num-samples 32` is session 15's recipe, `quantize_model_awq`'s
+defaults): on the default model at group 32 word perplexity over bf16 +9.4 % (RTN) against +3.25 % (mean of 3
+seeds at 128 x 256 tokens, +1.8 to +4.7 %; 385 s on 2 lightly loaded cores; benchmarks/README.md sessions 15-18).
+Sizes suit a small model on a few CPU cores (32 samples x 256 tokens): with RTN the default model
 (SmolLM2-135M, 30 layers) took 4 min 15 s on 2 shared cores (145 CPU-seconds, 1.7 GB peak RSS), about 5 s
 of CPU per layer for the searches and 2 s per layer forward. AutoAWQ's own defaults, 128 x 512, make the
 forwards 8x dearer (the searches cost the same: they work on Gram matrices). The group size defaults to the
@@ -15,7 +19,9 @@ largest of 128 / 64 / 32 that divides every linear's in_features (SmolLM2-135M's
 `--rounding gptq` rounds each linear with GPTQ's error feedback (awq_gptq.py) after AWQ's scaling, in the
 same AutoAWQ layout; it adds well under a second of CPU per layer here (0.1 s for a 1536 x 576 linear), and
 on SmolLM2-135M brings word perplexity over bf16 from +16.7 % to +7.7 % (group 64; benchmarks/README.md session 15).
-Calibration text: calibration_data.py.
+`--scale-search rounding|none` judges AWQ's per-channel scale by the configured rounding or drops it, and
+`--gptq-damp` sets GPTQ's damping (benchmarks/README.md session 18: neither beat the defaults' perplexity
+beyond the held-out text's noise). Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
@@ -29,6 +35,8 @@ from typing import Callable
 
 QUANTIZE_METHODS = ("awq",)
 DEFAULT_NUM_SAMPLES = 32
+# the command's: 128 x 256 tokens took the mean of 3 seeds from +3.97 % to +3.25 % (group 32, session 18), ~6.5 min
+CLI_NUM_SAMPLES = 128
 DEFAULT_SEQ_LEN = 256
 
 
@@ -43,18 +51,20 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
                        num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, clip: bool = True,
                        dtype: str = "float16", seed: int = 0, overwrite: bool = False, rounding: str = "rtn",
                        group_search: bool = False, true_sequential: bool = False, refine_sweeps: int = 0,
-                       progress: Callable[[str], None] | None = None) -> Path:
+                       scale_search: str = "rtn", gptq_damp: float = 0.01, progress: Callable[[str], None] | None = None) -> Path:
     """AWQ-calibrate `model` (an HF dir, a .gguf, or None for the default model) and write the checkpoint to
     `output_dir`. Every argument is checked (ValueError) before any work; returns the output directory."""
     from pagellm.model_loader import open_model
     from pagellm.quantization.awq_calibrate import (
-        ROUNDINGS, AWQCalibrationConfig, calibrate_model, choose_group_size, load_float_model,
+        ROUNDINGS, SCALE_SEARCHES, AWQCalibrationConfig, calibrate_model, choose_group_size, load_float_model,
     )
     from pagellm.quantization.awq_export import AWQ_FLOAT_DTYPES, check_output_dir, write_awq_checkpoint
     from pagellm.quantization.calibration_data import calibration_samples
 
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding {rounding!r} not supported; allowed: {', '.join(ROUNDINGS)}")
+    if scale_search not in SCALE_SEARCHES:
+        raise ValueError(f"scale_search {scale_search!r} not supported; allowed: {', '.join(SCALE_SEARCHES)}")
     if dtype not in AWQ_FLOAT_DTYPES:
         raise ValueError(f"dtype {dtype!r} not supported; allowed: {', '.join(AWQ_FLOAT_DTYPES)}")
     if not isinstance(refine_sweeps, int) or isinstance(refine_sweeps, bool) or refine_sweeps < 0:
@@ -69,12 +79,12 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
         raise ValueError(f"{files.path}: no tokenizer files; calibration needs the model's tokenizer")
     config = AWQCalibrationConfig(group_size=choose_group_size(files.hf_config, group_size), clip=clip,
                                   rounding=rounding, group_search=group_search, true_sequential=true_sequential,
-                                  refine_sweeps=refine_sweeps)
+                                  refine_sweeps=refine_sweeps, scale_search=scale_search, gptq_damp=gptq_damp)
     say = progress or (lambda _msg: None)
     say(f"model {files.source} ({files.hf_config.num_hidden_layers} layers), group size {config.group_size}, "
         f"{num_samples} samples x {seq_len} tokens, clip search {'on' if clip else 'off'}, rounding {rounding}, "
         f"group search {'on' if group_search else 'off'}, true-sequential {'on' if true_sequential else 'off'}, "
-        f"refine sweeps {refine_sweeps}")
+        f"refine sweeps {refine_sweeps}, scale search {scale_search}, gptq damp {gptq_damp:g}")
     samples = calibration_samples(files.tokenizer, num_samples, seq_len, seed)
     float_model = load_float_model(str(files.path))
     tensors = calibrate_model(float_model, samples, config, progress=progress)
@@ -88,6 +98,7 @@ def run(a: argparse.Namespace) -> int:
                              seq_len=a.seq_len, clip=not a.no_clip, dtype=a.dtype, seed=a.seed,
                              overwrite=a.overwrite, rounding=a.rounding, group_search=a.group_search,
                              true_sequential=a.true_sequential, refine_sweeps=a.refine_sweeps,
+                             scale_search=a.scale_search, gptq_damp=a.gptq_damp,
                              progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
@@ -101,19 +112,25 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="output directory (must be empty or new unless --overwrite)")
     p.add_argument("--group-size", type=int, default=None,
                    help="inputs per quantization group (default: the largest of 128/64/32 that fits the model)")
-    p.add_argument("--num-samples", type=int, default=DEFAULT_NUM_SAMPLES, help="calibration samples")
+    p.add_argument("--num-samples", type=int, default=CLI_NUM_SAMPLES, help="calibration samples (default 128)")
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help="tokens per calibration sample")
     p.add_argument("--no-clip", action="store_true", help="skip the weight-clipping search")
-    p.add_argument("--rounding", default="rtn",
-                   help="rtn: round to nearest (AWQ) | gptq: GPTQ's error-compensated rounding, same format")
-    p.add_argument("--group-search", action="store_true",
-                   help="choose each group's (scale, integer zero) by the linear's output error "
-                        "(replaces the clip search)")
+    p.add_argument("--rounding", default="gptq",
+                   help="gptq (default): GPTQ's error-compensated rounding | rtn: round to nearest (AutoAWQ's); same "
+                        "format")
+    p.add_argument("--group-search", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each group's (scale, integer zero) by the linear's output error (replaces the clip "
+                        "search; on by default, --no-group-search: min / max, or the clip search)")
     p.add_argument("--true-sequential", action="store_true",
                    help="round each linear for the inputs the already rounded linears before it give it")
-    p.add_argument("--refine-sweeps", type=int, default=0,
-                   help="after rounding, this many coordinate-descent sweeps over each linear's integers, zero "
-                        "points and scales on its output error (awq_refine.py; 2 is a good start)")
+    p.add_argument("--refine-sweeps", type=int, default=2,
+                   help="after rounding, this many coordinate-descent sweeps over each linear's integers and group "
+                        "scales on its output error (awq_refine.py; default 2, 0: none)")
+    p.add_argument("--scale-search", default="rtn",
+                   help="rtn: AWQ's scale grid judged by round-to-nearest (AutoAWQ) | rounding: s = 1 or a few low "
+                        "alphas judged by the configured rounding | none: no AWQ scaling")
+    p.add_argument("--gptq-damp", type=float, default=0.01,
+                   help="GPTQ's damping: H + damp * mean(diag H) * I, in (0, 1) (default 0.01, GPTQ's)")
     p.add_argument("--dtype", default="float16", help="dtype of the unquantized tensors: float16 | bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0, help="calibration sample choice")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory")

@@ -10,7 +10,11 @@ The float model is HF transformers' in float32. For each decoder layer:
         post_attention_layernorm -> gate/up_proj
         up_proj                  -> down_proj
     and fold it: the consumers' input columns * s, the previous op / s (norm weight, or the linear's rows
-    and bias), so the float layer computes the same function;
+    and bias), so the float layer computes the same function. That grid is judged by round-to-nearest's
+    error, not by the rounding the calibration then does: `scale_search="rounding"` judges s = 1 and a few
+    low alphas by the configured rounding itself (`ROUNDING_SEARCH_ALPHAS`), `"none"` keeps s = 1. On the
+    default model (Q4_1-grid weights, GPTQ + group search + refine) RTN's choice raised every scaling
+    group's held-out output error 4-22 % over s = 1: scaling by s takes the weights off their grid;
  3. clip search per linear except q/k (AutoAWQ skips them: attention scores forgive their rounding);
  4. round every linear into AWQ's groups, `rounding="rtn"`: `quantize_awq` (round to nearest, AWQ's), or
     `"gptq"`: `awq_gptq.gptq_quantize` (error feedback across input columns from the linear's own Gram
@@ -32,7 +36,7 @@ the q/k/v and gate/up groups; the linears' outputs are cheaper and what the pape
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -42,7 +46,9 @@ from pagellm.quantization.awq_format import AWQ_PACK_FACTOR, dequantize_awq, pac
 from pagellm.quantization.awq_gptq import DAMP_FRACTION, gptq_quantize
 from pagellm.quantization.awq_group_search import search_quantize
 from pagellm.quantization.awq_refine import REFINE_DAMP, refine_rounding
-from pagellm.quantization.awq_search import InputStats, apply_clip, search_clip, search_scale
+from pagellm.quantization.awq_search import (
+    InputStats, apply_clip, output_error, search_clip, search_scale, search_scale_by_rounding,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
@@ -51,6 +57,14 @@ LAYER_LINEARS = ATTN_LINEARS + MLP_LINEARS
 NO_CLIP_LINEARS = ("self_attn.q_proj", "self_attn.k_proj")
 GROUP_SIZE_CHOICES = (128, 64, 32)  # the automatic choice: the largest that divides every linear's inputs
 ROUNDINGS = ("rtn", "gptq")
+# how each scaling group's s is chosen: "rtn": AutoAWQ's alpha grid judged by round-to-nearest's error (`search_scale`);
+# "rounding": s = 1 or a few alphas judged by the configured rounding itself (`search_scale_by_rounding`);
+# "none": s = 1, no AWQ scaling (see the module doc for why these exist)
+SCALE_SEARCHES = ("rtn", "rounding", "none")
+# alpha candidates of scale_search="rounding" beside s = 1: on the default model's Q4_1-grid weights, the held-out
+# error of GPTQ + group search + refine grew with alpha (s = 1 best in 9 of 9 groups of layers 0, 3, 14, 25,
+# alpha 0.25 within -2..+18 %, 0.5 +18..+59 %: benchmarks/README.md session 18), so the grid stays low
+ROUNDING_SEARCH_ALPHAS = (0.1, 0.2, 0.3)
 
 
 @dataclass(frozen=True)
@@ -72,10 +86,13 @@ class AWQCalibrationConfig:
     true_sequential: bool = False  # each linear rounded for the inputs the already rounded ones give it
     refine_sweeps: int = 0  # coordinate-descent sweeps over q and the scales on the output error (awq_refine)
     refine_damp: float = REFINE_DAMP  # the refinement's H + damp * mean(diag H) * I
+    scale_search: str = "rtn"  # how a scaling group's s is chosen (`SCALE_SEARCHES`)
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {ROUNDINGS}, got {self.rounding!r}")
+        if self.scale_search not in SCALE_SEARCHES:
+            raise ValueError(f"scale_search must be one of {SCALE_SEARCHES}, got {self.scale_search!r}")
         if not isinstance(self.refine_sweeps, int) or isinstance(self.refine_sweeps, bool) or self.refine_sweeps < 0:
             raise ValueError(f"refine_sweeps must be a non-negative integer, got {self.refine_sweeps!r}")
         if not self.refine_damp >= 0:
@@ -196,10 +213,9 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
             if index:
                 stats = {**stats, **recapture(captures)}
             for group in [g for g in pending if g.prev in linears or g.linears[0] in linears]:
-                weights = [layer.get_submodule(n).weight for n in group.linears]
-                s, losses[group.prev] = search_scale(stats[INPUT_OWNER[group.linears[0]]], weights,
-                                                     config.group_size, duo_scaling=config.duo_scaling)
-                fold_scales(layer, group, s, stats)
+                s, losses[group.prev] = choose_scale(layer, group, stats[INPUT_OWNER[group.linears[0]]], config)
+                if s is not None:
+                    fold_scales(layer, group, s, stats)
                 pending.remove(group)
             for name in linears:
                 linear = layer.get_submodule(name)
@@ -207,6 +223,32 @@ def calibrate_layer(layer: nn.Module, stats: dict[str, InputStats], config: AWQC
                 quantized[name] = quantize_linear(linear.weight.data, stats[INPUT_OWNER[name]], config, clip)
                 linear.weight.copy_(dequantize_awq(*quantized[name], config.group_size))
     return quantized, losses
+
+
+def choose_scale(layer: nn.Module, group: ScalingGroup, stats: InputStats,
+                 config: AWQCalibrationConfig) -> tuple[torch.Tensor | None, list[float]]:
+    """(s [in] to fold, or None for s = 1; the search's losses, s = 1's first) of one scaling group by
+    `config.scale_search`."""
+    weights = [layer.get_submodule(n).weight.detach() for n in group.linears]
+    if config.scale_search == "none":
+        return None, [1.0]
+    if config.scale_search == "rtn":
+        return search_scale(stats, weights, config.group_size, duo_scaling=config.duo_scaling)
+    clips = [config.clip and n not in NO_CLIP_LINEARS for n in group.linears]
+    unrefined = replace(config, refine_sweeps=0)
+
+    def rounded_error(s: torch.Tensor) -> float:
+        scaled = stats.scaled(s)
+        total = 0.0
+        for w, clip in zip(weights, clips):
+            ws = w.to(torch.float32) * s
+            wq = dequantize_awq(*quantize_linear(ws, scaled, unrefined, clip), config.group_size)
+            total += output_error(scaled.gram, wq - ws)
+        return total
+
+    s, losses = search_scale_by_rounding(stats, weights, config.group_size, rounded_error,
+                                         ROUNDING_SEARCH_ALPHAS, duo_scaling=config.duo_scaling)
+    return (None if bool((s == 1).all()) else s), losses
 
 
 def quantize_linear(w: torch.Tensor, stats: InputStats, config: AWQCalibrationConfig, clip: bool) -> tuple[

@@ -20,6 +20,7 @@ Everything is float32.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -45,6 +46,10 @@ class InputStats:
         self.gram += x.t() @ x
         self.abs_sum += x.abs().sum(dim=0)
         self.num_tokens += x.shape[0]
+
+    def scaled(self, s: torch.Tensor) -> "InputStats":
+        """A new InputStats of x / s (this one unchanged)."""
+        return InputStats(self.gram / (s.view(-1, 1) * s.view(1, -1)), self.abs_sum / s, self.num_tokens)
 
     def divide_inputs(self, s: torch.Tensor) -> None:
         """The statistics of x / s (after s was folded out of the producer)."""
@@ -117,6 +122,24 @@ def search_scale(stats: InputStats, weights: list[torch.Tensor], group_size: int
         losses.append(loss)
         if loss < best_loss:
             best, best_loss = s, loss
+    return best, losses
+
+
+def search_scale_by_rounding(stats: InputStats, weights: list[torch.Tensor], group_size: int,
+                             rounded_error: Callable[[torch.Tensor], float], alphas: tuple[float, ...],
+                             duo_scaling: bool = True) -> tuple[torch.Tensor, list[float]]:
+    """The s [in] among s = 1 and `activation_scales` at `alphas` whose `rounded_error(s)` (the output error of the
+    linears' weights W_i diag(s) as the calibration will really round them, on inputs x / s) is least, and the
+    errors (s = 1's first). Ties keep the earlier candidate, so s = 1 wins unless a scale is strictly better."""
+    mean_abs = stats.abs_sum / max(stats.num_tokens, 1)
+    w_mean = weight_scales(weights, group_size) if duo_scaling else None
+    best = torch.ones_like(mean_abs)
+    losses = [rounded_error(best)]
+    for alpha in alphas:
+        s = activation_scales(mean_abs, alpha, w_mean)
+        losses.append(rounded_error(s))
+        if losses[-1] < min(losses[:-1]):
+            best = s
     return best, losses
 
 
