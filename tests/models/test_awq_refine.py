@@ -4,8 +4,6 @@ weights after GPTQ + group search, bad input, and a refined calibration against 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -142,25 +140,15 @@ def test_refined_calibration_reproduces_the_model_and_beats_search(tmp_path, tin
     """`calibrate_model` with GPTQ + group search + refinement on a Q4_1-grid Llama: the written directory,
     dequantized into HF transformers, gives exactly the calibrated model's logits; on held-out text they are
     closer to the float model's than without the refinement."""
-    from test_awq_calibrate import _dequantized_state_dict, _relative_error
-    from test_awq_seq import _q4_1_llama
-
-    from pagellm.quantization.awq_calibrate import calibrate_model
-    from pagellm.quantization.awq_export import write_awq_checkpoint
+    from test_awq_seq import _calibrate_and_reload, _q4_1_llama
 
     src, float_model = _q4_1_llama(tmp_path, tiny_tokenizer)
     samples = calibration_samples(tiny_tokenizer, 8, 64, seed=0)
     held_out = torch.tensor(calibration_samples(tiny_tokenizer, 4, 64, seed=12345))
     errors = {}
     for tag, sweeps in (("search", 0), ("refined", 2)):
-        calibrated = copy.deepcopy(float_model)
         config = AWQCalibrationConfig(group_size=G, rounding="gptq", group_search=True, refine_sweeps=sweeps)
-        out = write_awq_checkpoint(calibrate_model(calibrated, samples, config), src, tmp_path / tag, G,
-                                   dtype="float32")
-        model = copy.deepcopy(float_model)
-        model.load_state_dict(_dequantized_state_dict(out), strict=True)
-        assert _relative_error(model, calibrated, held_out) < 1e-5
-        errors[tag] = _relative_error(model, float_model, held_out)
+        _, errors[tag] = _calibrate_and_reload(tmp_path, tag, src, float_model, samples, held_out, config)
     assert errors["refined"] < 0.97 * errors["search"], errors
 
 

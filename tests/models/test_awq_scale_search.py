@@ -133,25 +133,16 @@ def test_calibrated_model_without_scaling_reproduces_hf(tmp_path, tiny_tokenizer
     """`calibrate_model` with scale_search "none" and "rounding" on a Q4_1-grid Llama: the written directory,
     dequantized into HF transformers, gives exactly the calibrated model's logits; "none" leaves every norm
     weight as it was; "rounding" ends closer to the float model than AutoAWQ's RTN-judged scales."""
-    from test_awq_calibrate import _dequantized_state_dict, _relative_error
-    from test_awq_seq import _q4_1_llama
-
-    from pagellm.quantization.awq_calibrate import calibrate_model
-    from pagellm.quantization.awq_export import write_awq_checkpoint
+    from test_awq_seq import _calibrate_and_reload, _q4_1_llama
 
     src, float_model = _q4_1_llama(tmp_path, tiny_tokenizer)
     samples = calibration_samples(tiny_tokenizer, 8, 64, seed=0)
     held_out = torch.tensor(calibration_samples(tiny_tokenizer, 4, 64, seed=12345))
     errors = {}
     for scale_search in ("rtn", "rounding", "none"):
-        calibrated = copy.deepcopy(float_model)
         config = AWQCalibrationConfig(group_size=G, rounding="gptq", group_search=True, scale_search=scale_search)
-        out = write_awq_checkpoint(calibrate_model(calibrated, samples, config), src, tmp_path / scale_search, G,
-                                   dtype="float32")
-        model = copy.deepcopy(float_model)
-        model.load_state_dict(_dequantized_state_dict(out), strict=True)
-        assert _relative_error(model, calibrated, held_out) < 1e-5
-        errors[scale_search] = _relative_error(model, float_model, held_out)
+        calibrated, errors[scale_search] = _calibrate_and_reload(tmp_path, scale_search, src, float_model, samples,
+                                                                 held_out, config)
         if scale_search == "none":
             for before, after in zip(float_model.model.layers, calibrated.model.layers):
                 assert torch.equal(before.input_layernorm.weight, after.input_layernorm.weight)

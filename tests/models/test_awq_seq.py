@@ -206,29 +206,36 @@ def _q4_1_llama(tmp_path, tokenizer):
     return path, load_float_model(str(path))
 
 
-def test_session_16_options_reproduce_the_model_and_beat_gptq_on_q4_1_weights(tmp_path, tiny_tokenizer):
-    """`calibrate_model` with GPTQ + group search + true-sequential on a Q4_1-grid Llama: the written AutoAWQ
-    directory, dequantized into HF transformers, gives exactly the calibrated model's logits; on held-out text its
-    logits are closer to the float model's than session 15's GPTQ calibration's (measured relative logits error:
-    GPTQ 0.071, + group search 0.065, + true-sequential 0.063)."""
+def _calibrate_and_reload(tmp_path, tag, src, float_model, samples, held_out, config):
+    """calibrate_model(config) on a copy of float_model, its AutoAWQ directory written (fp32) and dequantized into
+    another copy: asserts that copy gives exactly the calibrated model's logits on held_out, and returns the
+    calibrated model and the directory's relative logits error against the float model there."""
     from test_awq_calibrate import _dequantized_state_dict, _relative_error
 
     from pagellm.quantization.awq_calibrate import calibrate_model
     from pagellm.quantization.awq_export import write_awq_checkpoint
 
+    calibrated = copy.deepcopy(float_model)
+    out = write_awq_checkpoint(calibrate_model(calibrated, samples, config), src, tmp_path / tag, G, dtype="float32")
+    model = copy.deepcopy(float_model)
+    model.load_state_dict(_dequantized_state_dict(out), strict=True)
+    assert _relative_error(model, calibrated, held_out) < 1e-5
+    return calibrated, _relative_error(model, float_model, held_out)
+
+
+def test_session_16_options_reproduce_the_model_and_beat_gptq_on_q4_1_weights(tmp_path, tiny_tokenizer):
+    """`calibrate_model` with GPTQ + group search + true-sequential on a Q4_1-grid Llama: the written AutoAWQ
+    directory, dequantized into HF transformers, gives exactly the calibrated model's logits; on held-out text its
+    logits are closer to the float model's than session 15's GPTQ calibration's (measured relative logits error:
+    GPTQ 0.071, + group search 0.065, + true-sequential 0.063)."""
     src, float_model = _q4_1_llama(tmp_path, tiny_tokenizer)
     samples = calibration_samples(tiny_tokenizer, 8, 64, seed=0)
     held_out = torch.tensor(calibration_samples(tiny_tokenizer, 4, 64, seed=12345))
     errors = {}
     seq = dict(group_search=True, true_sequential=True)
     for tag, extra in (("gptq", {}), ("seq", seq)):
-        calibrated = copy.deepcopy(float_model)
-        tensors = calibrate_model(calibrated, samples, AWQCalibrationConfig(group_size=G, rounding="gptq", **extra))
-        out = write_awq_checkpoint(tensors, src, tmp_path / tag, G, dtype="float32")
-        model = copy.deepcopy(float_model)
-        model.load_state_dict(_dequantized_state_dict(out), strict=True)
-        assert _relative_error(model, calibrated, held_out) < 1e-5
-        errors[tag] = _relative_error(model, float_model, held_out)
+        config = AWQCalibrationConfig(group_size=G, rounding="gptq", **extra)
+        _, errors[tag] = _calibrate_and_reload(tmp_path, tag, src, float_model, samples, held_out, config)
     assert errors["seq"] < 0.95 * errors["gptq"], errors
 
 
