@@ -39,7 +39,11 @@ from dataclasses import dataclass, field
 from typing import AsyncGenerator
 
 from pagellm.engine.async_engine_thread import EngineThreadMixin
-from pagellm.engine.async_engine_thread import EngineDeadError, EngineStepError, QueueFullError  # noqa: F401  (re-exported)
+from pagellm.engine.async_engine_thread import (  # noqa: F401  (re-exported)
+    EngineDeadError,
+    EngineStepError,
+    QueueFullError,
+)
 from pagellm.engine.engine_calls import EngineCallQueue
 from pagellm.engine.maintenance import EngineSleepingError
 from pagellm.engine.stats import EngineStats

@@ -111,8 +111,8 @@ def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def linear_argmax(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """int64 [M] = linear(x, weight).argmax(-1) (the first maximum of each row's logits as `linear` rounds them) for
     x [M, K] where `linear` would run linear_small_m (bf16 rows up to SMALL_M_MAX, fp32; CPU): the `linear_argmax` op,
-    the same per-logit bits, the logits never stored at 1-16 rows (a decode row, a verify step's 1 + k rows). None where `linear` would take another kernel (AMX tiles,
-    F.linear): the caller then computes the logits."""
+    the same per-logit bits, the logits never stored at 1-16 rows (a decode row, a verify step's 1 + k rows). None
+    where `linear` would take another kernel (AMX tiles, F.linear): the caller then computes the logits."""
     if (
         x.dim() == 2
         and 0 < x.shape[0]

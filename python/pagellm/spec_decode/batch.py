@@ -59,6 +59,7 @@ def _split_small(sched_out) -> SpecRows:
             plain.append(r)
             plain_logits.append(logit)
         logit += 1 + k
+
     def rows(values: list[int]) -> np.ndarray:
         return np.asarray(values, dtype=np.int64)
 
