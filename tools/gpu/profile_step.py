@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import pagellm.ops  # noqa: F401  (registers torch.ops.pagellm, linear_small_m among them)
+
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu import ceilings, cuda_median_ms, make_model  # noqa: E402
 

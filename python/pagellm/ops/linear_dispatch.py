@@ -49,10 +49,14 @@ AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pagellm's kernels
 
 
-# CUDA (session 17, H200): bf16 / fp16 linears of up to this many rows take linear_small_m's weight-streaming GEMV
-# instead of cuBLAS, whose M = 1 kernels reached 0.35-0.59 of the copy bandwidth on the ~1B model's o / qkv / down
-# projections (tools/gpu/profile_step.py). 0 (or PAGELLM_CUDA_GEMV_MAX_M=0) turns it off; bench_gpu.py measures both.
-CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "8"))
+# CUDA: bf16 / fp16 linears of up to this many rows take linear_small_m's weight-streaming GEMV instead of cuBLAS.
+# Written in session 17 because cuBLAS's M = 1 kernels reached 0.35-0.59 of the copy bandwidth on the ~1B model's
+# o / qkv / down projections; run in session 19 (H200, benchmarks/results/gpu-h200-session19) it lost: at M = 1 it
+# beat cuBLAS on o_proj alone (0.38 vs 0.34 of copy; qkv 0.40 vs 0.48, gate_up 0.68 vs 0.80, down 0.48 vs 0.60),
+# at M = 8 it took 3-6x cuBLAS's time, and the batch-1 graph replay took 1.15 ms against cuBLAS's 1.08-1.09 (three
+# runs). So it is off (0) until it wins; PAGELLM_CUDA_GEMV_MAX_M=N turns it on for up to N rows, and bench_gpu.py /
+# profile_step.py measure both.
+CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "0"))
 
 
 def _cpu_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
