@@ -47,6 +47,7 @@ def _cases():
     yield "silu_and_mul", (torch.empty(5, 64), x)
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
+    yield "linear_gemv", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24), 2, True)  # CUDA only
     yield "argmax_rows", (torch.empty(5, dtype=torch.int64), x.to(torch.bfloat16))
     yield "linear_argmax", (torch.empty(5, dtype=torch.int64), x, torch.randn(24, 128), torch.randn(24))
     yield "linear_argmax", (torch.empty(1, dtype=torch.int64), x[:1].to(torch.bfloat16), torch.randn(37, 128).to(
@@ -80,6 +81,10 @@ def _cases():
 def test_opcheck(name, args):
     if name == "linear_amx" and not ops.amx_available():
         pytest.skip("needs a CPU with AMX-BF16 (and a pagellm build that has it)")
+    if name == "linear_gemv":  # registered for CUDA only
+        if not torch.cuda.is_available():
+            pytest.skip("linear_gemv has a CUDA kernel only: needs a CUDA GPU")
+        args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(getattr(OP, name).default, args)
 
 

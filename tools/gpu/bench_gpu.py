@@ -2,8 +2,8 @@
 bf16 matrix rate), then a ~1.1B random Llama-shaped model in bf16 (hidden 2048, 16 layers, 32 heads / 8 KV heads,
 MLP 8192, vocabulary 32000) on device="cuda": batch-1 decode TPOT and its MBU, batch-64 decode throughput,
 batch-1 prefill of 2048 tokens and its MFU; the same model in HF transformers (eager PyTorch, SDPA attention)
-as the baseline; decode linears through the default dispatch (cuBLAS) and pagellm's CUDA GEMV. Medians of repeated
-runs. Prints a table; writes bench_gpu.json under --out.
+as the baseline; decode linears through the default dispatch (cuBLAS) and pagellm's CUDA GEMV (`linear_gemv`,
+kernel and PDL from --gemv-kernel / --gemv-pdl, rows up to --gemv-max-m). Medians of repeated runs. Prints a table; writes bench_gpu.json under --out.
 """
 
 from __future__ import annotations
@@ -79,6 +79,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gpu-out")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gemv-kernel", type=int, default=2, choices=(1, 2, 3), help="linear_gemv kernel of graphs_gemv")
+    ap.add_argument("--gemv-pdl", type=int, default=1, choices=(0, 1), help="graphs_gemv's GEMVs as PDL dependents")
+    ap.add_argument("--gemv-max-m", type=int, default=8, help="graphs_gemv: rows up to this take the GEMV")
     args = ap.parse_args()
     res = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__)
     res.update(ceilings())
@@ -112,11 +115,14 @@ def main() -> None:
     from pagellm import LLM, SamplingParams
     from pagellm.ops import linear_dispatch
 
-    default_rows = linear_dispatch.CUDA_GEMV_MAX_M
+    default = (linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL)
+    gemv = (args.gemv_max_m, args.gemv_kernel, bool(args.gemv_pdl))
+    res["gemv_config"] = dict(max_m=gemv[0], kernel=gemv[1], pdl=gemv[2], default=default)
     # graphs twice, around graphs_gemv: the spread between its two runs shows what the order alone does
-    for tag, eager, gemv_rows in (("graphs", False, default_rows), ("graphs_gemv", False, max(default_rows, 1)),
-                                  ("graphs_again", False, default_rows), ("eager", True, default_rows)):
-        linear_dispatch.CUDA_GEMV_MAX_M = gemv_rows  # decode linears of up to this many rows: pagellm's GEMV
+    for tag, eager, dispatch in (("graphs", False, default), ("graphs_gemv", False, gemv),
+                                 ("graphs_again", False, default), ("eager", True, default)):
+        # decode linears of up to max_m rows: pagellm's GEMV (this kernel, PDL or not), the others cuBLAS
+        linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL = dispatch
         try:
             llm = LLM(str(tmp / "llama-1b"), device="cuda", dtype="bfloat16", max_model_len=4096, seed=0,
                       enforce_eager=eager, kv_cache_memory_gb=16, max_num_seqs=64, enable_prefix_caching=False)
@@ -149,7 +155,9 @@ def main() -> None:
         print(tag, {k: v for k, v in res.items() if k.startswith(tag)}, flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "bench_gpu.json").write_text(json.dumps(res, indent=1))
-    print(f"| {res['device']} | copy {res['copy_gbs']:.0f} GB/s | bf16 {res['bf16_tflops']:.0f} TFLOP/s |")
+    print(f"| {res['device']} | copy {res['copy_gbs']:.0f} GB/s | bf16 {res['bf16_tflops']:.0f} TFLOP/s |"
+          f" graphs_gemv: M <= {gemv[0]} on linear_gemv kernel {gemv[1]}, PDL {'on' if gemv[2] else 'off'};"
+          f" the others: (max_m, kernel, pdl) = {default} |")
     print("| path | b1 TPOT ms | b1 MBU | b64 TPOT ms | b64 tok/s | prefill 2k ms | prefill MFU |")
     print("|---|---|---|---|---|---|---|")
     for tag in ("graphs", "graphs_gemv", "graphs_again", "eager"):

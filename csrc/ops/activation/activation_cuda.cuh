@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "ops/cuda_common/pdl.cuh"
 #include "ops/cuda_common/vec.cuh"
 
 namespace pagellm::cuda {
@@ -33,6 +34,7 @@ __device__ __forceinline__ T gated(T x, T y) {
 template <typename T, GateAct A>
 __global__ void act_and_mul_kernel(T* __restrict__ out, const T* __restrict__ in, int64_t d, int64_t out_row_stride,
                                    int64_t in_row_stride) {
+  pdl_launch_dependents();  // the down projection after silu_and_mul may start fetching its weights
   const int64_t row = blockIdx.x;
   const T* x = in + row * in_row_stride;
   const T* y = x + d;

@@ -18,6 +18,14 @@ struct GemvArgs {
   int64_t M, N, K, x_stride, w_stride, o_stride;
 };
 
+// Kernel 1 (gemv_cuda.cuh): one warp per output column.
 cudaError_t launch_linear_gemv(const GemvArgs& args, DType dtype, cudaStream_t stream);
+
+// Kernel 2 (gemv_split_cuda.cuh): K split across the warps of a CTA into the fewest slices (1, 2, 4, 8) that make
+// at least min_ctas CTAs while a slice keeps >= min_slice_vecs 16-byte vectors; several columns per warp. pdl:
+// launch as a programmatic dependent of the kernel before it (sm_90; ignored below). Inputs without 16-byte
+// vectors take kernel 1.
+cudaError_t launch_linear_gemv_split(const GemvArgs& args, DType dtype, int64_t min_ctas, int64_t min_slice_vecs,
+                                     bool pdl, cudaStream_t stream);
 
 }  // namespace pagellm::cuda

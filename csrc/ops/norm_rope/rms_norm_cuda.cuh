@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "ops/cuda_common/pdl.cuh"
 #include "ops/cuda_common/vec.cuh"
 
 namespace pagellm::cuda {
@@ -15,6 +16,7 @@ namespace pagellm::cuda {
 template <typename T, bool kVecIO>
 __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ weight,
                                 int64_t hidden, int64_t in_row_stride, int64_t out_row_stride, float eps) {
+  pdl_launch_dependents();  // a PDL-launched linear after the norm may start fetching its weights
   const T* x = in + blockIdx.x * in_row_stride;
   T* y = out + blockIdx.x * out_row_stride;
   constexpr int W = kVecIO ? VecTraits<T>::kElems : 1;
@@ -52,6 +54,7 @@ __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ in, c
 template <typename T, bool kVecIO>
 __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ residual, const T* __restrict__ weight,
                                           int64_t hidden, int64_t x_row_stride, int64_t res_row_stride, float eps) {
+  pdl_launch_dependents();
   T* xr = x + blockIdx.x * x_row_stride;
   T* rr = residual + blockIdx.x * res_row_stride;
   constexpr int W = kVecIO ? VecTraits<T>::kElems : 1;

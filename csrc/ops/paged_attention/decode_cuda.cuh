@@ -33,6 +33,7 @@
 
 #include "ops/cache_ops/kv_quant.cuh"
 #include "ops/paged_attention/attention_launch.h"
+#include "ops/cuda_common/pdl.cuh"
 #include "ops/cuda_common/vec.cuh"
 
 namespace pagellm::cuda {
@@ -103,6 +104,7 @@ __device__ __forceinline__ DecodeSplits decode_splits(const DecodeArgs& p, int s
 
 template <typename T, int D, typename C = T, int DV = D>
 __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const DecodeArgs p) {
+  pdl_launch_dependents();  // lets a PDL-launched kernel after it (o_proj) start fetching its weights
   constexpr bool kQuantized = kIsQuantizedCache<C>;
   constexpr int kVec = VecTraits<T>::kElems;  // elements per 16-byte vector of T (and per load of the cache)
   static_assert(D % kVec == 0, "head_dim must be a multiple of the vector width");
@@ -353,6 +355,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
 // grid = (num_seqs, num_heads), block = 128 threads. A sequence with one split was written by the split kernel.
 template <typename T>
 __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeArgs p) {
+  pdl_launch_dependents();
   __shared__ float w_s[kDecodeMaxSplits];
   __shared__ float inv_s;
   const int seq = blockIdx.x, h = blockIdx.y, D = decode_out_dim(p);

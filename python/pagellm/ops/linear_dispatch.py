@@ -16,10 +16,12 @@ try:
     _linear_argmax = torch.ops.pagellm.linear_argmax.default if _SMALL_M_OK else None
     _AMX_OK = _SMALL_M_OK and _compiled.amx_available()
     _linear_amx = torch.ops.pagellm.linear_amx.default if _AMX_OK else None
-    # a CUDA build registers linear_small_m's GEMV (gemv_cuda.cuh) for the CUDA dispatch key
-    _CUDA_GEMV_OK = _SMALL_M_OK and torch._C._dispatch_has_kernel_for_dispatch_key("pagellm::linear_small_m", "CUDA")
+    # a CUDA build registers the GEMVs (gemv_cuda.cuh, gemv_split_cuda.cuh) for the CUDA dispatch key
+    _CUDA_GEMV_OK = _SMALL_M_OK and torch._C._dispatch_has_kernel_for_dispatch_key("pagellm::linear_gemv", "CUDA")
+    _linear_gemv = torch.ops.pagellm.linear_gemv.default if _CUDA_GEMV_OK else None
 except Exception:  # pragma: no cover - depends on the build
     _SMALL_M_OK = _AMX_OK = _CUDA_GEMV_OK = False
+    _linear_gemv = None
 
 # Which kernel a bf16 CPU linear of M (flattened) rows runs (the one place this is decided; decode steps
 # replayed from a step graph replay the choice made here). Measured on the AMX dev machine:
@@ -57,6 +59,22 @@ _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pa
 # runs). So it is off (0) until it wins; PAGELLM_CUDA_GEMV_MAX_M=N turns it on for up to N rows, and bench_gpu.py /
 # profile_step.py measure both.
 CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "0"))
+
+
+def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+    return value
+
+
+# Which GEMV those rows run (`linear_gemv`'s kernel, docs/cuda.md): 1 = one warp per column (session 17), 2 = split-K
+# over a CTA's warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs).
+# Session 20 wrote 2-3 without a GPU; the next H200 run (tools/gpu/profile_step.py, bench_gpu.py) picks the default.
+CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3")))
+# Kernels 2-3 as programmatic dependents (PDL, sm_90): their weight fetch overlaps the end of the norm /
+# activation / attention kernel before them (those call griddepcontrol.launch_dependents). Also in CUDA graphs.
+CUDA_GEMV_PDL = _env_choice("PAGELLM_CUDA_PDL", "0", ("0", "1")) == "1"
 
 
 def _cpu_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -100,7 +118,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear_small_m's CUDA GEMV for a few rows, else F.linear (cuBLAS)."""
+    """linear_gemv (kernel CUDA_GEMV_KERNEL) for a few rows, else F.linear (cuBLAS)."""
     k = x.shape[-1]
     m = x.numel() // k if k else 0
     if (not 0 < m <= CUDA_GEMV_MAX_M or weight.dtype is not x.dtype or not weight.is_cuda
@@ -108,7 +126,7 @@ def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
-    _linear_small_m(out.view(m, -1), x.reshape(m, k), weight, bias)
+    _linear_gemv(out.view(m, -1), x.reshape(m, k), weight, bias, CUDA_GEMV_KERNEL, CUDA_GEMV_PDL)
     return out
 
 

@@ -28,6 +28,7 @@ __all__ = [
     "silu_and_mul",
     "gelu_and_mul",
     "linear_small_m",
+    "linear_gemv",
     "linear_argmax",
     "linear_amx",
     "bf16_dot_peak",
@@ -312,6 +313,12 @@ def gather_rows(out: torch.Tensor, src: torch.Tensor, index: torch.Tensor) -> No
 
 def linear_small_m(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     out.copy_(F.linear(x.float(), weight.float(), None if bias is None else bias.float()))
+
+
+def linear_gemv(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                kernel: int = 2, pdl: bool = False) -> None:
+    """linear_small_m's product; the CUDA kernel choice and PDL change the summation order only."""
+    linear_small_m(out, x, weight, bias)
 
 
 def linear_argmax(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:

@@ -1,0 +1,38 @@
+// Raw-pointer launcher of linear_gemv's kernel 2 (gemv_split_cuda.cuh; declared in gemv_launch.h). Torch-free.
+#include "ops/linear/gemv_launch.h"
+#include "ops/linear/gemv_split_cuda.cuh"
+
+namespace pagellm::cuda {
+namespace {
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// PDL needs sm_90; below it the attribute is dropped rather than trusted.
+bool device_has_pdl() {
+  int dev = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess)
+    return false;
+  return major >= 9;
+}
+
+}  // namespace
+
+cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min_ctas, int64_t min_slice_vecs, bool pdl,
+                                     cudaStream_t stream) {
+  if (a.M <= 0 || a.N <= 0) return cudaSuccess;
+  const int elem = dtype == DType::kFloat32 ? 4 : 2, vec = 16 / elem;
+  const bool vectorized = a.K % vec == 0 && a.x_stride % vec == 0 && a.w_stride % vec == 0 && aligned16(a.x) &&
+                          aligned16(a.w);
+  if (!vectorized) return launch_linear_gemv(a, dtype, stream);  // the scalar path lives there
+  if ((a.M + 7) / 8 > 65535 || a.N / 2 > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const int S = gemv_split_slices(a.N, a.K, elem, min_ctas, min_slice_vecs);
+  pdl = pdl && device_has_pdl();
+  switch (dtype) {
+    case DType::kFloat32: return gemv_split_typed<float>(a, S, pdl, stream);
+    case DType::kFloat16: return gemv_split_typed<__half>(a, S, pdl, stream);
+    case DType::kBFloat16: return gemv_split_typed<__nv_bfloat16>(a, S, pdl, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace pagellm::cuda
