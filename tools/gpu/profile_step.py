@@ -6,8 +6,8 @@
 2. the ~1.1B bf16 model of bench_gpu.py under `torch.profiler` for a batch-1 generation with CUDA graphs: wall time
    per token, GPU kernel time per token, and the kernels that take it (the host loop is the difference), under the
    environment's dispatch and again under kernel 2 + PDL;
-3. the batch-1 graph replay time under each variant (graphs recaptured per variant, variants interleaved over
-   rounds; medians).
+3. the batch-1 graph replay time under each variant, and under kernel 2 + PDL with other decode split grains
+   (PAGELLM_CUDA_DECODE_SPLIT_GRAIN): graphs recaptured per variant, variants interleaved over rounds; medians.
 
 Prints tables last; writes profile_step.json and the profiler tables under --out.
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,10 @@ from bench_gpu import ceilings, cuda_median_ms, make_model  # noqa: E402
 # (label, CUDA_GEMV_MAX_M, kernel, pdl): cuBLAS, then linear_gemv's kernels (docs/cuda.md)
 GEMV_VARIANTS = [("cublas", 0, 1, False), ("k1", 8, 1, False), ("k2", 8, 2, False), ("k3", 8, 3, False),
                  ("k2_pdl", 8, 2, True), ("k3_pdl", 8, 3, True)]
+# the batch-1 step under each GEMV variant (decode split grain: the kernel's default), then kernel 2 + PDL under
+# other PAGELLM_CUDA_DECODE_SPLIT_GRAIN values (the 190-token context: 256 makes one split, no reduction work)
+STEP_VARIANTS = [(*v, "") for v in GEMV_VARIANTS] + [
+    (f"k2_pdl_grain{g}", 8, 2, True, str(g)) for g in (16, 32, 128, 256)]
 
 
 def linear_rates(shapes: dict[str, tuple[int, int]], copy_gbs: float, m: int = 1) -> list[dict]:
@@ -69,8 +74,9 @@ def linear_rates(shapes: dict[str, tuple[int, int]], copy_gbs: float, m: int = 1
 
 
 def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[str, dict]:
-    """Batch-1 graph replay ms (median over rounds of 50-replay medians) under each GEMV_VARIANTS entry: the graphs
-    are recaptured per variant (linear_dispatch is read while capturing); variants interleaved in every round."""
+    """Batch-1 graph replay ms (median over rounds of 50-replay medians) under each STEP_VARIANTS entry: the graphs
+    are recaptured per variant (linear_dispatch and the split grain are read while capturing); variants
+    interleaved in every round."""
     from pagellm import SamplingParams
     from pagellm.ops import linear_dispatch
 
@@ -78,11 +84,13 @@ def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[st
     graphs = runner.cuda_graphs
     saved = (linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL)
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    res: dict[str, dict] = {tag: dict(replay_ms=[], wall_ms_per_token=[]) for tag, *_ in GEMV_VARIANTS}
+    res: dict[str, dict] = {tag: dict(replay_ms=[], wall_ms_per_token=[]) for tag, *_ in STEP_VARIANTS}
+    grain_env = os.environ.get("PAGELLM_CUDA_DECODE_SPLIT_GRAIN")
     for _ in range(rounds):
-        for tag, max_m, kernel, pdl in GEMV_VARIANTS:
+        for tag, max_m, kernel, pdl, grain in STEP_VARIANTS:
             linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL = max_m, kernel
             linear_dispatch.CUDA_GEMV_PDL = pdl
+            os.environ["PAGELLM_CUDA_DECODE_SPLIT_GRAIN"] = grain or (grain_env or "")
             graphs.invalidate()
             runner.cuda_graphs = graphs  # a failed capture sets it to None: the next variant gets it back
             llm.generate(prompt, sp, use_tqdm=False)  # captures bucket 1 under this variant
@@ -96,6 +104,10 @@ def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[st
             res[tag]["wall_ms_per_token"].append((time.perf_counter() - t0) * 1e3 / tokens)
             res[tag]["replay_ms"].append(cuda_median_ms(lambda: graphs.replay(1), iters=50))
     linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL = saved
+    if grain_env is None:
+        os.environ.pop("PAGELLM_CUDA_DECODE_SPLIT_GRAIN", None)
+    else:
+        os.environ["PAGELLM_CUDA_DECODE_SPLIT_GRAIN"] = grain_env
     runner.cuda_graphs = graphs
     graphs.invalidate()
     for r in res.values():
@@ -186,7 +198,7 @@ def main() -> None:
             print(f"| {tag} | {p['wall_ms_per_token']:.3f} | {p['gpu_ms_per_token']:.3f} |")
     print(f"batch-1 graph replay alone (environment's dispatch): {res.get('b1_replay_ms', float('nan')):.3f} ms")
     if "b1_replay_by_variant" in res:
-        print(f"| GEMV variant (M <= 8) | b1 replay ms (median of {args.rounds}) | all rounds | wall ms/token |\n"
+        print(f"| step variant (GEMV for M <= 8; split grain) | b1 replay ms (median of {args.rounds}) | all rounds | wall ms/token |\n"
               "|---|---|---|---|")
         for tag, r in res["b1_replay_by_variant"].items():
             rounds = " ".join(f"{x:.3f}" for x in r["replay_ms"]) or r.get("error", "-")

@@ -42,12 +42,16 @@ struct DecodeArgs {
   // Output / value width when smaller than head_dim (MLA: the first v_head_dim dims of the value rows; out and
   // tmp_out rows are v_head_dim wide); 0 = head_dim.
   int v_head_dim = 0;
+  // Tokens a split covers at least (the flash-decoding rule's grain); 0 = kDecodeSplitGrain (64). The glue takes
+  // it from PAGELLM_CUDA_DECODE_SPLIT_GRAIN (a benchmark sweep's knob).
+  int split_grain = 0;
 };
 
 // The scratch's split capacity: the most context splits a sequence of this launch can have (1 = none, no
 // scratch). max_context is an upper bound of every seq_len (e.g. max_blocks * block_size). A sequence's splits
 // depend on its own length only (decode_cuda.cuh), so the result does not depend on the batch.
-int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window);
+int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window,
+                      int split_grain = 0);
 // CTAs per (sequence, head group) along the split axis: enough to fill the GPU (about four CTAs per SM), at most
 // num_splits; each takes splits z, z + ctas, ... Queries the current device's SM count (cached per device).
 int decode_split_ctas(int num_seqs, int heads_ctas, int num_splits);

@@ -2,7 +2,8 @@
 //
 // grid = (num_seqs, num_kv_heads * head_groups, split CTAs), block = 128 threads (4 warps).
 // Flash-decoding: a sequence's context [start, L) is cut into nsplit = ceil(range / per) splits of `per` tokens,
-// per = max(kDecodeSplitGrain, ceil(range / kDecodeMaxSplits)) (decode_split_len): a function of the sequence's
+// per = max(grain, ceil(range / kDecodeMaxSplits)) (decode_split_len; grain = DecodeArgs::split_grain, default
+// kDecodeSplitGrain): a function of the sequence's
 // own length alone, so a row's result does not depend on the batch, the grid or the block-table width (batch
 // invariance). CTA z of a (sequence, kv head, head group) takes splits z, z + gridDim.z, ... (decode_split_ctas
 // sizes the grid to fill the GPU); a short context is still spread over several CTAs, since one CTA walking a
@@ -47,12 +48,14 @@ constexpr int kDecodeMaxSplits = 64;        // a sequence has at most this many 
 constexpr int kPvRows = 4;                  // value rows a PV lane loads before it uses the first
 
 // Tokens per split of a context of `range` tokens, and the number of splits (>= 1; 1 for an empty context).
-__host__ __device__ inline int64_t decode_split_len(int64_t range) {
-  const int64_t per = (range + kDecodeMaxSplits - 1) / kDecodeMaxSplits;
-  return per > kDecodeSplitGrain ? per : kDecodeSplitGrain;
+// grain <= 0: kDecodeSplitGrain.
+__host__ __device__ inline int64_t decode_split_len(int64_t range, int grain) {
+  const int64_t per = (range + kDecodeMaxSplits - 1) / kDecodeMaxSplits, g = grain > 0 ? grain : kDecodeSplitGrain;
+  return per > g ? per : g;
 }
-__host__ __device__ inline int decode_split_count(int64_t range) {
-  return range <= 0 ? 1 : static_cast<int>((range + decode_split_len(range) - 1) / decode_split_len(range));
+__host__ __device__ inline int decode_split_count(int64_t range, int grain) {
+  const int64_t per = decode_split_len(range, grain);
+  return range <= 0 ? 1 : static_cast<int>((range + per - 1) / per);
 }
 
 // Largest power of two <= cap dividing n.
@@ -93,8 +96,8 @@ __device__ __forceinline__ DecodeSplits decode_splits(const DecodeArgs& p, int s
   r.L = max(p.seq_lens[seq], 0);
   r.start = p.window > 0 ? max64(0, r.L - p.window) : 0;
   const int64_t range = r.L - r.start;
-  r.per = decode_split_len(range);
-  r.nsplit = decode_split_count(range);
+  r.per = decode_split_len(range, p.split_grain);
+  r.nsplit = decode_split_count(range, p.split_grain);
   if (r.nsplit > p.num_splits) {
     r.nsplit = p.num_splits;
     r.per = ceil_div(range, p.num_splits);

@@ -24,11 +24,12 @@ int sm_count() {
 
 }  // namespace
 
-int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window) {
+int decode_num_splits(int num_seqs, int num_heads, int num_kv_heads, int64_t max_context, int window,
+                      int split_grain) {
   if (num_seqs <= 0 || num_kv_heads <= 0 || num_heads <= 0) return 1;
   int64_t ctx = max_context;
   if (window > 0 && window < ctx) ctx = window;
-  return decode_split_count(ctx);  // the most splits a context this long has (decode_split_count grows with it)
+  return decode_split_count(ctx, split_grain);  // the most splits a context this long has (grows with it)
 }
 
 int decode_split_ctas(int num_seqs, int heads_ctas, int num_splits) {

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "ops/cuda_common/torch_glue.h"
 #include "ops/paged_attention/attention_checks.h"
@@ -12,6 +13,19 @@
 
 namespace pagellm::cuda {
 namespace {
+
+// PAGELLM_CUDA_DECODE_SPLIT_GRAIN: the fewest tokens of a flash-decoding split (DecodeArgs::split_grain), for a
+// benchmark sweep; unset = the kernel's default (64). Read at every call, so a CUDA graph captured after the
+// variable changed uses the new value. A row's bits depend on it (never on the batch).
+int decode_split_grain() {
+  const char* env = std::getenv("PAGELLM_CUDA_DECODE_SPLIT_GRAIN");
+  if (env == nullptr || *env == '\0') return 0;
+  char* end = nullptr;
+  const long v = std::strtol(env, &end, 10);
+  TORCH_CHECK(*end == '\0' && v >= 16 && v <= 65536,
+              "PAGELLM_CUDA_DECODE_SPLIT_GRAIN must be an integer in [16, 65536], got '", env, "'");
+  return static_cast<int>(v);
+}
 
 struct Common : PagedAttentionShape {
   DType dtype;
@@ -97,7 +111,8 @@ void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   a.scale = static_cast<float>(scale);
   a.softcap = static_cast<float>(softcap);
   TORCH_CHECK(aligned16(key_cache) && aligned16(value_cache), "key_cache / value_cache must be 16-byte aligned");
-  a.num_splits = decode_num_splits(a.num_seqs, a.num_heads, a.num_kv_heads, max_context, window);
+  a.split_grain = decode_split_grain();
+  a.num_splits = decode_num_splits(a.num_seqs, a.num_heads, a.num_kv_heads, max_context, window, a.split_grain);
   at::Tensor tmp_out, tmp_ms;
   if (a.num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
