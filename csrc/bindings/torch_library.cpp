@@ -81,9 +81,9 @@ TORCH_LIBRARY(pagellm, m) {
   // out[M, N] = x[M, K] @ weight[N, K]^T (+ bias[N]); weight-streaming kernel for small M (decode).
   m.def("linear_small_m(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");
   // The same product on CUDA with a chosen GEMV kernel (docs/cuda.md, linear_gemv): kernel 1 = linear_small_m's
-  // warp-per-column kernel, 2 = split-K over the warps of a CTA (~512 CTAs), 3 = the same split for ~1024 CTAs;
-  // pdl: kernels 2-3 launch as programmatic dependents (sm_90) and fetch weights before the kernel before them
-  // ends. bf16 / fp16 / fp32; a row's bits do not depend on M. CUDA only.
+  // warp-per-column kernel, 2 = split-K over the warps of a CTA (~512 CTAs), 3 = the same split for ~1024 CTAs,
+  // 4 = kernel 2 with fewer registers at M <= 2; pdl: kernels 2-4 launch as programmatic dependents (sm_90) and
+  // fetch weights before the kernel before them ends. bf16 / fp16 / fp32; a row's bits do not depend on M. CUDA only.
   m.def("linear_gemv(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int kernel=2, bool pdl=False) -> ()");
   // bf16 only, on Intel AMX tiles (CPU only; pagellm._C.cpu_has_amx_bf16() says whether it can run).
   m.def("linear_amx(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias) -> ()");

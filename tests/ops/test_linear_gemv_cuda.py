@@ -1,4 +1,4 @@
-"""linear_gemv on CUDA (kernels 1-3 of docs/cuda.md, PDL) against the reference: odd sizes that reach every K-slice
+"""linear_gemv on CUDA (kernels 1-4 of docs/cuda.md, PDL) against the reference: odd sizes that reach every K-slice
 count, K tails and the scalar fallback, strided x, bias; a row's bits independent of M and of PDL; PDL launches
 inside a CUDA graph after the norm / activation kernels that release them; the dispatch's environment switches."""
 
@@ -22,7 +22,7 @@ def _rand(*shape, dtype, seed=0):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", [2, 3])
+@pytest.mark.parametrize("kernel", [2, 3, 4])
 @pytest.mark.parametrize("M", [1, 2, 3, 5, 8, 9, 17])  # MR = 1, 2, 4 (3 rows), 8, then several row blocks
 # 64: lanes with no vector; 1001: no 16-byte vectors (kernel 1's scalar path); 2048 x 1537: 2-4 K slices and a
 # column tail; 8200 x 9: 8 uneven slices; 4104 x 2500: several chunks per lane
@@ -40,11 +40,12 @@ def test_linear_gemv_cuda(kernel, M, K, N, dtype):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", [1, 2, 3])
+@pytest.mark.parametrize("kernel", [1, 2, 3, 4])
 @pytest.mark.parametrize("K,N", [(2048, 1537), (8200, 9), (4104, 2500)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_linear_gemv_rows_independent_of_m_and_pdl(kernel, K, N, dtype):
-    """out[m] has the same bits whether computed alone, in a batch of 2, 4, 8 or 17 rows, with or without PDL."""
+    """out[m] has the same bits whether computed alone, in a batch of 2, 4, 8 or 17 rows, with or without PDL;
+    kernel 4 (kernel 2's K slices, fewer vectors in flight) gives kernel 2's bits."""
     x, w, b = _rand(17, K, dtype=dtype), _rand(N, K, dtype=dtype, seed=1), _rand(N, dtype=dtype, seed=2)
     alone = torch.empty(17, N, dtype=dtype, device="cuda")
     for m in range(17):
@@ -54,6 +55,10 @@ def test_linear_gemv_rows_independent_of_m_and_pdl(kernel, K, N, dtype):
             out = poison(torch.empty(rows, N, dtype=dtype, device="cuda"))
             OP.linear_gemv(out, x[:rows], w, b, kernel, pdl)
             assert torch.equal(out, alone[:rows]), (rows, pdl)
+    if kernel == 4:
+        k2 = torch.empty_like(alone)
+        OP.linear_gemv(k2, x, w, b, 2, False)
+        assert torch.equal(k2, alone)
 
 
 def _decode_mlp(x0, norm_w, w_gate_up, w_down, w_next, bufs, kernel, pdl):
@@ -67,7 +72,7 @@ def _decode_mlp(x0, norm_w, w_gate_up, w_down, w_next, bufs, kernel, pdl):
 
 
 @requires_cuda
-@pytest.mark.parametrize("kernel", [2, 3])
+@pytest.mark.parametrize("kernel", [2, 3, 4])
 def test_pdl_chain_in_cuda_graph(kernel):
     """PDL-launched GEMVs (weights fetched before the wait) replayed in a CUDA graph give the eager, non-PDL bits
     for every new input: no GEMV reads its x before the kernel that writes it has finished."""
@@ -105,15 +110,15 @@ def test_pdl_chain_in_cuda_graph(kernel):
 def test_linear_gemv_errors_and_dispatch(monkeypatch):
     x, w = _rand(3, 128, dtype=torch.bfloat16), _rand(20, 128, dtype=torch.bfloat16, seed=1)
     out = torch.empty(3, 20, dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(RuntimeError, match="kernel must be 1, 2 or 3"):
-        OP.linear_gemv(out, x, w, None, 4, False)
+    with pytest.raises(RuntimeError, match="kernel must be 1, 2, 3 or 4"):
+        OP.linear_gemv(out, x, w, None, 5, False)
     with pytest.raises(RuntimeError, match="weight must be a CUDA tensor"):
         OP.linear_gemv(out, x, w.cpu(), None, 2, False)
     with pytest.raises(RuntimeError, match="out must have shape"):
         OP.linear_gemv(out[:, :19], x, w, None, 2, False)
     torch.library.opcheck(OP.linear_gemv.default, (out, x, w, None, 2, True))
     monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_MAX_M", 4)
-    for kernel, pdl in ((2, False), (3, True)):
+    for kernel, pdl in ((2, False), (3, True), (4, True)):
         monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_KERNEL", kernel)
         monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_PDL", pdl)
         OP.linear_gemv(out, x, w, None, kernel, pdl)
@@ -123,9 +128,9 @@ def test_linear_gemv_errors_and_dispatch(monkeypatch):
 def test_env_choice_names_the_allowed_values(monkeypatch):
     """PAGELLM_CUDA_GEMV_KERNEL / PAGELLM_CUDA_PDL are read through _env_choice: a bad value is a ValueError."""
     monkeypatch.setenv("PAGELLM_CUDA_GEMV_KERNEL", "5")
-    with pytest.raises(ValueError, match="PAGELLM_CUDA_GEMV_KERNEL must be one of 1, 2, 3, got '5'"):
-        linear_dispatch._env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3"))
+    with pytest.raises(ValueError, match="PAGELLM_CUDA_GEMV_KERNEL must be one of 1, 2, 3, 4, got '5'"):
+        linear_dispatch._env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3", "4"))
     monkeypatch.setenv("PAGELLM_CUDA_GEMV_KERNEL", "3")
-    assert linear_dispatch._env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3")) == "3"
+    assert linear_dispatch._env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3", "4")) == "3"
     monkeypatch.delenv("PAGELLM_CUDA_PDL", raising=False)
     assert linear_dispatch._env_choice("PAGELLM_CUDA_PDL", "0", ("0", "1")) == "0"

@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gpu-out")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv-kernel", type=int, default=2, choices=(1, 2, 3), help="linear_gemv kernel of graphs_gemv")
+    ap.add_argument("--gemv-kernel", type=int, default=2, choices=(1, 2, 3, 4), help="linear_gemv kernel of graphs_gemv")
     ap.add_argument("--gemv-pdl", type=int, default=1, choices=(0, 1), help="graphs_gemv's GEMVs as PDL dependents")
     ap.add_argument("--gemv-max-m", type=int, default=8, help="graphs_gemv: rows up to this take the GEMV")
     args = ap.parse_args()

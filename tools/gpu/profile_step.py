@@ -1,7 +1,7 @@
 """Where a batch-1 decode step's time goes on the GPU (issue 21's MBU target), in one process:
 
 1. each linear's shape at M = 1, 4 and 8 through cuBLAS and through every `linear_gemv` variant (GEMV_VARIANTS:
-   kernel 1, 2, 3, with and without PDL), captured in a CUDA graph over rotating weight copies (so the 50 MB L2 cache
+   kernel 1, 2, 3, 4, with and without PDL), captured in a CUDA graph over rotating weight copies (so the 50 MB L2 cache
    does not hold them): achieved GB/s against the copy bandwidth of the same run;
 2. the ~1.1B bf16 model of bench_gpu.py under `torch.profiler` for a batch-1 generation with CUDA graphs: wall time
    per token, GPU kernel time per token, and the kernels that take it (the host loop is the difference), under the
@@ -33,7 +33,7 @@ from bench_gpu import ceilings, cuda_median_ms, make_model  # noqa: E402
 
 # (label, CUDA_GEMV_MAX_M, kernel, pdl): cuBLAS, then linear_gemv's kernels (docs/cuda.md)
 GEMV_VARIANTS = [("cublas", 0, 1, False), ("k1", 8, 1, False), ("k2", 8, 2, False), ("k3", 8, 3, False),
-                 ("k2_pdl", 8, 2, True), ("k3_pdl", 8, 3, True)]
+                 ("k4", 8, 4, False), ("k2_pdl", 8, 2, True), ("k3_pdl", 8, 3, True), ("k4_pdl", 8, 4, True)]
 # the batch-1 step under each GEMV variant (decode split grain: the kernel's default), then kernel 2 + PDL under
 # other PAGELLM_CUDA_DECODE_SPLIT_GRAIN values (the 190-token context: 256 makes one split, no reduction work)
 STEP_VARIANTS = [(*v, "") for v in GEMV_VARIANTS] + [

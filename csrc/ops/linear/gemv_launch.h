@@ -22,10 +22,11 @@ struct GemvArgs {
 cudaError_t launch_linear_gemv(const GemvArgs& args, DType dtype, cudaStream_t stream);
 
 // Kernel 2 (gemv_split_cuda.cuh): K split across the warps of a CTA into the fewest slices (1, 2, 4, 8) that make
-// at least min_ctas CTAs while a slice keeps >= min_slice_vecs 16-byte vectors; several columns per warp. pdl:
-// launch as a programmatic dependent of the kernel before it (sm_90; ignored below). Inputs without 16-byte
-// vectors take kernel 1.
+// at least min_ctas CTAs while a slice keeps >= min_slice_vecs 16-byte vectors; several columns per warp.
+// low_regs: half the weight vectors in flight per lane at M <= 2 (more CTAs per SM; same bits). pdl: launch as a
+// programmatic dependent of the kernel before it (sm_90; ignored below). Inputs without 16-byte vectors take
+// kernel 1.
 cudaError_t launch_linear_gemv_split(const GemvArgs& args, DType dtype, int64_t min_ctas, int64_t min_slice_vecs,
-                                     bool pdl, cudaStream_t stream);
+                                     bool low_regs, bool pdl, cudaStream_t stream);
 
 }  // namespace pagellm::cuda

@@ -152,11 +152,12 @@ cudaError_t gemv_split_rows(const GemvArgs& a, int S, bool pdl, cudaStream_t str
 }
 
 // MR rows of x per CTA (1, 2, 4, 8); columns per warp and vectors in flight per column by MR: NCW x U = 8
-// weight vectors (128 bytes) in flight per lane.
-template <typename T>
+// weight vectors (128 bytes) in flight per lane. kLowRegs (MR <= 2): U = 2, 4 vectors, ~64 registers instead of
+// ~100 for bf16 (sm_90), so 4 CTAs per SM instead of 2 (fewer waves for the small matrices); same bits.
+template <typename T, bool kLowRegs>
 cudaError_t gemv_split_typed(const GemvArgs& a, int S, bool pdl, cudaStream_t s) {
-  if (a.M == 1) return gemv_split_rows<T, 1, 2, 4>(a, S, pdl, s);
-  if (a.M == 2) return gemv_split_rows<T, 2, 2, 4>(a, S, pdl, s);
+  if (a.M == 1) return gemv_split_rows<T, 1, 2, kLowRegs ? 2 : 4>(a, S, pdl, s);
+  if (a.M == 2) return gemv_split_rows<T, 2, 2, kLowRegs ? 2 : 4>(a, S, pdl, s);
   if (a.M <= 4) return gemv_split_rows<T, 4, 4, 2>(a, S, pdl, s);
   return gemv_split_rows<T, 8, 4, 2>(a, S, pdl, s);
 }

@@ -17,8 +17,13 @@ bool device_has_pdl() {
 
 }  // namespace
 
-cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min_ctas, int64_t min_slice_vecs, bool pdl,
-                                     cudaStream_t stream) {
+template <typename T>
+cudaError_t gemv_split_regs(const GemvArgs& a, int S, bool low_regs, bool pdl, cudaStream_t stream) {
+  return low_regs ? gemv_split_typed<T, true>(a, S, pdl, stream) : gemv_split_typed<T, false>(a, S, pdl, stream);
+}
+
+cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min_ctas, int64_t min_slice_vecs,
+                                     bool low_regs, bool pdl, cudaStream_t stream) {
   if (a.M <= 0 || a.N <= 0) return cudaSuccess;
   const int elem = dtype == DType::kFloat32 ? 4 : 2, vec = 16 / elem;
   const bool vectorized = a.K % vec == 0 && a.x_stride % vec == 0 && a.w_stride % vec == 0 && aligned16(a.x) &&
@@ -28,9 +33,9 @@ cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min
   const int S = gemv_split_slices(a.N, a.K, elem, min_ctas, min_slice_vecs);
   pdl = pdl && device_has_pdl();
   switch (dtype) {
-    case DType::kFloat32: return gemv_split_typed<float>(a, S, pdl, stream);
-    case DType::kFloat16: return gemv_split_typed<__half>(a, S, pdl, stream);
-    case DType::kBFloat16: return gemv_split_typed<__nv_bfloat16>(a, S, pdl, stream);
+    case DType::kFloat32: return gemv_split_regs<float>(a, S, low_regs, pdl, stream);
+    case DType::kFloat16: return gemv_split_regs<__half>(a, S, low_regs, pdl, stream);
+    case DType::kBFloat16: return gemv_split_regs<__nv_bfloat16>(a, S, low_regs, pdl, stream);
   }
   return cudaErrorInvalidValue;
 }

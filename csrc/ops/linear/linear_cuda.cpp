@@ -51,18 +51,21 @@ void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weig
 }
 
 // kernel 2: the fewest K slices (of >= 64 vectors) that make >= 512 CTAs; kernel 3: >= 1024 CTAs, slices down to
-// 32 vectors (one per lane): more, shorter CTAs. On the ~1B model they differ on qkv, o and down (S = 4 vs 8).
+// 32 vectors (one per lane): more, shorter CTAs (on the ~1B model: qkv, o and down get S = 8 instead of 4);
+// kernel 4: kernel 2's slices (its bits) with half the vectors in flight per lane at M <= 2, more CTAs per SM.
 void linear_gemv(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                  int64_t kernel, bool pdl) {
-  TORCH_CHECK(kernel >= 1 && kernel <= 3, "linear_gemv: kernel must be 1, 2 or 3, got ", kernel);
+  TORCH_CHECK(kernel >= 1 && kernel <= 4, "linear_gemv: kernel must be 1, 2, 3 or 4, got ", kernel);
   GemvInputs held;
   const std::optional<GemvArgs> a = gemv_args(out, x, weight, bias, held);
   if (!a) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const DType dt = to_dtype(x, "x");
-  const cudaError_t err = kernel == 1 ? launch_linear_gemv(*a, dt, current_stream())
-                                      : launch_linear_gemv_split(*a, dt, kernel == 2 ? 512 : 1024, kernel == 2 ? 64 : 32, pdl,
-                                                                 current_stream());
+  const bool more_slices = kernel == 3;
+  const cudaError_t err =
+      kernel == 1 ? launch_linear_gemv(*a, dt, current_stream())
+                  : launch_linear_gemv_split(*a, dt, more_slices ? 1024 : 512, more_slices ? 32 : 64, kernel == 4, pdl,
+                                             current_stream());
   check_launch(err, "linear_gemv");
 }
 

@@ -69,10 +69,11 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
 
 
 # Which GEMV those rows run (`linear_gemv`'s kernel, docs/cuda.md): 1 = one warp per column (session 17), 2 = split-K
-# over a CTA's warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs).
-# Session 20 wrote 2-3 without a GPU; the next H200 run (tools/gpu/profile_step.py, bench_gpu.py) picks the default.
-CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3")))
-# Kernels 2-3 as programmatic dependents (PDL, sm_90): their weight fetch overlaps the end of the norm /
+# over a CTA's warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs), 4 =
+# kernel 2 with fewer registers at M <= 2. Session 20 wrote 2-4 without a GPU; the next H200 run
+# (tools/gpu/profile_step.py, bench_gpu.py) picks the default.
+CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3", "4")))
+# Kernels 2-4 as programmatic dependents (PDL, sm_90): their weight fetch overlaps the end of the norm /
 # activation / attention kernel before them (those call griddepcontrol.launch_dependents). Also in CUDA graphs.
 CUDA_GEMV_PDL = _env_choice("PAGELLM_CUDA_PDL", "0", ("0", "1")) == "1"
 
