@@ -36,7 +36,7 @@ for s in $STAGES; do case $s in
   ops) stage ops "$OPS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -k "$PYTEST_K" -n 8 --timeout 60 -rf tests/ops ;;
   probe) stage probe 120 python3 tools/gpu/raise_probe.py ;;
   gdb) stage gdb 150 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 tools/gpu/raise_probe.py 2 ;;
-  graphs) stage graphs 150 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py ;;
+  graphs) stage graphs 150 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_cuda_gemv_engine.py ;;
   engine) stage engine "$ENGINE_TIMEOUT" python3 tools/gpu/engine_check.py --out "$OUT" ;;
   bench) stage bench "$BENCH_TIMEOUT" python3 tools/gpu/bench_gpu.py --out "$OUT" ;;
   profile) stage profile "${PROFILE_TIMEOUT:-150}" python3 tools/gpu/profile_step.py --out "$OUT" ;;
