@@ -3,7 +3,8 @@ bf16 matrix rate), then a ~1.1B random Llama-shaped model in bf16 (hidden 2048, 
 MLP 8192, vocabulary 32000) on device="cuda": batch-1 decode TPOT and its MBU, batch-64 decode throughput,
 batch-1 prefill of 2048 tokens and its MFU; the same model in HF transformers (eager PyTorch, SDPA attention)
 as the baseline; decode linears through the default dispatch (cuBLAS) and pagellm's CUDA GEMV (`linear_gemv`,
-kernel and PDL from --gemv-kernel / --gemv-pdl, rows up to --gemv-max-m). Medians of repeated runs. Prints a table; writes bench_gpu.json under --out.
+kernel and PDL from --gemv-kernel / --gemv-pdl, rows up to --gemv-max-m). Medians of repeated runs. Prints a
+table; writes bench_gpu.json under --out.
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/gpu-out")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gemv-kernel", type=int, default=2, choices=(1, 2, 3, 4), help="linear_gemv kernel of graphs_gemv")
+    ap.add_argument("--gemv-kernel", type=int, default=2, choices=(1, 2, 3, 4), help="graphs_gemv: linear_gemv kernel")
     ap.add_argument("--gemv-pdl", type=int, default=1, choices=(0, 1), help="graphs_gemv's GEMVs as PDL dependents")
     ap.add_argument("--gemv-max-m", type=int, default=8, help="graphs_gemv: rows up to this take the GEMV")
     args = ap.parse_args()

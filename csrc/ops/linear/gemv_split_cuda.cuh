@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(kSplitGemvWarps * 32) linear_gemv_split_kernel
 #pragma unroll
   for (int c = 0; c < NCW; ++c)  // columns past N read row N - 1 (never written): no branch in the loads
     w_rows[c] = static_cast<const T*>(a.w) + (n0 + c < a.N ? n0 + c : a.N - 1) * a.w_stride;
-  const T* x = static_cast<const T*>(a.x) + m0 * a.x_stride;  // not __restrict__: no load of it may move above pdl_wait()
+  // not __restrict__: no load of x may move above pdl_wait()
+  const T* x = static_cast<const T*>(a.x) + m0 * a.x_stride;
 
   float acc[NCW][MR];
 #pragma unroll
