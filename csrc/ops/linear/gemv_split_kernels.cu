@@ -1,4 +1,6 @@
-// Raw-pointer launcher of linear_gemv's kernel 2 (gemv_split_cuda.cuh; declared in gemv_launch.h). Torch-free.
+// Raw-pointer launcher of linear_gemv's kernels 2-4 (gemv_split_cuda.cuh; declared in gemv_launch.h). Torch-free.
+#include <atomic>
+
 #include "ops/linear/gemv_launch.h"
 #include "ops/linear/gemv_split_cuda.cuh"
 
@@ -7,20 +9,24 @@ namespace {
 
 bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// PDL needs sm_90; below it the attribute is dropped rather than trusted.
+// PDL needs sm_90; below it the attribute is dropped rather than trusted. Cached per device (0 = not asked yet).
 bool device_has_pdl() {
+  static std::atomic<int> cache[64] = {};
   int dev = 0, major = 0;
   if (cudaGetDevice(&dev) != cudaSuccess) return false;
+  const bool cacheable = dev >= 0 && dev < 64;
+  if (cacheable && cache[dev].load(std::memory_order_relaxed) != 0) return cache[dev].load() > 0;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) return false;
+  if (cacheable) cache[dev].store(major >= 9 ? 1 : -1, std::memory_order_relaxed);
   return major >= 9;
 }
-
-}  // namespace
 
 template <typename T>
 cudaError_t gemv_split_regs(const GemvArgs& a, int S, bool low_regs, bool pdl, cudaStream_t stream) {
   return low_regs ? gemv_split_typed<T, true>(a, S, pdl, stream) : gemv_split_typed<T, false>(a, S, pdl, stream);
 }
+
+}  // namespace
 
 cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min_ctas, int64_t min_slice_vecs,
                                      bool low_regs, bool pdl, cudaStream_t stream) {
