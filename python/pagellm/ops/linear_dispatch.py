@@ -70,7 +70,7 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
 
 # Which GEMV those rows run (`linear_gemv`'s kernel, docs/cuda.md): 1 = one warp per column (session 17), 2 = split-K
 # over a CTA's warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs), 4 =
-# kernel 2 with fewer registers at M <= 2. Session 20 wrote 2-4 without a GPU; the next H200 run
+# kernel 2 with fewer registers at M <= 2. Session 19 wrote 2-4 without a GPU; the next H200 run
 # (tools/gpu/profile_step.py, bench_gpu.py) picks the default.
 CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3", "4")))
 # Kernels 2-4 as programmatic dependents (PDL, sm_90): their weight fetch overlaps the end of the norm /
