@@ -140,11 +140,13 @@ def test_linear_small_m_cuda(M, K, N, dtype):
 
 @requires_cuda
 def test_linear_small_m_cuda_opcheck_and_dispatch(monkeypatch):
-    """opcheck on CUDA; linear_dispatch sends CUDA bf16 rows up to CUDA_GEMV_MAX_M (off by default: set to 4 here)
-    to the GEMV (same bits as the op), more rows and autograd to F.linear."""
+    """opcheck on CUDA; linear_dispatch sends CUDA bf16 rows up to CUDA_GEMV_MAX_M (1 by default: set to 4 here) to
+    the GEMV (kernel 1, linear_small_m's, set here: same bits as the op), more rows and autograd to F.linear."""
     from pagellm.ops import linear_dispatch
 
     monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_MAX_M", 4)
+    monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_KERNEL", 1)
+    monkeypatch.setattr(linear_dispatch, "CUDA_GEMV_PDL", False)
 
     x, w = _rand(3, 128, dtype=torch.bfloat16).cuda(), _rand(20, 128, dtype=torch.bfloat16, seed=1).cuda()
     b = _rand(20, dtype=torch.bfloat16, seed=2).cuda()

@@ -51,14 +51,18 @@ AMX_MAX_M = 256 if _AMX_OK else 0
 _OWN_MAX_M = max(SMALL_M_MAX, AMX_MAX_M)  # bf16 rows up to this go to one of pagellm's kernels
 
 
-# CUDA: bf16 / fp16 linears of up to this many rows take linear_small_m's weight-streaming GEMV instead of cuBLAS.
-# Written in session 17 because cuBLAS's M = 1 kernels reached 0.35-0.59 of the copy bandwidth on the ~1B model's
-# o / qkv / down projections; run in session 19 (H200, benchmarks/results/gpu-h200-session19) it lost: at M = 1 it
-# beat cuBLAS on o_proj alone (0.38 vs 0.34 of copy; qkv 0.40 vs 0.48, gate_up 0.68 vs 0.80, down 0.48 vs 0.60),
-# at M = 8 it took 3-6x cuBLAS's time, and the batch-1 graph replay took 1.15 ms against cuBLAS's 1.08-1.09 (three
-# runs). So it is off (0) until it wins; PAGELLM_CUDA_GEMV_MAX_M=N turns it on for up to N rows, and bench_gpu.py /
-# profile_step.py measure both.
-CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "0"))
+# CUDA: bf16 / fp16 linears of up to CUDA_GEMV_MAX_M rows take `linear_gemv`'s weight-streaming GEMV (kernel
+# CUDA_GEMV_KERNEL, docs/cuda.md) instead of cuBLAS: 1 = one warp per column (session 17), 2 = split-K over a CTA's
+# warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs), 4 = kernel 2 with
+# fewer registers at M <= 2 (kernel 2's bits). With CUDA_GEMV_PDL they launch as programmatic dependents (sm_90;
+# ignored below): their first weight loads overlap the end of the norm / activation / attention kernel before them
+# (those call griddepcontrol.launch_dependents), also inside CUDA graphs.
+# Chosen from session 19's H200 runs (benchmarks/results/gpu-h200-session19, `profile_step.py`): the batch-1 graph
+# replay of the ~1B model, medians of 3 interleaved rounds: cuBLAS 1.210 ms, kernel 1 1.273, 2 1.283, 3 1.546,
+# 4 1.140, 2 + PDL 1.234, 4 + PDL **1.092**. Per shape at M = 1, kernel 4 + PDL reached 0.47-0.87 of the copy
+# bandwidth (cuBLAS 0.33-0.91: ahead on o and down, behind on gate_up and the LM head); at M = 4 and 8 cuBLAS wins
+# every shape, so only single rows take the GEMV. PAGELLM_CUDA_GEMV_MAX_M=0 is cuBLAS everywhere.
+CUDA_GEMV_MAX_M = int(os.environ.get("PAGELLM_CUDA_GEMV_MAX_M", "1"))
 
 
 def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
@@ -68,14 +72,8 @@ def _env_choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-# Which GEMV those rows run (`linear_gemv`'s kernel, docs/cuda.md): 1 = one warp per column (session 17), 2 = split-K
-# over a CTA's warps with several columns per warp (~512 CTAs), 3 = the same with more K slices (~1024 CTAs), 4 =
-# kernel 2 with fewer registers at M <= 2. Session 19 wrote 2-4 without a GPU; the next H200 run
-# (tools/gpu/profile_step.py, bench_gpu.py) picks the default.
-CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "1", ("1", "2", "3", "4")))
-# Kernels 2-4 as programmatic dependents (PDL, sm_90): their weight fetch overlaps the end of the norm /
-# activation / attention kernel before them (those call griddepcontrol.launch_dependents). Also in CUDA graphs.
-CUDA_GEMV_PDL = _env_choice("PAGELLM_CUDA_PDL", "0", ("0", "1")) == "1"
+CUDA_GEMV_KERNEL = int(_env_choice("PAGELLM_CUDA_GEMV_KERNEL", "4", ("1", "2", "3", "4")))
+CUDA_GEMV_PDL = _env_choice("PAGELLM_CUDA_PDL", "1", ("0", "1")) == "1"
 
 
 def _cpu_kernel_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
