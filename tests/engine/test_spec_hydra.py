@@ -286,3 +286,61 @@ def test_trainer_teaches_hydra_heads_what_follows_the_token():
     with torch.no_grad():
         after = float(medusa_loss(heads.teacher_forced(h_flat, inputs, lambda x: x @ lm.t()), labels))
     assert after < 0.7 * before, (before, after)
+
+
+def test_kl_loss_against_a_reference():
+    """medusa_loss with the target's logits: per head (1 - w) CE + w KL(target || head), decayed; w = 0 is the CE
+    alone, w = 1 with the head equal to the target is zero; odd sizes, labels outside the vocabulary (-100)."""
+    gen = torch.Generator().manual_seed(11)
+    logits, target = torch.randn(13, K, V, generator=gen), torch.randn(13, K, V, generator=gen)
+    labels = torch.randint(0, V, (13, K), generator=gen)
+    labels[2, 1] = -100
+    for w in (0.0, 0.3, 1.0):
+        expect = 0.0
+        for i in range(K):
+            p, logq = target[:, i].softmax(-1), logits[:, i].log_softmax(-1)
+            kl = float((p * (p.log() - logq)).sum(-1).mean())
+            keep = labels[:, i] >= 0
+            ce = float(-logq[keep].gather(1, labels[keep, i : i + 1]).mean())
+            expect += 0.8**i * ((1 - w) * ce + w * kl)
+        got = float(medusa_loss(logits, labels, target_logits=target, kl_weight=w))
+        assert got == pytest.approx(expect, rel=1e-5), (w, got, expect)
+    assert float(medusa_loss(logits, labels, target_logits=None, kl_weight=0.0)) == pytest.approx(
+        float(medusa_loss(logits, labels)))
+    assert float(medusa_loss(target, labels, target_logits=target, kl_weight=1.0)) == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match="kl_weight must be in"):
+        MedusaTrainConfig(kl_weight=1.5).check()
+
+
+def test_trainer_kl_targets_are_the_states_that_chose_the_labels():
+    """With kl_weight = 1 the heads learn only from the target's distribution at t + k + 1 (the LM head over the
+    state that chose label t + k + 2); the labels are other tokens, so the heads' top-1 must come to agree with the
+    argmax of those logits, not with the labels, and the KL must fall."""
+    gen = torch.Generator().manual_seed(12)
+    n, t, k = 12, 23, 2
+    ids = torch.randint(0, V, (n, t), generator=gen)
+    lm = torch.randn(V, H, generator=gen)
+    # the target's state at s chooses token (ids[s] * 5 + 1) % V: a function of the token there (Hydra reads it)
+    want = (ids * 5 + 1) % V
+    hidden = lm[want] * 3.0  # the LM head over this state peaks at `want`
+    heads = HydraHeads(H, V, num_heads=k)
+    heads.set_embedding(torch.randn(V, H, generator=gen))
+    wrong_labels = torch.zeros_like(ids)  # CE alone would teach token 0 everywhere
+    flat, _ = head_targets(ids, k)
+    inputs = head_inputs(ids, flat, k)
+    h_flat = hidden.reshape(-1, H)[flat]
+    target_logits = torch.stack([hidden.reshape(-1, H)[flat + i + 1] @ lm.t() for i in range(k)], dim=1)
+
+    def kl() -> tuple[float, torch.Tensor]:
+        with torch.no_grad():
+            logits = heads.teacher_forced(h_flat, inputs, lambda x: x @ lm.t())
+            return float(medusa_loss(logits, torch.zeros_like(flat)[:, None].expand(-1, k), target_logits=target_logits,
+                                     kl_weight=1.0)), logits
+    before, _ = kl()
+    train_heads(heads, lambda x: x @ lm.t(), hidden, ids, MedusaTrainConfig(steps=150, batch_size=128, lr=1e-2,
+                                                                               eval_every=0, kl_weight=1.0),
+                label_ids=wrong_labels)
+    after, logits = kl()
+    assert after < 0.5 * before, (before, after)
+    agree = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    assert agree > 0.8 and (logits.argmax(-1) == 0).float().mean() < 0.2, agree

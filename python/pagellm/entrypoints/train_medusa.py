@@ -28,7 +28,7 @@ def run(a: argparse.Namespace) -> int:
                                draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every,
                                head_type=a.head_type, sampled_fraction=a.sampled_fraction,
                                sample_temperature=a.sample_temperature, tree_row_cost=a.tree_row_cost,
-                               lr_schedule=a.lr_schedule, init_from=a.init_from)
+                               lr_schedule=a.lr_schedule, init_from=a.init_from, kl_weight=a.kl_weight)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
     say = lambda msg: print(f"[medusa] {msg}", flush=True)  # noqa: E731
@@ -120,6 +120,9 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tree-row-cost", type=float, default=d.tree_row_cost,
                    help="verify cost per extra query row relative to a plain step (benchmarks/bench_verify_rows.py's "
                         "c): picks the fitted tree that '\"tree\": \"heads\"' serves")
+    p.add_argument("--kl-weight", type=float, default=d.kl_weight,
+                   help="0-1: each head's loss is (1 - w) x CE on the target's greedy tokens + w x KL against the "
+                        "target's whole distribution there (its LM head over the recorded states)")
     p.add_argument("--draft-vocab-size", type=int, default=d.draft_vocab_size,
                    help="> 0: draft only the N most frequent tokens of the training labels (a [N, H] LM head "
                         "product per step instead of the whole vocabulary's)")

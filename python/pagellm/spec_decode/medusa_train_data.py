@@ -60,6 +60,9 @@ class MedusaTrainConfig:
     # 7 / 9 / 13 rows cost 1.22 / 1.26 / 1.26 / 1.39 / 1.55x a plain one, the heads and bookkeeping included, ~0.035 a
     # row): sizes the tree stored as "served" (medusa_tree_fit.py)
     tree_row_cost: float = 0.035
+    # > 0: each head's loss mixes in KL(target || head) against the target's whole distribution at the position
+    # it guesses, (1 - w) * CE + w * KL (medusa_train.medusa_loss): distillation beyond the argmax labels
+    kl_weight: float = 0.0
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -80,6 +83,8 @@ class MedusaTrainConfig:
             raise ValueError(f"lr must be > 0, got {self.lr}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if not 0.0 <= self.kl_weight <= 1.0:
+            raise ValueError(f"kl_weight must be in [0, 1], got {self.kl_weight}")
         if not self.tree_row_cost >= 0:
             raise ValueError(f"tree_row_cost must be >= 0, got {self.tree_row_cost}")
         if not 0.0 <= self.sampled_fraction <= 1.0 or not self.sample_temperature > 0:
