@@ -2,7 +2,6 @@
 // bad one would be an out-of-bounds write) then the byte-moving kernels in cache_ops_cpu_kernels.h.
 #include <torch/library.h>
 
-#include <algorithm>
 #include <vector>
 
 #include "ops/cache_ops/cache_ops_cpu_kernels.h"
@@ -126,11 +125,6 @@ void copy_slots(at::TensorList caches, const at::Tensor& slot_mapping) {
   if (caches.empty() || P == 0) return;
   auto map_c = slot_mapping.contiguous();
   const int64_t* map = map_c.data_ptr<int64_t>();
-  std::vector<int64_t> dst(P);
-  for (int64_t p = 0; p < P; ++p) dst[p] = map[2 * p + 1];
-  std::sort(dst.begin(), dst.end());
-  TORCH_CHECK(std::adjacent_find(dst.begin(), dst.end()) == dst.end(),
-              "slot_mapping: a destination slot appears twice (the result would depend on the order)");
   std::vector<SlotTensor> tensors;
   tensors.reserve(caches.size());
   for (const at::Tensor& c : caches) {

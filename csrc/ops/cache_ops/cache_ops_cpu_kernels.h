@@ -100,7 +100,8 @@ struct SlotTensor {
 };
 
 // For every tensor and pair p: the num_heads rows of slot mapping[2p + 1] = those of slot mapping[2p], every source
-// copied out to `scratch` before any destination is written (a source may be an earlier pair's destination). A tree
+// copied out to `scratch` before any destination is written (a source may be an earlier pair's destination; a
+// destination named twice ends with the later pair's row). A tree
 // path moves a few slots of ~60 tensors: one thread, memcpy per row.
 inline void copy_slots_kernel(const SlotTensor* tensors, int64_t num_tensors, const int64_t* mapping, int64_t num_pairs,
                               std::vector<char>& scratch) {

@@ -173,7 +173,8 @@ def move_kv_slots(worker, src_slots: list[int], dst_slots: list[int]) -> None:
     if ops.ops_available()[0] and all(t.device.type == "cpu" for t in tensors):
         # one op over every tensor: the Python moves below cost ~4 us per (tensor, slot) over ~60 cache tensors, run
         # cold after the forward (a moved path's commit averaged 0.1 ms a tree step, session 19)
-        ops.copy_slots(tensors, torch.tensor(list(zip(src_slots, dst_slots)), dtype=torch.long))
+        pairs = [(s, d) for d, s in sorted(zip(dst_slots, src_slots))]  # the order the paths below write in
+        ops.copy_slots(tensors, torch.tensor(pairs, dtype=torch.long))
         return
     block_size = caches[caches.layer_ids[0]].key_cache.shape[2]
     pairs = sorted(zip(dst_slots, src_slots))

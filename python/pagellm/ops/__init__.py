@@ -101,7 +101,8 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
 def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
     """In every cache tensor [num_blocks, num_kv_heads, block_size, ...] (values or scales, any dtype), copies the rows
     of slot src to slot dst for each row (src, dst) of slot_mapping [num_pairs, 2], every source read before any
-    destination is written (distinct destinations). One call for a tree path's KV move across all layers."""
+    destination is written (a destination named twice gets the later pair's rows). One call for a tree path's KV move
+    across all layers."""
     if not isinstance(caches, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in caches):
         raise TypeError("caches must be a list of tensors")
     _dtype(slot_mapping, torch.int64, "slot_mapping")
