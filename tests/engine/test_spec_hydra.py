@@ -152,6 +152,8 @@ def test_warm_caches_names_what_replayed_drafting_reads():
     heads.set_draft_vocab(torch.tensor([1, 2, 3, 5, 8, 13, 21, 34, 40, 44, 47, 52]))
     lm = draft_vocab_lm_head(torch.randn(V, H), heads.draft_vocab)
     proposer = MedusaTreeProposer(heads, MedusaTree.from_spec([[0], [1], [0, 0], [0, 0, 0]]), lm)
+    assert not proposer.warm_heads  # speculative_config "warm_heads" turns it on
+    proposer.warm_heads = True
     proposer.warm_caches()  # before the first draft: nothing named yet, nothing happens
     assert proposer._warm_ranges == []
     hidden, last = torch.randn(1, H), torch.tensor([7])
@@ -175,6 +177,11 @@ def test_warm_caches_names_what_replayed_drafting_reads():
                 break
             time.sleep(0.001)
         assert _C.thread_pool_info()["warmed_bytes"] - before == total
+        proposer.warm_heads = False
+        proposer.warm_caches()  # off: nothing more is warmed
+        time.sleep(0.01)
+        assert _C.thread_pool_info()["warmed_bytes"] - before == total
+        proposer.warm_heads = True
         with torch.inference_mode():
             for _ in range(3):  # eager, captured, replayed: the same tokens after warming
                 proposer.warm_caches()
@@ -333,3 +340,13 @@ def test_trainer_teaches_hydra_heads_what_follows_the_token():
     with torch.no_grad():
         after = float(medusa_loss(heads.teacher_forced(h_flat, inputs, lambda x: x @ lm.t()), labels))
     assert after < 0.7 * before, (before, after)
+
+
+def test_warm_heads_option_is_checked():
+    """speculative_config "warm_heads" (MedusaProposer.warm_caches, off by default) takes a bool, refused otherwise."""
+    from pagellm.spec_decode.registry import SpeculativeConfig
+
+    base = {"method": "medusa", "num_speculative_tokens": 3, "model": "/heads"}
+    assert SpeculativeConfig.from_dict({**base, "warm_heads": True}).options["warm_heads"] is True
+    with pytest.raises(ValueError, match="warm_heads"):
+        SpeculativeConfig.from_dict({**base, "warm_heads": "yes"})
