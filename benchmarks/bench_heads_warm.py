@@ -40,7 +40,7 @@ def main() -> None:
 
     llm = LLM(model=None, dtype="bfloat16", max_model_len=512,
               speculative_config={"method": "medusa", "num_speculative_tokens": 3, "model": args.heads,
-                                  "tree": args.tree})
+                                  "tree": args.tree, "warm_heads": True})
     prop = llm.llm_engine.proposer
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 576, generator=gen)
