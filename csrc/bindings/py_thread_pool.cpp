@@ -42,9 +42,21 @@ void init_thread_pool_bindings(py::module_& m) {
         d["prefetch_kb"] = s.prefetch_kb;
         d["num_stalls"] = thread_pool_num_stalls();
         d["prefetched_bytes"] = thread_pool_prefetched_bytes();
+        d["warmed_bytes"] = thread_pool_warmed_bytes();
         return d;
       },
       "The CPU kernels' thread pool settings (and whether the kernels use it).");
+  m.def(
+      "warm_ranges",
+      [](const std::vector<std::pair<uintptr_t, int64_t>>& ranges) {
+        std::vector<std::pair<const void*, int64_t>> named;
+        named.reserve(ranges.size());
+        for (auto [ptr, bytes] : ranges) named.emplace_back(reinterpret_cast<const void*>(ptr), bytes);
+        warm_ranges(named);
+      },
+      py::arg("ranges"),
+      "(address, bytes) ranges the idle pool workers prefetch whole while no kernel runs (replacing earlier ones; "
+      "nothing with one thread): memory a later host phase reads. Prefetch only: a stale address never faults.");
 }
 
 }  // namespace pagellm

@@ -10,6 +10,11 @@ TORCH_LIBRARY(pagellm, m) {
       "reshape_and_cache(Tensor(a!) key_cache, Tensor(b!) value_cache, Tensor key, Tensor value, "
       "Tensor slot_mapping) -> ()");
   m.def("copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, Tensor block_mapping) -> ()");
+  // For every (src, dst) row of slot_mapping (int64 [num_pairs, 2], slot = block * block_size + offset) and every cache
+  // tensor [num_blocks, num_kv_heads, block_size, ...] (any dtype: values or scales): the rows at slot dst = those at
+  // slot src, every source read before any destination is written (a destination named twice: the later pair's row): a
+  // tree's accepted path moved to its row's first lookahead slots.
+  m.def("copy_slots(Tensor(a!)[] caches, Tensor slot_mapping) -> ()");
   // Quantized caches (int8 / float8_e4m3fn values + float32 scales [num_blocks, num_kv_heads, block_size], one per
   // row): every written (token, head) row is quantized by its absmax (pagellm.ops.reference has the exact rule).
   m.def(

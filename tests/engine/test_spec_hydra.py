@@ -6,6 +6,7 @@ random Llama (fp32): greedy outputs with Hydra chains and trees token-identical 
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -139,6 +140,59 @@ def test_drafting_replays_from_step_graphs(paths):
     plain = _random_hydra()
     eager = MedusaTreeProposer(plain, MedusaTree.from_spec(paths), lambda x: x @ torch.randn(V, H).t())
     assert eager._graphs is False
+
+
+def test_warm_caches_names_what_replayed_drafting_reads():
+    """warm_caches hands the thread pool every byte replayed drafting reads whole, in drafting's order (head 0's bf16
+    products, the draft vocabulary's int8 rows and scales, the other heads, the token ids), and the pool's idle workers
+    prefetch all of it when there are two threads; the drafts do not change. Eager proposers name nothing."""
+    from pagellm import _C
+
+    heads = _random_hydra(hidden=H, vocab=V)
+    heads.set_draft_vocab(torch.tensor([1, 2, 3, 5, 8, 13, 21, 34, 40, 44, 47, 52]))
+    lm = draft_vocab_lm_head(torch.randn(V, H), heads.draft_vocab)
+    proposer = MedusaTreeProposer(heads, MedusaTree.from_spec([[0], [1], [0, 0], [0, 0, 0]]), lm)
+    assert not proposer.warm_heads  # speculative_config "warm_heads" turns it on
+    proposer.warm_heads = True
+    proposer.warm_caches()  # before the first draft: nothing named yet, nothing happens
+    assert proposer._warm_ranges == []
+    hidden, last = torch.randn(1, H), torch.tensor([7])
+    with torch.inference_mode():
+        expect = heads.draft_tree(hidden, last, proposer.tree.parents, proposer.tree.ranks, lm, proposer._token_ids)
+        proposer._draft_tree(hidden, last)
+    per_head = heads.drafting_weights()
+    order = [*per_head[0], lm.qweight, lm.scale, *per_head[1], *per_head[2], heads.draft_vocab]
+    assert proposer._warm_ranges == [(t.data_ptr(), t.numel() * t.element_size()) for t in order]
+    assert [t.dtype for t in per_head[0]] == [torch.bfloat16] * 2 * LAYERS
+    saved = _C.thread_pool_info()
+    try:
+        _C.configure_thread_pool(2, bind=False)
+        out, x, w = torch.empty(1, 2048), torch.randn(1, 1024), torch.randn(2048, 1024)
+        torch.ops.pagellm.linear_small_m(out, x, w, None)  # a region on both threads: the worker is up
+        before = _C.thread_pool_info()["warmed_bytes"]
+        proposer.warm_caches()
+        total = sum(n for _, n in proposer._warm_ranges)
+        for _ in range(2000):
+            if _C.thread_pool_info()["warmed_bytes"] - before >= total:
+                break
+            time.sleep(0.001)
+        assert _C.thread_pool_info()["warmed_bytes"] - before == total
+        proposer.warm_heads = False
+        proposer.warm_caches()  # off: nothing more is warmed
+        time.sleep(0.01)
+        assert _C.thread_pool_info()["warmed_bytes"] - before == total
+        proposer.warm_heads = True
+        with torch.inference_mode():
+            for _ in range(3):  # eager, captured, replayed: the same tokens after warming
+                proposer.warm_caches()
+                assert torch.equal(proposer._draft_tree(hidden, last), expect)
+    finally:
+        _C.configure_thread_pool(saved["num_threads"], bind=saved["bind"])
+    eager = MedusaTreeProposer(_random_hydra(), MedusaTree.from_spec([[0], [0, 0]]),
+                               lambda x: x @ torch.randn(V, H).t())
+    with torch.inference_mode():
+        eager._draft_tree(hidden, last)
+    assert eager._warm_ranges == []
 
 
 def test_drafting_weights_follow_the_parameters():
@@ -344,3 +398,11 @@ def test_trainer_kl_targets_are_the_states_that_chose_the_labels():
     assert after < 0.5 * before, (before, after)
     agree = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
     assert agree > 0.8 and (logits.argmax(-1) == 0).float().mean() < 0.2, agree
+def test_warm_heads_option_is_checked():
+    """speculative_config "warm_heads" (MedusaProposer.warm_caches, off by default) takes a bool, refused otherwise."""
+    from pagellm.spec_decode.registry import SpeculativeConfig
+
+    base = {"method": "medusa", "num_speculative_tokens": 3, "model": "/heads"}
+    assert SpeculativeConfig.from_dict({**base, "warm_heads": True}).options["warm_heads"] is True
+    with pytest.raises(ValueError, match="warm_heads"):
+        SpeculativeConfig.from_dict({**base, "warm_heads": "yes"})

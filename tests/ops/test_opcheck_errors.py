@@ -29,6 +29,7 @@ def _cases():
     cache = torch.randn(64, 32)
     yield "reshape_and_cache", (kc.clone(), vc.clone(), torch.randn(3, 2, 64), torch.randn(3, 2, 64), torch.tensor([0, -1, 5]))
     yield "copy_blocks", ([kc.clone()], [vc.clone()], torch.tensor([[0, 1]]))
+    yield "copy_slots", ([kc.clone(), vc.clone()], torch.tensor([[0, 5], [5, 9]]))
     yield "paged_attention_decode", (torch.empty(2, 4, 64), q[:2].clone(), kc, vc, bt, lens, 0.125, -1, 0.0)
     yield "paged_attention_prefill", (torch.empty_like(q), q, kc, vc, bt, qsl, lens, 0.125, 4, 5.0)
     tree_mask = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.bool)  # 3-node tree + 1 node

@@ -1,4 +1,4 @@
-// CPU glue for reshape_and_cache (float and quantized caches) / copy_blocks: validation (including every slot and block id, since a
+// CPU glue for reshape_and_cache (float and quantized caches) / copy_blocks / copy_slots: validation (including every slot and block id, since a
 // bad one would be an out-of-bounds write) then the byte-moving kernels in cache_ops_cpu_kernels.h.
 #include <torch/library.h>
 
@@ -116,6 +116,32 @@ void copy_blocks(at::TensorList key_caches, at::TensorList value_caches, const a
   copy_blocks_kernel(kptr.data(), vptr.data(), L, map, P, block_bytes.data());
 }
 
+void copy_slots(at::TensorList caches, const at::Tensor& slot_mapping) {
+  check_cpu(slot_mapping, "slot_mapping");
+  check_dtype(slot_mapping, at::kLong, "slot_mapping");
+  TORCH_CHECK(slot_mapping.dim() == 2 && slot_mapping.size(1) == 2, "slot_mapping must have shape [num_pairs, 2], got ",
+              slot_mapping.sizes());
+  const int64_t P = slot_mapping.size(0);
+  if (caches.empty() || P == 0) return;
+  auto map_c = slot_mapping.contiguous();
+  const int64_t* map = map_c.data_ptr<int64_t>();
+  std::vector<SlotTensor> tensors;
+  tensors.reserve(caches.size());
+  for (const at::Tensor& c : caches) {
+    check_cpu(c, "caches[i]");
+    check_contiguous(c, "caches[i]");
+    TORCH_CHECK(c.dim() >= 3, "caches[i] must be [num_blocks, num_kv_heads, block_size, ...], got ", c.sizes());
+    const int64_t num_slots = c.size(0) * c.size(2);
+    for (int64_t p = 0; p < 2 * P; ++p) {
+      TORCH_CHECK(map[p] >= 0 && map[p] < num_slots, "slot_mapping[", p / 2, "][", p % 2, "] = ", map[p],
+                  " is out of range [0, ", num_slots, ") for a cache of shape ", c.sizes());
+    }
+    tensors.push_back({static_cast<char*>(c.data_ptr()), c.size(1), c.size(2), c.stride(2) * c.element_size()});
+  }
+  std::vector<char> scratch;
+  copy_slots_kernel(tensors.data(), static_cast<int64_t>(tensors.size()), map, P, scratch);
+}
+
 }  // namespace
 }  // namespace pagellm::cpu
 
@@ -123,4 +149,5 @@ TORCH_LIBRARY_IMPL(pagellm, CPU, m) {
   m.impl("reshape_and_cache", &pagellm::cpu::reshape_and_cache);
   m.impl("reshape_and_cache_quantized", &pagellm::cpu::reshape_and_cache_quantized);
   m.impl("copy_blocks", &pagellm::cpu::copy_blocks);
+  m.impl("copy_slots", &pagellm::cpu::copy_slots);
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "ops/cache_ops/kv_quant_cpu.h"
 
@@ -90,6 +91,36 @@ inline void copy_blocks_kernel(char* const* key_caches, char* const* value_cache
       std::memcpy(value_caches[l] + dst, value_caches[l] + src, nb);
     }
   });
+}
+
+// One cache tensor of copy_slots: [num_blocks, num_heads, block_size, row_bytes] bytes.
+struct SlotTensor {
+  char* data;
+  int64_t num_heads, block_size, row_bytes;
+};
+
+// For every tensor and pair p: the num_heads rows of slot mapping[2p + 1] = those of slot mapping[2p], every source
+// copied out to `scratch` before any destination is written (a source may be an earlier pair's destination; a
+// destination named twice ends with the later pair's row). A tree
+// path moves a few slots of ~60 tensors: one thread, memcpy per row.
+inline void copy_slots_kernel(const SlotTensor* tensors, int64_t num_tensors, const int64_t* mapping, int64_t num_pairs,
+                              std::vector<char>& scratch) {
+  for (int64_t t = 0; t < num_tensors; ++t) {
+    const SlotTensor& c = tensors[t];
+    const int64_t rb = c.row_bytes, bs = c.block_size;
+    scratch.resize(static_cast<size_t>(num_pairs * c.num_heads * rb));
+    auto row = [&](int64_t slot, int64_t h) {
+      return c.data + (((slot / bs) * c.num_heads + h) * bs + slot % bs) * rb;
+    };
+    char* out = scratch.data();
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      for (int64_t h = 0; h < c.num_heads; ++h, out += rb) std::memcpy(out, row(mapping[2 * p], h), rb);
+    }
+    const char* in = scratch.data();
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      for (int64_t h = 0; h < c.num_heads; ++h, in += rb) std::memcpy(row(mapping[2 * p + 1], h), in, rb);
+    }
+  }
 }
 
 }  // namespace pagellm::cpu

@@ -22,12 +22,14 @@
 //     the first bytes of each thread's home section of the memory the caller named with prefetch_next (the
 //     next projection's weight), so the DRAM keeps streaming through the step's non-streaming parts; it
 //     stops as soon as a region opens;
+//   * (warm_ranges) idle workers prefetch the whole of memory the caller names for a later host phase;
 //   * with bind, each worker is pinned to one CPU of the process's affinity mask (sched_getaffinity);
 //     the calling thread is never pinned (threads it creates later would inherit the mask).
 // Torch-free (tested by thread_pool_test.cpp without torch); csrc/ops/common/parallel.h is what kernels use.
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pagellm {
@@ -78,6 +80,16 @@ void prefetch_next(const void* ptr, int64_t bytes);
 
 // Bytes the workers have prefetched for prefetch_next so far (all ranges together).
 int64_t thread_pool_prefetched_bytes();
+
+// Names memory the calling thread will read soon, after work that streams none (a speculative proposer's head
+// weights, needed a host phase after the target's forward evicted them): the workers prefetch the whole of every
+// [ptr, ptr + bytes) into the caches while no region runs, in order, the total split evenly between them (a sleeping
+// worker is woken), pausing while a region runs; a later call replaces the ranges. Nothing with one thread or
+// inside a parallel_for body. Prefetch instructions only: a stale range costs bandwidth, never a fault.
+void warm_ranges(const std::vector<std::pair<const void*, int64_t>>& ranges);
+
+// Bytes the workers have prefetched for warm_ranges so far.
+int64_t thread_pool_warmed_bytes();
 
 namespace detail {
 // A non-owning reference to the body: fn(ctx, begin, end).

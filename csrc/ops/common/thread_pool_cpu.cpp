@@ -172,6 +172,28 @@ class ThreadPool {
     prefetch_gen_.fetch_add(1, std::memory_order_release);
   }
 
+  int64_t warmed_bytes() const { return warmed_bytes_.load(std::memory_order_relaxed); }
+
+  // warm_ranges: the ranges and a new generation under warm_mu_, then an empty region (no claimable chunk: every
+  // claim word keeps its older epoch) wakes the workers, whose loop warms before it waits again. A region running on
+  // another thread holds run_mu_: its workers warm once it ends, no wake needed.
+  void set_warm(const std::vector<std::pair<const void*, int64_t>>& ranges) {
+    if (tls_in_region || num_threads() <= 1) return;
+    {
+      std::lock_guard<std::mutex> lk(warm_mu_);
+      warm_ranges_.clear();
+      for (auto [ptr, bytes] : ranges) {
+        if (ptr != nullptr && bytes > 0) warm_ranges_.emplace_back(reinterpret_cast<uintptr_t>(ptr), bytes);
+      }
+      warm_gen_.fetch_add(1, std::memory_order_release);
+      if (warm_ranges_.empty()) return;  // a cancel: workers drop their cursors when they next look
+    }
+    std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
+    if (!lk.owns_lock() || !started_) return;
+    epoch_.fetch_add(1, std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(&epoch_, INT_MAX);
+  }
+
   void after_fork_in_child() {
     // Only the forking thread exists in the child: forget the workers (their stacks are gone with them).
     workers_.clear();
@@ -342,13 +364,55 @@ class ThreadPool {
     }
   }
 
+  // A worker's part of the warm_ranges ranges: [next, end) pieces, the one at `piece` in progress.
+  struct WarmCursor {
+    uint64_t gen = 0;
+    std::vector<std::pair<uintptr_t, uintptr_t>> pieces;
+    size_t piece = 0;
+  };
+
+  // Prefetches the rest of this worker's part of the warm ranges (the index-th (num_threads - 1)-th of their
+  // concatenation), 1 KiB at a time, until it is done or a region after `seen` opens.
+  void warm_share(uint32_t seen, int index, WarmCursor& c) {
+    const uint64_t gen = warm_gen_.load(std::memory_order_acquire);
+    if (gen != c.gen) {
+      std::lock_guard<std::mutex> lk(warm_mu_);
+      c = WarmCursor{warm_gen_.load(std::memory_order_relaxed), {}, 0};
+      uint64_t total = 0;
+      for (auto [ptr, bytes] : warm_ranges_) total += bytes;
+      const uint64_t workers = std::max(settings_.num_threads - 1, 1);
+      const uint64_t lo = total * (index - 1) / workers, hi = total * index / workers;
+      uint64_t at = 0;  // offset of the current range in the concatenation
+      for (auto [ptr, bytes] : warm_ranges_) {
+        const uint64_t b = std::max(lo, at), e = std::min(hi, at + bytes);
+        if (b < e) c.pieces.emplace_back(ptr + (b - at), ptr + (e - at));
+        at += bytes;
+      }
+    }
+    constexpr uintptr_t kStep = 1024, kLine = 64;
+    for (; c.piece < c.pieces.size(); ++c.piece) {
+      auto& [next, end] = c.pieces[c.piece];
+      while (next < end) {
+        if (epoch_.load(std::memory_order_relaxed) != seen) return;
+        const uintptr_t stop = std::min(end, next + kStep);
+        for (uintptr_t p = next & ~(kLine - 1); p < stop; p += kLine) {
+          __builtin_prefetch(reinterpret_cast<const void*>(p), 0, 2);
+        }
+        warmed_bytes_.fetch_add(static_cast<int64_t>(stop - next), std::memory_order_relaxed);
+        next = stop;
+      }
+    }
+  }
+
   void worker_loop(uint32_t seen, int index) {
     const auto spin = std::chrono::microseconds(settings_.spin_us);  // fixed while this worker lives
     const bool prefetch = settings_.prefetch_kb > 0;
     PrefetchCursor cursor;
+    WarmCursor warm;
     tls_in_region = true;  // a body run here that calls parallel_for runs inline
     for (;;) {
       if (prefetch) prefetch_share(seen, index, cursor);
+      warm_share(seen, index, warm);
       const auto deadline = std::chrono::steady_clock::now() + spin;
       int polls = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
@@ -411,6 +475,10 @@ class ThreadPool {
   std::atomic<int64_t> prefetch_bytes_{0};
   std::atomic<uint64_t> prefetch_gen_{0};
   std::atomic<int64_t> prefetched_bytes_{0};
+  std::mutex warm_mu_;  // guards warm_ranges_ (the caller writes, workers copy their part)
+  std::vector<std::pair<uintptr_t, uint64_t>> warm_ranges_;
+  std::atomic<uint64_t> warm_gen_{0};
+  std::atomic<int64_t> warmed_bytes_{0};
   std::atomic<uint64_t> claim_{0};            // the region's chunks, one counter (home_sections false)
   std::unique_ptr<SectionClaim[]> sections_;  // one per thread (home_sections true)
   std::atomic<int64_t> chunks_done_{0};
@@ -464,6 +532,12 @@ int64_t thread_pool_num_stalls() { return ThreadPool::instance().num_stalls(); }
 void prefetch_next(const void* ptr, int64_t bytes) { ThreadPool::instance().set_prefetch(ptr, bytes); }
 
 int64_t thread_pool_prefetched_bytes() { return ThreadPool::instance().prefetched_bytes(); }
+
+void warm_ranges(const std::vector<std::pair<const void*, int64_t>>& ranges) {
+  ThreadPool::instance().set_warm(ranges);
+}
+
+int64_t thread_pool_warmed_bytes() { return ThreadPool::instance().warmed_bytes(); }
 
 namespace detail {
 void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body, int chunks_per_thread) {

@@ -312,6 +312,39 @@ TEST_F(ThreadPoolTest, IdleWorkersPrefetchTheirShareOfTheNamedRange) {
   EXPECT_EQ(thread_pool_prefetched_bytes(), off);
 }
 
+// warm_ranges: the workers prefetch every named byte once, woken from their sleep with no region to run; regions
+// meanwhile still cover every index; one thread (or a call inside a body) warms nothing.
+TEST_F(ThreadPoolTest, WarmRangesArePrefetchedWholeByIdleWorkers) {
+  std::vector<char> a(300001), b(77777);
+  const std::vector<std::pair<const void*, int64_t>> ranges{{a.data(), 300001}, {nullptr, 64}, {b.data(), 77777}};
+  for (int threads : {2, 3}) {
+    configure_thread_pool({threads, false, 50, 4});
+    check_cover(0, 64, 1);  // start the workers, then let them fall asleep
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    const int64_t before = thread_pool_warmed_bytes();
+    warm_ranges(ranges);
+    for (int i = 0; i < 2000 && thread_pool_warmed_bytes() - before < 377778; ++i) {
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    }
+    EXPECT_EQ(thread_pool_warmed_bytes() - before, 377778) << threads << " threads: both ranges, once";
+    warm_ranges({{reinterpret_cast<const void*>(uintptr_t{64}), int64_t{1} << 26}});  // unmapped: must not fault
+    for (int round = 0; round < 50; ++round) check_cover(0, 1000, 1);
+  }
+  warm_ranges({});  // stop the unmapped range
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  configure_thread_pool({2, false, 50, 4});
+  check_cover(0, 64, 1);
+  const int64_t inside_before = thread_pool_warmed_bytes();
+  parallel_for(0, 2, 1, [&](int64_t, int64_t) { warm_ranges(ranges); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(thread_pool_warmed_bytes(), inside_before) << "refused inside a body";
+  configure_thread_pool({1, false, 50, 4});
+  const int64_t one = thread_pool_warmed_bytes();
+  warm_ranges(ranges);
+  check_cover(0, 64, 1);
+  EXPECT_EQ(thread_pool_warmed_bytes(), one) << "one thread: no worker warms";
+}
+
 TEST_F(ThreadPoolTest, ConfigureInsideABodyIsRefused) {
   configure_thread_pool({2, false, 50, 4});
   std::atomic<int> refused{0};

@@ -273,6 +273,8 @@ class LLMEngine(SampleStep, SpecDecodeStep, StepRecovery, BatchQueueStep, LoRAEn
         if self.greedy_head and not prompt_logprob_rows and self._all_plain_greedy(seq_ids, sampling_rows):
             extra["greedy_token_ids"] = True
         result = self.executor.execute_model(sched_out, prompt_logprob_rows, **extra)
+        if self.proposer is not None and not self._over_batch_limit:
+            self.proposer.warm_caches()
         if self.spec_switch is not None and result.graph_warmup:  # a one-time cost, no sample of a step's
             self.spec_switch.discard_step()
         self._record_prompt_logprobs(sched_out, seq_ids, prompt_logprob_rows, result.prompt_logits)

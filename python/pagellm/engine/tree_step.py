@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from pagellm import ops
 from pagellm.ops.tree import tree_depths, tree_mask_from_parents
 from pagellm.sampling import SamplingRow, build_sampling_metadata, expand_rows_for_verify
 from pagellm.sampling.rejection import VerifyOutput, target_probs
@@ -168,6 +169,13 @@ def move_kv_slots(worker, src_slots: list[int], dst_slots: list[int]) -> None:
     if not src_slots:
         return
     caches = worker.runner.kv_caches
+    tensors = list(caches.tensors())
+    if ops.ops_available()[0] and all(t.device.type == "cpu" for t in tensors):
+        # one op over every tensor: the Python moves below cost ~4 us per (tensor, slot) over ~60 cache tensors, run
+        # cold after the forward (a moved path's commit averaged 0.1 ms a tree step, session 19)
+        pairs = [(s, d) for d, s in sorted(zip(dst_slots, src_slots))]  # the order the paths below write in
+        ops.copy_slots(tensors, torch.tensor(pairs, dtype=torch.long))
+        return
     block_size = caches[caches.layer_ids[0]].key_cache.shape[2]
     pairs = sorted(zip(dst_slots, src_slots))
     if _in_place_safe(pairs):  # a tree path's moves: row by row, basic indexing (views and copy_ only)
@@ -175,14 +183,14 @@ def move_kv_slots(worker, src_slots: list[int], dst_slots: list[int]) -> None:
         # scatter pair below cost ~8 us per tensor plus the index arithmetic per tensor (a verify step moving a path
         # paid ~1 ms over 60 cache tensors)
         where = [(d // block_size, d % block_size, s // block_size, s % block_size) for d, s in pairs]
-        for t in caches.tensors():
+        for t in tensors:
             for d_b, d_o, s_b, s_o in where:
                 t[d_b, :, d_o].copy_(t[s_b, :, s_o])
         return
     src = torch.as_tensor([s for _, s in pairs], dtype=torch.long)
     dst = torch.as_tensor([d for d, _ in pairs], dtype=torch.long)
     s_b, s_o, d_b, d_o = src // block_size, src % block_size, dst // block_size, dst % block_size
-    for t in caches.tensors():
+    for t in tensors:
         if s_b.device != t.device:
             s_b, s_o, d_b, d_o = (x.to(t.device) for x in (s_b, s_o, d_b, d_o))
         rows = t[s_b, :, s_o].clone()  # [n, num_kv_heads, ...]

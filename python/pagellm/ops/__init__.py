@@ -26,6 +26,7 @@ __all__ = [
     "reshape_and_cache",
     "reshape_and_cache_quantized",
     "copy_blocks",
+    "copy_slots",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_attention_decode_quantized",
@@ -95,6 +96,17 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
         raise ValueError(f"key_caches and value_caches must have the same length, got {len(key_caches)} and {len(value_caches)}")
     _dtype(block_mapping, torch.int64, "block_mapping")
     torch.ops.pagellm.copy_blocks(list(key_caches), list(value_caches), block_mapping)
+
+
+def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """In every cache tensor [num_blocks, num_kv_heads, block_size, ...] (values or scales, any dtype), copies the rows
+    of slot src to slot dst for each row (src, dst) of slot_mapping [num_pairs, 2], every source read before any
+    destination is written (a destination named twice gets the later pair's rows). One call for a tree path's KV move
+    across all layers."""
+    if not isinstance(caches, (list, tuple)) or not all(isinstance(c, torch.Tensor) for c in caches):
+        raise TypeError("caches must be a list of tensors")
+    _dtype(slot_mapping, torch.int64, "slot_mapping")
+    torch.ops.pagellm.copy_slots(list(caches), slot_mapping)
 
 
 def paged_attention_decode(

@@ -18,6 +18,7 @@ __all__ = [
     "reshape_and_cache_quantized",
     "quantize_kv_rows",
     "copy_blocks",
+    "copy_slots",
     "paged_attention_decode",
     "paged_attention_prefill",
     "paged_attention_decode_quantized",
@@ -108,6 +109,18 @@ def copy_blocks(key_caches: list[torch.Tensor], value_caches: list[torch.Tensor]
     src, dst = block_mapping[:, 0], block_mapping[:, 1]
     for cache in [*key_caches, *value_caches]:
         cache[dst] = cache[src].clone()
+
+
+def copy_slots(caches: list[torch.Tensor], slot_mapping: torch.Tensor) -> None:
+    """For every cache tensor [num_blocks, num_kv_heads, block_size, ...]: the rows at slot dst = the rows at slot
+    src for each (src, dst) row of slot_mapping [num_pairs, 2] (slot = block * block_size + offset), all sources read
+    before any destination is written, pair after pair (a destination named twice gets the later pair's rows)."""
+    src = slot_mapping[:, 0]
+    for cache in caches:
+        block_size = cache.shape[2]
+        rows = cache[src // block_size, :, src % block_size].clone()
+        for row, d in zip(rows, slot_mapping[:, 1].tolist()):
+            cache[d // block_size, :, d % block_size] = row
 
 
 # ---------------------------------------------------------------- attention

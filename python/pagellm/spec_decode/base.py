@@ -90,6 +90,11 @@ class BaseProposer(ABC):
         the final normed hidden state whose logits gave its newest token; the sequence then had
         num_tokens[i] tokens (prompt + output). Default: nothing."""
 
+    def warm_caches(self) -> None:
+        """Right after each step's target forward (whose weight stream has just evicted the caches), before the step's
+        host bookkeeping: a proposer whose next propose() reads weights of its own may name them to be prefetched
+        meanwhile (the CPU thread pool's idle workers). Default: nothing."""
+
     def set_draft_token_cost(self, cost: float | None) -> None:
         """Before each proposal with the adaptive switch on: a draft token's measured verify cost relative to one
         row's share of a plain step at this batch size (None: not measured yet), for proposers that size their

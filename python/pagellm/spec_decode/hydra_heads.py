@@ -126,9 +126,11 @@ class HydraHeads(MedusaHeads):
 
     def prepare_drafting(self) -> None:
         """Make every head's bf16 drafting weights now (a step graph of drafting reads them as constants)."""
-        for blocks in self.hydra_head:
-            for block in blocks:
-                self._draft_weight(block.linear)
+        self.drafting_weights()
+
+    def drafting_weights(self) -> list[list[torch.Tensor]]:
+        """Per head, the bf16 weights and biases its drafting step reads, in reading order (made if need be)."""
+        return [[t for block in blocks for t in self._draft_weight(block.linear)[1:]] for blocks in self.hydra_head]
 
     def teacher_forced(self, hidden: torch.Tensor, input_ids: torch.Tensor | None,
                        lm_head: LmHead | None = None, num_heads: int | None = None) -> torch.Tensor:

@@ -57,7 +57,8 @@ class MedusaProposer(BaseProposer):
     """Top-1 chain drafts of Medusa heads. `lm_head`: the target's LM head ([M, H] -> [M, V]), used by
     heads that share it; `num_speculative_tokens` must not exceed the heads' count."""
 
-    OPTIONS = ("model", "tree")  # tree: verify a candidate tree (medusa_tree.py) instead of a chain
+    # tree: verify a candidate tree (medusa_tree.py) instead of a chain; warm_heads: warm_caches (off by default)
+    OPTIONS = ("model", "tree", "warm_heads")
     needs_hidden_states = True
     # like ngram: scoring 1 + k tokens per row is nearly free while CPU decode is weight-bound
     default_disable_by_batch_size = 4
@@ -89,6 +90,8 @@ class MedusaProposer(BaseProposer):
         # first draft, False: drafting stays eager (other heads or LM heads, whose tensors the graphs would not know)
         self._graphs: StepGraphCache | None | bool = None if isinstance(heads, HydraHeads) and isinstance(
             lm_head, DraftVocabLMHead) else False
+        self._warm_ranges: list[tuple[int, int]] = []  # (address, bytes) of what replayed drafting reads: warm_caches
+        self.warm_heads = False  # speculative_config "warm_heads": warm_caches names _warm_ranges to the thread pool
 
     @classmethod
     def check_options(cls, options: Mapping[str, Any]) -> None:
@@ -97,6 +100,8 @@ class MedusaProposer(BaseProposer):
             raise ValueError("speculative_config: method 'medusa' needs model= the Medusa heads directory, "
                              f"got {model!r}")
         tree_from_options(options)
+        if not isinstance(options.get("warm_heads", False), bool):
+            raise ValueError(f"speculative_config: warm_heads must be true or false, got {options['warm_heads']!r}")
 
     @classmethod
     def from_config(cls, config: SpeculativeConfig, context: ProposerContext) -> "MedusaProposer":
@@ -116,12 +121,16 @@ class MedusaProposer(BaseProposer):
             lm_head = target_lm_head(context) if heads.share_lm_head else None
         tree = tree_from_options(config.options, heads.training_info.get("trees") or {})
         if tree is None:
-            return cls(config.num_speculative_tokens, heads, lm_head)
+            proposer = cls(config.num_speculative_tokens, heads, lm_head)
+            proposer.warm_heads = bool(config.options.get("warm_heads", False))
+            return proposer
         if tree.depth > config.num_speculative_tokens:
             raise ValueError(f"the Medusa tree is {tree.depth} deep: it needs num_speculative_tokens >= {tree.depth} "
                              f"(one head per level), got {config.num_speculative_tokens}")
         check_tree_verification(context.executor, "Medusa trees", "drop 'tree'")
-        return MedusaTreeProposer(heads, tree, lm_head)
+        proposer = MedusaTreeProposer(heads, tree, lm_head)
+        proposer.warm_heads = bool(config.options.get("warm_heads", False))
+        return proposer
 
     # ------------------------------------------------------------------ the engine's hidden states
     def observe_hidden_states(self, seq_ids: Sequence[str], num_tokens: Sequence[int], hidden: torch.Tensor) -> None:
@@ -168,12 +177,24 @@ class MedusaProposer(BaseProposer):
         if self._graphs is False:
             return draft(inputs)
         if self._graphs is None:
-            self.heads.prepare_drafting()
+            self._warm_ranges = _drafting_ranges(self.heads, self.lm_head, self.draft_vocab)
             constants = [*iter_tensors(self.heads), *iter_tensors(self.lm_head)]
             if isinstance(self, MedusaTreeProposer):
                 constants += iter_tensors(tree_plan(tuple(self.tree.parents), tuple(self.tree.ranks)))
             self._graphs = StepGraphCache(constants, max_graphs=8, capture_after=2)
         return self._graphs.run(key, [t.contiguous() for t in inputs], draft)
+
+    def warm_caches(self) -> None:
+        """Names the replayed drafting's weights (heads' bf16 products, the draft vocabulary's int8 rows: 8.7 MB for
+        3 heads at H = 576) for the thread pool's idle workers to prefetch while the engine verifies the step: the
+        target's forward has just streamed ~270 MB through a 32 MB L3, and drafting read them from memory (session 18:
+        a Hydra tree's replay 0.33 ms warm, 0.8 ms served). Nothing on one thread. Off unless `warm_heads`: on the
+        loaded 2-core EPYC of session 19 it did not measurably help and two of three 2-thread profiles ran slower
+        (a worker kept busy is preempted more often while it holds a kernel's chunk; benchmarks/README.md)."""
+        if self.warm_heads and self._warm_ranges:
+            from pagellm import _C  # noqa: PLC0415
+
+            _C.warm_ranges(self._warm_ranges)
 
     def _token_ids(self, indices: torch.Tensor) -> torch.Tensor:
         """Indices into the heads' logits -> token ids (the same unless a draft vocabulary is scored)."""
@@ -201,6 +222,10 @@ class MedusaProposer(BaseProposer):
             hidden = first[row0 : row0 + len(fresh)]
         else:
             hidden = torch.stack([t[i] for _, (t, i) in fresh])
+        if self._graphs is not False and self._dtype == torch.float32:
+            # Hydra drafting (the replayed kind) starts with hidden.float(), inside its step graph: the same bits as a
+            # conversion here, without a torch call run cold after the forward (~0.04 ms at batch 1, session 19)
+            return hidden
         return hidden.to(self._dtype)
 
 
@@ -265,6 +290,18 @@ class MedusaTreeProposer(MedusaProposer):
             tokens = self._draft_chain(self._stack(chains), _last_ids(r for r, _ in chains), self.tree.depth)
             out.update({r.seq_id: row[: r.max_num_drafts] for (r, _), row in zip(chains, tokens.tolist())})
         return out
+
+
+def _drafting_ranges(heads: HydraHeads, lm_head: DraftVocabLMHead,
+                     draft_vocab: torch.Tensor | None) -> list[tuple[int, int]]:
+    """(address, bytes) of every tensor Hydra drafting reads whole, in its order: head 0's products, the draft
+    vocabulary's rows and scales, the other heads, the draft vocabulary's token ids. Makes the drafting weights."""
+    per_head = heads.drafting_weights()
+    tensors = [*per_head[0], lm_head.qweight, lm_head.scale, *(t for ts in per_head[1:] for t in ts)]
+    if draft_vocab is not None:
+        tensors.append(draft_vocab)
+    return [(t.data_ptr(), t.numel() * t.element_size()) for t in tensors
+            if t.is_contiguous() and t.device.type == "cpu"]
 
 
 def _last_ids(requests: Iterable[DraftRequest]) -> torch.Tensor:

@@ -53,6 +53,33 @@ MAX_DRAFT_RATE = 0.98  # the per-draft acceptance estimate is capped below 1: on
 MIN_COST_SAMPLES = 3
 
 
+class _Window:
+    """The last WINDOW samples of one kind and their median, cached until the next sample: a served step asks for
+    the same few medians ~10 times (each `statistics.median` a sort and a dozen Python calls, run cold after the
+    forward)."""
+
+    __slots__ = ("_samples", "_median")
+
+    def __init__(self) -> None:
+        self._samples: deque = deque(maxlen=WINDOW)
+        self._median: float | None = None
+
+    def append(self, sample: float) -> None:
+        self._samples.append(sample)
+        self._median = None
+
+    def median(self) -> float:
+        if self._median is None:
+            self._median = median(self._samples)
+        return self._median
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def __iter__(self):
+        return iter(self._samples)
+
+
 @dataclass
 class _StepInFlight:
     start_s: float
@@ -86,10 +113,10 @@ class SpecSwitch:
         self._steps_off: dict[str, int] = {}  # seq_id -> steps since it last drafted while switched off
         self._num_reprobes: dict[str, int] = {}  # seq_id -> re-probes since it was last on (backs the probes off)
         self._num_timed: dict[int, int] = {}  # num rows -> timed steps seen
-        self._plain_s: dict[int, deque] = {}  # num rows -> seconds of recent draft-free decode steps
-        self._extra_s: dict[int, deque] = {}  # num rows -> seconds per draft token a spec step adds
-        self._proposer_s: deque = deque(maxlen=WINDOW)  # proposer seconds per request asked
-        self._proposer_draft_s: deque = deque(maxlen=WINDOW)  # proposer seconds per draft token (a draft model's steps)
+        self._plain_s: dict[int, _Window] = {}  # num rows -> seconds of recent draft-free decode steps
+        self._extra_s: dict[int, _Window] = {}  # num rows -> seconds per draft token a spec step adds
+        self._proposer_s = _Window()  # proposer seconds per request asked
+        self._proposer_draft_s = _Window()  # proposer seconds per draft token (a draft model's steps)
         self._step: _StepInFlight | None = None
         self.num_switched_off = 0  # request-steps without drafts because they did not pay (stats, tests)
 
@@ -120,8 +147,8 @@ class SpecSwitch:
             return self.k
         rate = min(trials[0] / trials[1], MAX_DRAFT_RATE)
         # the proposer's time counts per draft: a draft model runs one forward per draft (ngram's is ~nothing)
-        token_s = median(plain) / num_rows
-        extra_s = median(extra) + (median(self._proposer_draft_s) if self._proposer_draft_s else 0.0)
+        token_s = plain.median() / num_rows
+        extra_s = extra.median() + (self._proposer_draft_s.median() if self._proposer_draft_s else 0.0)
 
         def tokens_per_s(n: int) -> float:
             return (1.0 + rate * (1.0 - rate**n) / (1.0 - rate)) / (token_s + n * extra_s)
@@ -132,10 +159,10 @@ class SpecSwitch:
         """A draft token's cost (verify + proposer) relative to one row's share of a plain step of num_rows rows, as
         measured (None until MIN_COST_SAMPLES spec steps were timed): what a proposer sizing its drafts reads."""
         plain, extra = self._plain_s.get(num_rows), self._extra_s.get(num_rows)
-        if not plain or not extra or len(extra) < MIN_COST_SAMPLES or median(plain) <= 0.0:
+        if not plain or not extra or len(extra) < MIN_COST_SAMPLES or plain.median() <= 0.0:
             return None
-        draft_s = median(extra) + (median(self._proposer_draft_s) if self._proposer_draft_s else 0.0)
-        return draft_s / (median(plain) / num_rows)
+        draft_s = extra.median() + (self._proposer_draft_s.median() if self._proposer_draft_s else 0.0)
+        return draft_s / (plain.median() / num_rows)
 
     def wants_drafts(self, seq_id: str, num_rows: int, num_drafts: int | None = None) -> bool:
         """Whether this sequence should draft (num_drafts of them; default: its recent mean per verify, k before its
@@ -146,7 +173,7 @@ class SpecSwitch:
         plain = self._plain_s.get(num_rows)
         if cost is None or not plain:
             return True
-        token_s = median(plain) / num_rows
+        token_s = plain.median() / num_rows
         if (self.acceptance(seq_id) - MIN_NET_TOKENS) * token_s > cost:
             self._steps_off.pop(seq_id, None)
             self._num_reprobes.pop(seq_id, None)
@@ -197,8 +224,8 @@ class SpecSwitch:
         extra = self._extra_s.get(num_rows)
         if not extra or len(extra) < MIN_COST_SAMPLES:
             return None
-        proposer = median(self._proposer_s) if self._proposer_s else 0.0
-        return num_drafts * median(extra) + proposer
+        proposer = self._proposer_s.median() if self._proposer_s else 0.0
+        return num_drafts * extra.median() + proposer
 
     def _close_step(self, now_s: float) -> None:
         step, self._step = self._step, None
@@ -206,16 +233,16 @@ class SpecSwitch:
             return
         elapsed = now_s - step.start_s
         plain = self._plain_s.get(step.num_rows)
-        extra = self._extra_s.setdefault(step.num_rows, deque(maxlen=WINDOW))
+        extra = self._extra_s.setdefault(step.num_rows, _Window())
         if plain:  # a draft token costs at most a plain step's time until measured (compute-bound: the whole step)
-            per_draft = median(extra) if extra else median(plain)
-            if elapsed > IDLE_FACTOR * (median(plain) + step.num_draft_tokens * per_draft + step.proposer_s):
+            per_draft = extra.median() if extra else plain.median()
+            if elapsed > IDLE_FACTOR * (plain.median() + step.num_draft_tokens * per_draft + step.proposer_s):
                 return
         if step.num_proposed:
             self._proposer_s.append(step.proposer_s / step.num_proposed)
         if step.num_draft_tokens:
             self._proposer_draft_s.append(step.proposer_s / step.num_draft_tokens)
         if step.num_draft_tokens == 0:
-            self._plain_s.setdefault(step.num_rows, deque(maxlen=WINDOW)).append(elapsed - step.proposer_s)
+            self._plain_s.setdefault(step.num_rows, _Window()).append(elapsed - step.proposer_s)
         elif plain:
-            extra.append(max((elapsed - step.proposer_s - median(plain)) / step.num_draft_tokens, 0.0))
+            extra.append(max((elapsed - step.proposer_s - plain.median()) / step.num_draft_tokens, 0.0))
