@@ -40,6 +40,13 @@ int main(int argc, char** argv) {
     uint32_t pairs[16];
     vstore_bf16_pairs(pairs, va, vmul(vb, vset1(1e-3f)));
     put(vdot_bf16(vc, bf16x32_load(reinterpret_cast<const c10::BFloat16*>(pairs)), bf16x32_load(y32)));
+    BF16x32 zlo, zhi;  // the decode P.V's zipped value rows: each half read back through both pair positions
+    bf16x32_zip(bf16x32_load(x32), bf16x32_load(y32), zlo, zhi);
+    for (const BF16x32& z : {zlo, zhi}) {
+      put(vdot_bf16(vzero(), z, bf16x32_set1_pair(0x3f80u)));
+      put(vdot_bf16(vzero(), z, bf16x32_set1_pair(0x3f800000u)));
+      put(vdot_bf16(vc, z, bf16x32_set1_pair(pairs[n % 16])));
+    }
 #endif
   }
   FILE* f = fopen(argv[1], "wb"); fwrite(out.data(), 4, out.size(), f); fclose(f);

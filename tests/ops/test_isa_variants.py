@@ -223,3 +223,44 @@ def test_libraries_same_prefill_attention_bits():
         hashes[isa] = proc.stdout.split()
     assert len(hashes["avx512"]) == 4
     assert hashes["avx512"] == hashes["avx2"]
+
+
+# The bf16 decode kernel's P.V (decode_cpu_kernels.h: zipped value rows as bf16 pair dots) zips rows with a qword
+# permute and word unpacks in the avx512 library and with 256-bit unpacks and lane swaps in the avx2 one; every
+# output must be the same bits. Shapes: SmolLM2's heads at the throughput contexts (odd lengths: a last key without
+# a partner), GQA 8 at head_dim 128 (heads in chunks of 8, one 32-dim column at a time), a split context (partials
+# merged), and head_dim 80 (not a multiple of 32: the fp32 value sums).
+_DECODE_BITS = """
+import hashlib, math, torch
+from pagellm import ops
+out_hashes = []
+for heads, kv_heads, head_dim, lens in ((9, 3, 64, [129, 200, 255, 1]), (16, 2, 128, [77, 33]),
+                                        (9, 3, 64, [1031]), (8, 4, 80, [45, 16])):
+    g = torch.Generator().manual_seed(heads * 1000 + head_dim)
+    block = 16
+    per = max((s + block - 1) // block for s in lens)
+    kc = torch.randn(len(lens) * per + 1, kv_heads, block, head_dim, generator=g).to(torch.bfloat16)
+    vc = torch.randn(len(lens) * per + 1, kv_heads, block, head_dim, generator=g).to(torch.bfloat16)
+    tables = torch.randperm(len(lens) * per + 1, generator=g)[: len(lens) * per].view(len(lens), per).to(torch.int32)
+    query = torch.randn(len(lens), heads, head_dim, generator=g).to(torch.bfloat16)
+    out = torch.empty_like(query)
+    ops.paged_attention_decode(out, query, kc, vc, tables, torch.tensor(lens, dtype=torch.int32),
+                               1.0 / math.sqrt(head_dim), -1, 0.0)
+    out_hashes.append(hashlib.sha256(out.view(torch.int16).numpy().tobytes()).hexdigest())
+print(" ".join(out_hashes))
+"""
+
+
+@needs_both
+def test_libraries_same_decode_attention_bits():
+    """bf16 decode attention (the bf16 P.V and the fp32 one), bit for bit under both libraries."""
+    hashes = {}
+    for isa in ("avx512", "avx2"):
+        env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
+        env.update(PAGELLM_CPU_ISA=isa)
+        proc = subprocess.run([sys.executable, "-c", _DECODE_BITS], capture_output=True, text=True, timeout=300,
+                              env=env, cwd=REPO)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hashes[isa] = proc.stdout.split()
+    assert len(hashes["avx512"]) == 4
+    assert hashes["avx512"] == hashes["avx2"]

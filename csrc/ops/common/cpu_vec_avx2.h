@@ -253,6 +253,17 @@ inline __m256 dot_bf16x8(__m256 acc, __m256i a, __m256i b) {
 inline VecF vdot_bf16(VecF acc, BF16x32 a, BF16x32 b) {
   return {avx2_detail::dot_bf16x8(acc.lo, a.lo, b.lo), avx2_detail::dot_bf16x8(acc.hi, a.hi, b.hi)};
 }
+// Element-wise pairs of two 32-value rows: lo = (a[k], b[k]) for k = 0..15 in order, hi = k = 16..31 (the
+// AVX-512 backend's bf16x32_zip; the in-lane unpacks give dims 0-3, 8-11 / 4-7, 12-15, the lane swap orders them).
+inline void bf16x32_zip(BF16x32 a, BF16x32 b, BF16x32& lo, BF16x32& hi) {
+  const auto zip16 = [](__m256i x, __m256i y, __m256i& first, __m256i& second) {
+    const __m256i l = _mm256_unpacklo_epi16(x, y), h = _mm256_unpackhi_epi16(x, y);
+    first = _mm256_permute2x128_si256(l, h, 0x20);
+    second = _mm256_permute2x128_si256(l, h, 0x31);
+  };
+  zip16(a.lo, b.lo, lo.lo, lo.hi);
+  zip16(a.hi, b.hi, hi.lo, hi.hi);
+}
 // 16 pairs to dst (dword i = bf16(even[i]) | bf16(odd[i]) << 16, rounded to nearest even): what
 // bf16x32_load reads back as the operand of vdot_bf16.
 inline void vstore_bf16_pairs(uint32_t* dst, VecF even, VecF odd) {

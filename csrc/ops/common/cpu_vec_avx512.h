@@ -155,6 +155,15 @@ inline BF16x32 bf16x32_load(const c10::BFloat16* p, int64_t left) {
 inline BF16x32 bf16x32_set1_pair(uint32_t bits) { return {(__m512bh)_mm512_set1_epi32(static_cast<int>(bits))}; }
 // Lane i: acc + a[2i+1] * b[2i+1] + a[2i] * b[2i] (vdpbf16ps: the odd product first, one rounding per add).
 inline VecF vdot_bf16(VecF acc, BF16x32 a, BF16x32 b) { return {_mm512_dpbf16_ps(acc.v, a.v, b.v)}; }
+// Element-wise pairs of two 32-value rows: lo = (a[k], b[k]) for k = 0..15 in order, hi = the same for k = 16..31
+// (the vdot_bf16 operand of two keys' value rows: lane k then sums both keys' products for dimension k). The
+// qword permute puts dims 4L..4L+3 and 16+4L.. in 128-bit lane L, where the in-lane word unpacks meet them.
+inline void bf16x32_zip(BF16x32 a, BF16x32 b, BF16x32& lo, BF16x32& hi) {
+  const __m512i order = _mm512_setr_epi64(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m512i pa = _mm512_permutexvar_epi64(order, (__m512i)a.v), pb = _mm512_permutexvar_epi64(order, (__m512i)b.v);
+  lo = {(__m512bh)_mm512_unpacklo_epi16(pa, pb)};
+  hi = {(__m512bh)_mm512_unpackhi_epi16(pa, pb)};
+}
 // 16 pairs to dst (dword i = bf16(even[i]) | bf16(odd[i]) << 16, rounded to nearest even): what
 // bf16x32_load reads back as the operand of vdot_bf16.
 inline void vstore_bf16_pairs(uint32_t* dst, VecF even, VecF odd) {

@@ -86,5 +86,7 @@ void parallel_dynamic(int64_t n, const Body& body) {
 }
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// Lane numbers, to mask a vector's lanes >= n without a masked store-reload (vselect_lt against n).
+alignas(64) constexpr float kLaneIndex[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 }  // namespace pagellm::cpu

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "ops/paged_attention/attention_cpu_common.h"
+#include "ops/paged_attention/decode_bf16_pv.h"
 
 namespace pagellm::cpu {
 
@@ -162,8 +163,6 @@ struct AccumK {
   }
 };
 
-alignas(64) constexpr float kLaneIndex[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-
 // Online softmax on one head's tile scores (in place -> probabilities); returns the rescale factor.
 inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   VecF mx = vset1(kNegInf);
@@ -187,6 +186,38 @@ inline float softmax_update(float* s, int64_t n, float& m, float& l) {
   l = l * corr + vsum(sum);
   m = m_new;
   return corr;
+}
+
+// Whether a call's tiles take the bf16 P.V (bf16 queries and cache, head_dim a multiple of 32: the zipped value
+// rows are whole 32-value loads); decode_softmax and decode_tile_accum must agree on it.
+template <typename T, typename C>
+inline bool use_bf16_pv(const PagedAttnArgs<T, C>& a) {
+#ifdef PAGELLM_DECODE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && std::is_same_v<C, c10::BFloat16>) return a.head_dim % 32 == 0;
+#endif
+  (void)a;
+  return false;
+}
+
+// The online softmax update of one head's tile scores (in place -> probabilities); returns the rescale factor.
+template <typename T, typename C>
+inline float decode_softmax(const PagedAttnArgs<T, C>& a, float* s, int64_t n, float& m, float& l) {
+#ifdef PAGELLM_DECODE_BF16_DOT
+  if (use_bf16_pv(a)) return softmax_update_bf16(s, n, m, l);
+#endif
+  return softmax_update(s, n, m, l);
+}
+
+// acc[x, :] += sum_j p[x, j] * v_j for the X heads of p (rows kDecodeTile apart), with decode_softmax's p.
+template <typename T, typename C>
+inline void decode_tile_accum(const PagedAttnArgs<T, C>& a, int64_t X, float* acc, const float* p,
+                              const C* const* vp, int64_t n) {
+#ifdef PAGELLM_DECODE_BF16_DOT
+  if constexpr (std::is_same_v<C, c10::BFloat16>) {
+    if (use_bf16_pv(a)) return for_head_chunks<AccumBf16K>(X, acc, p, vp, n, a.head_dim, kDecodeTile);
+  }
+#endif
+  for_head_chunks<AccumK>(X, acc, p, vp, n, a.head_dim);
 }
 
 struct DecodeScratch {
@@ -323,11 +354,11 @@ void decode_item(const PagedAttnArgs<T, C>& a, int64_t s, int64_t h, int64_t kbe
     for (int64_t g = 0; g < G; ++g) {
       float* sg = w.sc.data() + g * kDecodeTile;
       if (a.softcap > 0.f) apply_softcap(sg, n, a.softcap);
-      const float corr = softmax_update(sg, n, m[g], l[g]);
+      const float corr = decode_softmax(a, sg, n, m[g], l[g]);
       if (corr != 1.0f) store_row(acc + g * D, acc + g * D, D, corr);
       if constexpr (PagedAttnArgs<T, C>::kQuantized) mul_elementwise(sg, w.vs.data(), n);  // after l took p
     }
-    for_head_chunks<AccumK>(G, acc, static_cast<const float*>(w.sc.data()), static_cast<const C* const*>(vp), n, D);
+    decode_tile_accum(a, G, acc, static_cast<const float*>(w.sc.data()), static_cast<const C* const*>(vp), n);
   }
 }
 

@@ -91,19 +91,19 @@ void decode_run_item(const PagedAttnArgs<T, C>& a, const DecodeRun& run, const s
         float* sg = w.sc.data() + x * kDecodeTile;
         if (ni <= 0) continue;
         if (a.softcap > 0.f) apply_softcap(sg, ni, a.softcap);
-        const float corr = softmax_update(sg, ni, m[x], l[x]);
+        const float corr = decode_softmax(a, sg, ni, m[x], l[x]);
         if (corr != 1.0f) store_row(acc + x * D, acc + x * D, D, corr);
         if constexpr (PagedAttnArgs<T, C>::kQuantized) mul_elementwise(sg, w.vs.data(), ni);
       }
       if (i < full && ni > 0) {
-        for_head_chunks<AccumK>(G, acc + i * G * D, static_cast<const float*>(w.sc.data() + i * G * kDecodeTile),
-                                static_cast<const C* const*>(vp), ni, D);
+        decode_tile_accum(a, G, acc + i * G * D, static_cast<const float*>(w.sc.data() + i * G * kDecodeTile),
+                          static_cast<const C* const*>(vp), ni);
       }
     }
     if (full < nq) {
-      for_head_chunks<AccumK>((nq - full) * G, acc + full * G * D,
-                              static_cast<const float*>(w.sc.data() + full * G * kDecodeTile),
-                              static_cast<const C* const*>(vp), n, D);
+      decode_tile_accum(a, (nq - full) * G, acc + full * G * D,
+                        static_cast<const float*>(w.sc.data() + full * G * kDecodeTile),
+                        static_cast<const C* const*>(vp), n);
     }
   }
 }

@@ -103,11 +103,11 @@ void tree_run_item(const PagedAttnArgs<T, C>& d, const DecodeKeyTail* tails, con
       for (int64_t x = 0; x < nq * G; ++x) {
         float* sx = w.sc.data() + x * kDecodeTile;
         if (d.softcap > 0.f) apply_softcap(sx, kDecodeTile, d.softcap);
-        const float corr = softmax_update(sx, kDecodeTile, m[x], l[x]);
+        const float corr = decode_softmax(d, sx, kDecodeTile, m[x], l[x]);
         if (corr != 1.0f) store_row(acc + x * D, acc + x * D, D, corr);
       }
-      for_head_chunks<AccumK>(nq * G, acc, static_cast<const float*>(w.sc.data()),
-                              static_cast<const C* const*>(vp), kDecodeTile, D);
+      decode_tile_accum(d, nq * G, acc, static_cast<const float*>(w.sc.data()), static_cast<const C* const*>(vp),
+                        kDecodeTile);
       continue;
     }
     for (int64_t i = 0; i < nq; ++i) {  // the tile reaches the tree: each token its context keys, then its own
@@ -120,11 +120,11 @@ void tree_run_item(const PagedAttnArgs<T, C>& d, const DecodeKeyTail* tails, con
         const int64_t x = i * G + g;
         float* sx = w.sc.data() + x * kDecodeTile;
         if (d.softcap > 0.f) apply_softcap(sx, n, d.softcap);
-        const float corr = softmax_update(sx, n, m[x], l[x]);
+        const float corr = decode_softmax(d, sx, n, m[x], l[x]);
         if (corr != 1.0f) store_row(acc + x * D, acc + x * D, D, corr);
       }
-      for_head_chunks<AccumK>(G, acc + i * G * D, static_cast<const float*>(w.sc.data() + i * G * kDecodeTile),
-                              static_cast<const C* const*>(vp), n, D);
+      decode_tile_accum(d, G, acc + i * G * D, static_cast<const float*>(w.sc.data() + i * G * kDecodeTile),
+                        static_cast<const C* const*>(vp), n);
     }
   }
 }
