@@ -119,8 +119,14 @@ def calibration_windows(tokenizer, num_samples: int = 128, seq_len: int = 512,
 def validation_samples(tokenizer, num_samples: int, seq_len: int, exclude: list[TextWindow],
                        seed: int = 0) -> list[list[int]]:
     """`num_samples` windows of `seq_len` ids of the calibration-side text overlapping none of `exclude` (the
-    calibration windows of every draw being compared), from the rng stream seed + `VALIDATION_SEED_OFFSET`;
-    ValueError when the text has no room left."""
+    calibration windows of every draw being compared) nor each other, from the rng stream seed +
+    `VALIDATION_SEED_OFFSET`; ValueError when the text has no room left."""
+    return [ids for ids, _ in validation_windows(tokenizer, num_samples, seq_len, exclude, seed)]
+
+
+def validation_windows(tokenizer, num_samples: int, seq_len: int, exclude: list[TextWindow],
+                       seed: int = 0) -> list[tuple[list[int], TextWindow]]:
+    """`validation_samples` with where each came from."""
     drawn: list[TextWindow] = []
 
     def allowed(window: TextWindow) -> bool:  # also keeps the validation windows apart from each other
@@ -130,7 +136,7 @@ def validation_samples(tokenizer, num_samples: int, seq_len: int, exclude: list[
         return True
 
     rng = random.Random(seed + VALIDATION_SEED_OFFSET)
-    return [ids for ids, _ in _draw_windows(tokenizer, num_samples, seq_len, rng, allowed)]
+    return _draw_windows(tokenizer, num_samples, seq_len, rng, allowed)
 
 
 def _draw_windows(tokenizer, num_samples: int, seq_len: int, rng: random.Random,
