@@ -10,6 +10,7 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+seq:32   # + --group-search --true-sequential
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+refine:64   # + --refine-sweeps 2 (refine8: 8)
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
+    python benchmarks/bench_quant_ppl.py --methods bf16,dir=/tmp/my-awq        # an existing checkpoint directory
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
 Text: the Book of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter
@@ -100,12 +101,12 @@ def doc_page_text(max_words: int | None = None) -> tuple[str, str]:
     return (_first_words(text, max_words) if max_words else text), f"python3.11-doc: {page}"
 
 
-def held_out_texts(names: list[str], max_words: int) -> list[tuple[str, str, str]]:
+def held_out_texts(names: list[str], max_words: int, doc_words: int | None = None) -> list[tuple[str, str, str]]:
     """[(name, text, source)] of `HELD_OUT_TEXTS` names: "kjv" is the first `max_words` words of Ecclesiastes (the
-    number every session before 19 printed), "doc" the whole held-out doc page (5664 words)."""
+    number every session before 19 printed), "doc" the held-out doc page (`doc_words` words, None: all 5664)."""
     if "kjv" in names and "doc" in names and bible_text() is None:
         raise ValueError("--texts kjv,doc needs bible-kjv (without it kjv falls back to the doc page itself)")
-    makers = {"kjv": lambda: held_out_text(max_words), "doc": lambda: doc_page_text()}
+    makers = {"kjv": lambda: held_out_text(max_words), "doc": lambda: doc_page_text(doc_words)}
     return [(name, *makers[name]()) for name in names]
 
 
@@ -297,6 +298,8 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
                                              int(option) if option else None,
                                              "gptq" if "gptq" in options else "rtn", options,
                                              args.awq_seed), None
+    if name.startswith("dir="):  # an existing checkpoint directory (its config says how it is quantized)
+        model, quantization = method[len("dir="):], None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -444,7 +447,7 @@ def main() -> None:
                     help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
                          "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq+gptq+search+seq[:<group>] "
                          "(+ options: gptq, search, seq, refine = AWQ_OPTIONS), awq-rtn[:<group>] "
-                         "(round-to-nearest, no calibration), or a registered "
+                         "(round-to-nearest, no calibration), dir=<checkpoint directory>, or a registered "
                          "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
@@ -483,7 +486,8 @@ def main() -> None:
     tok = None if random_weights else llms[methods[0]].get_tokenizer()
     bos = [] if tok is None or tok.bos_token_id is None else [tok.bos_token_id]
     texts = [] if tok is None else [(name, bos + tok(text, add_special_tokens=False)["input_ids"], len(text.split()),
-                                     source) for name, text, source in held_out_texts(text_names, args.max_words)]
+                                     source) for name, text, source in held_out_texts(text_names, args.max_words,
+                                                                              args.max_words if args.quick else None)]
     prompt = (texts[0][1] if texts else list(range(10, 10 + args.prompt_len)))[:args.prompt_len]
     data = {"tag": args.tag, "env": C.env_info(), "args": vars(args), "model": model or "default (SmolLM2-135M)",
             "text_source": texts[0][3] if texts else None, "words": texts[0][2] if texts else None,
