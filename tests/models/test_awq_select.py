@@ -13,7 +13,7 @@ import torch
 
 from pagellm.quantization.awq_calibrate import AWQCalibrationConfig, calibrate_model, load_float_model
 from pagellm.quantization.awq_select import (
-    ValidationScorer, combine_layers, layer_state, load_candidate, select_calibration, select_draw,
+    ValidationScorer, combine_layers, layer_state, load_candidate, paired_se, select_calibration, select_draw,
 )
 from pagellm.quantization.calibration_data import (
     TextWindow, calibration_samples, calibration_windows, doc_pages, kjv_documents, validation_samples,
@@ -74,6 +74,8 @@ def test_scorer_nll_is_hf_loss_and_tails_agree(tiny_llama_dir, tiny_tokenizer):
     scorer = ValidationScorer(model, samples, batch_size=3)
     want = _hf_nll64(model, samples)
     assert scorer.nll() == pytest.approx(want, abs=1e-5)
+    for k, ids in enumerate(samples):  # per sample: HF's loss of that sample alone
+        assert float(scorer.sample_nlls[k]) == pytest.approx(_hf_nll64(model, [ids]), abs=1e-5)
     hidden = scorer.embed()
     for i in range(len(model.model.layers) + 1):
         assert scorer.tail_nll(i, hidden) == pytest.approx(want, abs=1e-5)
@@ -118,6 +120,12 @@ def _independent_nll(model, tensors, samples) -> float:
     return _hf_nll64(ref, samples)
 
 
+def scorer_draws(model, tensors, val):
+    scorer = ValidationScorer(copy.deepcopy(model), val)
+    select_draw(scorer, tensors, G)
+    return scorer.draw_sample_nlls
+
+
 def test_select_draw_and_layers_against_independent_losses(tiny_llama_dir, tiny_tokenizer):
     """select_draw returns every draw's NLL as HF's float64 loss gives it and the least one; the greedy per-layer
     mix's tensors are those draws' layers, its NLL is their independent loss, no worse than the best draw's, and
@@ -127,6 +135,10 @@ def test_select_draw_and_layers_against_independent_losses(tiny_llama_dir, tiny_
     want = [_independent_nll(model, t, val) for t in tensors]
     best, losses = select_draw(ValidationScorer(copy.deepcopy(model), val), tensors, G)
     assert losses == pytest.approx(want, abs=1e-5) and best == min(range(3), key=want.__getitem__)
+    d = torch.tensor([_independent_nll(model, tensors[0], [s]) - _independent_nll(model, tensors[best], [s])
+                      for s in val], dtype=torch.float64)
+    per_sample = scorer_draws(model, tensors, val)
+    assert paired_se(per_sample[0], per_sample[best]) == pytest.approx(float(d.std() / len(val) ** 0.5), rel=1e-3)
 
     mixed, report = select_calibration(copy.deepcopy(model), tensors, val, G, mode="layer")
     choice = report["layers"]

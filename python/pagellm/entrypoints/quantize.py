@@ -128,7 +128,8 @@ def calibrate_draws(model_dir: str, tokenizer, config, num_samples: int, seq_len
     val = validation_samples(tokenizer, num_validation, seq_len, exclude=seen_windows, seed=seeds[0])
     tensors, report = select_calibration(float_model, candidates, val, config.group_size, select, progress=say)
     say(f"chose {report.get('layers', report['best_draw'])} by validation NLL {report['nll']:.5f} (draws: "
-        f"{', '.join(f'{x:.5f}' for x in report['draw_nll'])}) in {time.perf_counter() - start:.0f}s")
+        f"{', '.join(f'{x:.5f} (SE vs best {se:.5f})' for x, se in zip(report['draw_nll'], report['draw_se_vs_best']))})"
+        f" in {time.perf_counter() - start:.0f}s")
     return tensors
 
 

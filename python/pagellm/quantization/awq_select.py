@@ -76,15 +76,24 @@ class ValidationScorer:
         with torch.no_grad():
             for i in range(start, len(self.inner.layers)):
                 hidden = self.run_layer(i, hidden)
-            total = 0.0
+            sums = []
             for lo in range(0, hidden.shape[0], self.batch_size):
                 logits = self.model.lm_head(self.inner.norm(hidden[lo:lo + self.batch_size, :-1]))
                 targets = self.ids[lo:lo + self.batch_size, 1:]
-                total += float(nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum"))
-            return total / (hidden.shape[0] * (hidden.shape[1] - 1))
+                token_nll = nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+                sums.append(token_nll.to(torch.float64).sum(1))
+            # per sample, for paired standard errors between candidates (`paired_se`)
+            self.sample_nlls = torch.cat(sums) / (hidden.shape[1] - 1)
+            return float(self.sample_nlls.mean())
 
     def nll(self) -> float:
         return self.tail_nll(0, self.embed())
+
+
+def paired_se(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The standard error of mean(a) - mean(b) over paired per-sample NLLs [S]."""
+    d = a - b
+    return float(d.std() / d.numel() ** 0.5) if d.numel() > 1 else float("nan")
 
 
 def load_candidate(scorer: ValidationScorer, tensors: dict[str, torch.Tensor], group_size: int) -> None:
@@ -94,11 +103,13 @@ def load_candidate(scorer: ValidationScorer, tensors: dict[str, torch.Tensor], g
 
 def select_draw(scorer: ValidationScorer, candidates: list[dict[str, torch.Tensor]], group_size: int,
                 progress: Callable[[str], None] | None = None) -> tuple[int, list[float]]:
-    """(index of the candidate with the lowest validation NLL (the first on ties), every candidate's NLL)."""
-    losses = []
+    """(index of the candidate with the lowest validation NLL (the first on ties), every candidate's NLL); each
+    candidate's per-sample NLLs are left in `scorer.draw_sample_nlls`."""
+    losses, scorer.draw_sample_nlls = [], []
     for k, tensors in enumerate(candidates):
         load_candidate(scorer, tensors, group_size)
         losses.append(scorer.nll())
+        scorer.draw_sample_nlls.append(scorer.sample_nlls)
         if progress is not None:
             progress(f"draw {k}: validation NLL {losses[-1]:.5f}")
     return min(range(len(losses)), key=losses.__getitem__), losses
@@ -145,14 +156,17 @@ def select_calibration(model: nn.Module, candidates: list[dict[str, torch.Tensor
                        progress: Callable[[str], None] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
     """The chosen checkpoint tensors among `candidates` (calibrations of `model`, an HF float32 CausalLM whose
     decoder layers are overwritten) by the validation NLL on `samples`, and a report {"draw_nll": [...],
-    "best_draw": k, "layers": [k per layer] (mode "layer"), "nll": the chosen tensors' NLL}."""
+    "best_draw": k, "draw_se_vs_best": [paired SE of each draw's difference to the best's], "layers": [k per
+    layer] (mode "layer"), "nll": the chosen tensors' NLL}."""
     if mode not in SELECT_MODES:
         raise ValueError(f"select mode must be one of {SELECT_MODES}, got {mode!r}")
     if not candidates:
         raise ValueError("select_calibration needs at least one candidate")
     scorer = ValidationScorer(model, samples)
     best, draw_nll = select_draw(scorer, candidates, group_size, progress)
-    report = {"draw_nll": draw_nll, "best_draw": best, "nll": draw_nll[best]}
+    per_sample = scorer.draw_sample_nlls
+    report = {"draw_nll": draw_nll, "best_draw": best, "nll": draw_nll[best],
+              "draw_se_vs_best": [paired_se(x, per_sample[best]) for x in per_sample]}
     if mode == "draw" or len(candidates) == 1:
         return candidates[best], report
     choice, report["nll"] = select_layers(scorer, candidates, group_size, start=best, progress=progress)
