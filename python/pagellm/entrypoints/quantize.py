@@ -6,6 +6,7 @@
     pagellm quantize --method awq --rounding gptq --group-search --true-sequential --output OUT   # +4.2 % at g32
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
+    pagellm quantize --method awq --group-size 32 --draws 3 --select draw --output OUT   # best of 3 by validation NLL
 
 The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2 --num-samples 128`
 (`--rounding rtn --no-group-search --refine-sweeps 0 --num-samples 32` is session 15's recipe, `quantize_model_awq`'s
@@ -21,7 +22,12 @@ same AutoAWQ layout; it adds well under a second of CPU per layer here (0.1 s fo
 on SmolLM2-135M brings word perplexity over bf16 from +16.7 % to +7.7 % (group 64; benchmarks/README.md session 15).
 `--scale-search rounding|none` judges AWQ's per-channel scale by the configured rounding or drops it, and
 `--gptq-damp` sets GPTQ's damping (benchmarks/README.md session 18: neither beat the defaults' perplexity
-beyond the held-out text's noise). Calibration text: calibration_data.py.
+beyond the held-out text's noise). `--draws N` calibrates N times (seeds --seed, --seed + 1, ...) and writes the
+calibration (`--select draw`) or the per-decoder-layer mix of them (`--select layer`, greedy) with the lowest NLL of
+the rounded model on `--validation-samples` windows of calibration-side text none of the draws read (awq_select.py):
+N times the calibration, plus N validation forwards (draw) or about N x layers / 2 more (layer). On the default model
+the validation ranking of draws did not carry over to the benchmark's held-out texts (benchmarks/README.md session
+19), so it is off by default. Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
