@@ -13,14 +13,17 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,dir=/tmp/my-awq        # an existing checkpoint directory
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
-Text: the Book of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter
-headings stripped), or, without it, a python3.11-doc reST page. Perplexity is word-level,
+Texts (`--texts`, default both; calibration never reads either): "kjv", the first --max-words words of the Book
+of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter headings stripped; without
+it the doc page), the number sessions before 19 printed; "doc", the python3.11-doc page
+tutorial/controlflow.rst.txt (5664 words); with several, also all of them pooled. Perplexity is word-level,
 exp(sum of token NLLs / number of words), so it does not depend on the tokenizer: the tokens are scored in
 windows of --window tokens, each window after the first re-reading the previous --context tokens unscored,
 so every token is scored exactly once (the first one after BOS, when the tokenizer has one).
 Beside each difference to the first method: its paired standard error (per-token NLL differences summed
-over 64-token blocks): on this ~5k-token text about 0.7-1 point for AWQ against bf16 and for two AWQ
-calibrations against each other (benchmarks/README.md session 18), so single differences of a point are noise.
+over 64-token blocks): on each ~5-7k-token text about 0.7-1 point for AWQ against bf16 and for two AWQ
+calibrations against each other, pooled ~0.6 (benchmarks/README.md sessions 18-19), so single differences of a
+point are noise.
 A random model (--model-size 1b) has no meaningful perplexity: only TPOT is measured there.
 
 TPOT: one request at a time through LLMEngine (add_request / step), prompt --prompt-len tokens, --tpot-tokens
