@@ -387,7 +387,8 @@ def render(data: dict) -> str:
         if pooled:
             row.append(_vs_first(m["pooled"]["word_ppl"], base["pooled"]["word_ppl"], m["pooled"]))
         secs = sum(m["texts"][name]["seconds"] for name, *_ in texts)
-        rows.append(row + [f"{secs:.1f}" if texts else "-", f"{m['tpot_ms']:.1f}", f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
+        rows.append(row + [f"{secs:.1f}" if texts else "-", f"{m['tpot_ms']:.1f}",
+                           f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
     text = ("; ".join(f"{name}: {source}, {words} words" for name, source, words in texts)
             if texts else "random weights: no perplexity")
     head = (f"## Weight formats: {data['model']} ({text}); "

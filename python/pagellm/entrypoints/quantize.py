@@ -133,9 +133,9 @@ def calibrate_draws(model_dir: str, tokenizer, config, num_samples: int, seq_len
     start = time.perf_counter()
     val = validation_samples(tokenizer, num_validation, seq_len, exclude=seen_windows, seed=seeds[0])
     tensors, report = select_calibration(float_model, candidates, val, config.group_size, select, progress=say)
-    say(f"chose {report.get('layers', report['best_draw'])} by validation NLL {report['nll']:.5f} (draws: "
-        f"{', '.join(f'{x:.5f} (SE vs best {se:.5f})' for x, se in zip(report['draw_nll'], report['draw_se_vs_best']))})"
-        f" in {time.perf_counter() - start:.0f}s")
+    draws = ", ".join(f"{x:.5f} (SE vs best {se:.5f})" for x, se in zip(report["draw_nll"], report["draw_se_vs_best"]))
+    say(f"chose {report.get('layers', report['best_draw'])} by validation NLL {report['nll']:.5f} (draws: {draws}) "
+        f"in {time.perf_counter() - start:.0f}s")
     return tensors
 
 
@@ -187,7 +187,8 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                    help="with --draws > 1: draw: the best whole calibration | layer: greedy per decoder layer "
                         "among the draws' layers (awq_select.py)")
     p.add_argument("--validation-samples", type=int, default=DEFAULT_VALIDATION_SAMPLES,
-                   help=f"validation windows of --seq-len tokens for --draws > 1 (default {DEFAULT_VALIDATION_SAMPLES})")
+                   help=f"validation windows of --seq-len tokens for --draws > 1 "
+                        f"(default {DEFAULT_VALIDATION_SAMPLES})")
     p.add_argument("--dtype", default="float16", help="dtype of the unquantized tensors: float16 | bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0, help="calibration sample choice")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory")

@@ -46,7 +46,8 @@ class TextWindow:
     end: int
 
     def overlaps(self, other: "TextWindow") -> bool:
-        return (self.source, self.doc) == (other.source, other.doc) and self.start < other.end and other.start < self.end
+        same_doc = (self.source, self.doc) == (other.source, other.doc)
+        return same_doc and self.start < other.end and other.start < self.end
 
 
 def parse_bible_output(raw: str) -> dict[str, str]:
