@@ -25,7 +25,7 @@ on SmolLM2-135M brings word perplexity over bf16 from +16.7 % to +7.7 % (group 6
 beyond the held-out text's noise). `--draws N` calibrates N times (seeds --seed, --seed + 1, ...) and writes the
 calibration (`--select draw`) or the per-decoder-layer mix of them (`--select layer`, greedy) with the lowest NLL of
 the rounded model on `--validation-samples` windows of calibration-side text none of the draws read (awq_select.py):
-N times the calibration, plus N validation forwards (draw) or about N x layers / 2 more (layer). On the default model
+N times the calibration, plus N validation forwards (draw) or ~0.6 x (N - 1) x layers more (layer). On the default model
 the validation ranking of draws did not carry over to the benchmark's held-out texts (benchmarks/README.md session
 19), so it is off by default. Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.

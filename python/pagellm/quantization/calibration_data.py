@@ -33,13 +33,13 @@ DOC_GLOBS = (
 )
 _CHAPTER_HEADING = re.compile(r"(\S.*) (\d+)")
 _VERSE_START = re.compile(r"\s+\d+ (.*)")
-VALIDATION_SEED_OFFSET = 1_000_003  # validation windows' rng stream: seed + this, never a calibration seed's
+VALIDATION_SEED_OFFSET = 1_000_003  # validation windows' rng stream: seed + this, far from calibration's seeds
 
 
 @dataclass(frozen=True)
 class TextWindow:
-    """Where a sample's body came from: tokens [start, end) of document `doc` of source `source` (0: KJV
-    books, 1: python-doc pages, as `calibration_sources` lists them when both are installed)."""
+    """Where a sample's body came from: tokens [start, end) of document `doc` of source `source` (the installed
+    sources in order: 0 KJV books, 1 python-doc pages when both are there)."""
     source: int
     doc: int
     start: int
