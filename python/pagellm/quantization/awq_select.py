@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from pagellm.quantization.awq_calibrate import LayerRunner
 from pagellm.quantization.awq_format import dequantize_awq
 
 SELECT_MODES = ("draw", "layer")
@@ -53,8 +54,6 @@ class ValidationScorer:
     residual stream before layer i (for greedy layer choices)."""
 
     def __init__(self, model: nn.Module, samples: list[list[int]], batch_size: int = 8):
-        from pagellm.quantization.awq_calibrate import LayerRunner
-
         self.model, self.ids = model, torch.tensor(samples, dtype=torch.long)
         self.inner = model.model
         self.runner = LayerRunner(self.inner.rotary_emb, self.ids.shape[1], batch_size)
