@@ -26,8 +26,8 @@ beyond the held-out text's noise). `--draws N` calibrates N times (seeds --seed,
 calibration (`--select draw`) or the per-decoder-layer mix of them (`--select layer`, greedy) with the lowest NLL of
 the rounded model on `--validation-samples` windows of calibration-side text none of the draws read (awq_select.py):
 N times the calibration, plus N validation forwards (draw) or ~0.6 x (N - 1) x layers more (layer). On the default model
-the validation ranking of draws did not carry over to the benchmark's held-out texts (benchmarks/README.md session
-19), so it is off by default. Calibration text: calibration_data.py.
+a whole draw chosen so was no better on the benchmark's held-out texts; the per-layer mix of 3 draws gave +2.30 %
+against their mean +3.25 % in one run (benchmarks/README.md session 19), so it is off by default. Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
