@@ -10,16 +10,20 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+seq:32   # + --group-search --true-sequential
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+refine:64   # + --refine-sweeps 2 (refine8: 8)
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
+    python benchmarks/bench_quant_ppl.py --methods bf16,dir=/tmp/my-awq        # an existing checkpoint directory
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
-Text: the Book of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter
-headings stripped), or, without it, a python3.11-doc reST page. Perplexity is word-level,
+Texts (`--texts`, default both; calibration never reads either): "kjv", the first --max-words words of the Book
+of Ecclesiastes from Debian's `bible-kjv` (the `bible` command; verse numbers and chapter headings stripped; without
+it the doc page), the number sessions before 19 printed; "doc", the python3.11-doc page
+tutorial/controlflow.rst.txt (5664 words); with several, also all of them pooled. Perplexity is word-level,
 exp(sum of token NLLs / number of words), so it does not depend on the tokenizer: the tokens are scored in
 windows of --window tokens, each window after the first re-reading the previous --context tokens unscored,
 so every token is scored exactly once (the first one after BOS, when the tokenizer has one).
 Beside each difference to the first method: its paired standard error (per-token NLL differences summed
-over 64-token blocks): on this ~5k-token text about 0.7-1 point for AWQ against bf16 and for two AWQ
-calibrations against each other (benchmarks/README.md session 18), so single differences of a point are noise.
+over 64-token blocks): on each ~5-7k-token text about 0.7-1 point for AWQ against bf16 and for two AWQ
+calibrations against each other, pooled ~0.6 (benchmarks/README.md sessions 18-19), so single differences of a
+point are noise.
 A random model (--model-size 1b) has no meaningful perplexity: only TPOT is measured there.
 
 TPOT: one request at a time through LLMEngine (add_request / step), prompt --prompt-len tokens, --tpot-tokens
@@ -50,6 +54,10 @@ import common as C
 import torch
 
 BIBLE_PASSAGE = "Ecclesiastes 1:1-12:14"
+HELD_OUT_DOC_PAGE = "tutorial/controlflow.rst.txt"
+# the held-out texts (never in calibration_data's samples): one ~5k-token text gives a paired SE of ~0.8 points,
+# so a second one is scored beside it and both pooled (the SE falls as 1 / sqrt(tokens))
+HELD_OUT_TEXTS = ("kjv", "doc")
 RANDOM_1B_DIR = Path("/tmp/pagellm-bench/random-llama-1b")
 AWQ_CACHE_DIR = Path("/tmp/pagellm-bench/awq")
 # TinyLlama-1.1B's shape: 22 layers, GQA 32/4, untied 32000-token head (1.1B parameters, 2.2 GB in bf16)
@@ -81,14 +89,33 @@ def bible_text(passage: str = BIBLE_PASSAGE) -> str | None:
 
 
 def held_out_text(max_words: int) -> tuple[str, str]:
-    """(text of at most max_words words, where it comes from)."""
+    """(text of at most max_words words, where it comes from): Ecclesiastes, or without `bible-kjv` the doc page."""
     text, source = bible_text(), f"bible-kjv: {BIBLE_PASSAGE}"
     if text is None:
-        pages = C.find_doc_files()
-        page = next((f for f in pages if f.endswith("tutorial/controlflow.rst.txt")), pages[0])
-        text, source = Path(page).read_text(errors="replace"), f"python3.11-doc: {page}"
+        return doc_page_text(max_words)
+    return _first_words(text, max_words), source
+
+
+def doc_page_text(max_words: int | None = None) -> tuple[str, str]:
+    """The python3.11-doc page calibration never reads (calibration_data.HELD_OUT_DOC_PAGES)."""
+    pages = C.find_doc_files()
+    page = next((f for f in pages if f.endswith(HELD_OUT_DOC_PAGE)), pages[0])
+    text = Path(page).read_text(errors="replace")
+    return (_first_words(text, max_words) if max_words else text), f"python3.11-doc: {page}"
+
+
+def held_out_texts(names: list[str], max_words: int, doc_words: int | None = None) -> list[tuple[str, str, str]]:
+    """[(name, text, source)] of `HELD_OUT_TEXTS` names: "kjv" is the first `max_words` words of Ecclesiastes (the
+    number every session before 19 printed), "doc" the held-out doc page (`doc_words` words, None: all 5664)."""
+    if "kjv" in names and "doc" in names and bible_text() is None:
+        raise ValueError("--texts kjv,doc needs bible-kjv (without it kjv falls back to the doc page itself)")
+    makers = {"kjv": lambda: held_out_text(max_words), "doc": lambda: doc_page_text(doc_words)}
+    return [(name, *makers[name]()) for name in names]
+
+
+def _first_words(text: str, max_words: int) -> str:
     ends = [m.end() for m in re.finditer(r"\S+", text)]
-    return (text[:ends[max_words - 1]] if len(ends) > max_words else text), source
+    return text[:ends[max_words - 1]] if len(ends) > max_words else text
 
 
 # ---------------------------------------------------------------------------------- models
@@ -147,13 +174,15 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 # "awq+<option>+...": the calibration options of `pagellm quantize --method awq` a method name may add
 AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
                "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N",
-               "noscale": "--scale-search none", "rscale": "--scale-search rounding"}
+               "noscale": "--scale-search none", "rscale": "--scale-search rounding",
+               "draws<N>": "--draws N (--select draw)", "lsel": "--select layer (with draws<N>)"}
+_NUMBERED_OPTIONS = re.compile(r"(refine|draws)[1-9]\d*")
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:
     """("gptq", "search", ...) of "awq+gptq+search"-style names ("awq" -> ()), None for other names."""
     parts = name.split("+")
-    if parts[0] != "awq" or any(p not in AWQ_OPTIONS and not re.fullmatch(r"refine[1-9]\d*", p) for p in parts[1:]):
+    if parts[0] != "awq" or any(p not in AWQ_OPTIONS and not _NUMBERED_OPTIONS.fullmatch(p) for p in parts[1:]):
         return None
     return tuple(parts[1:])
 
@@ -162,6 +191,12 @@ def refine_sweeps(options: tuple[str, ...]) -> int:
     """--refine-sweeps of an option set: "refine" -> 2, "refine<N>" -> N, none -> 0."""
     found = [o for o in options if o.startswith("refine")]
     return (int(found[0][len("refine"):] or 2)) if found else 0
+
+
+def num_draws(options: tuple[str, ...]) -> int:
+    """--draws of an option set: "draws<N>" -> N, none -> 1."""
+    found = [o for o in options if o.startswith("draws")]
+    return int(found[0][len("draws"):]) if found else 1
 
 
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
@@ -184,7 +219,8 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     t = time.perf_counter()
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
-                       refine_sweeps=refine_sweeps(options), seed=seed,
+                       refine_sweeps=refine_sweeps(options), seed=seed, draws=num_draws(options),
+                       select="layer" if "lsel" in options else "draw",
                        scale_search="none" if "noscale" in options else "rounding" if "rscale" in options else "rtn",
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
@@ -265,6 +301,8 @@ def make_llm(model: str | None, method: str, max_model_len: int, tmp_root: Path,
                                              int(option) if option else None,
                                              "gptq" if "gptq" in options else "rtn", options,
                                              args.awq_seed), None
+    if name.startswith("dir="):  # an existing checkpoint directory (its config says how it is quantized)
+        model, quantization = method[len("dir="):], None
     if name == "awq-rtn":
         model, quantization = awq_rtn_checkpoint(model, Path(args.awq_cache), int(option) if option else None), "awq"
     return LLM(model=model, dtype="bfloat16", quantization=quantization, max_model_len=max_model_len, max_num_seqs=16,
@@ -338,37 +376,53 @@ def decode_tpot_ms(llm, prompt: list[int], n_out: int, rid: str, clock=time.perf
 # ---------------------------------------------------------------------------------- report
 def render(data: dict) -> str:
     base = data["methods"][0]
+    texts = data.get("texts") or []
+    pooled = len(texts) > 1
     rows = []
     for m in data["methods"]:
-        ppl = m.get("ppl")
-        ppl_cell = f"{ppl['word_ppl']:.3f}" if ppl else "-"
-        rel = (f"{(ppl['word_ppl'] / base['ppl']['word_ppl'] - 1) * 100:+.2f} % (SE {ppl['se_vs_first']:.2f})"
-               if ppl and base.get("ppl") else "-")
-        secs = f"{ppl['seconds']:.1f}" if ppl else "-"
-        rows.append([m["method"], f"{m['weight_bytes'] / 2**20:,.0f}", ppl_cell, rel, secs, f"{m['tpot_ms']:.1f}",
-                     f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
-    text = f"{data['text_source']}, {data['words']} words" if data["words"] else "random weights: no perplexity"
+        row = [m["method"], f"{m['weight_bytes'] / 2**20:,.0f}"]
+        for name, *_ in texts:
+            ppl = m["texts"][name]
+            row += [f"{ppl['word_ppl']:.3f}", _vs_first(ppl["word_ppl"], base["texts"][name]["word_ppl"], ppl)]
+        if pooled:
+            row.append(_vs_first(m["pooled"]["word_ppl"], base["pooled"]["word_ppl"], m["pooled"]))
+        secs = sum(m["texts"][name]["seconds"] for name, *_ in texts)
+        rows.append(row + [f"{secs:.1f}" if texts else "-", f"{m['tpot_ms']:.1f}",
+                           f"{m['tpot_ms'] / base['tpot_ms']:.2f}x"])
+    text = ("; ".join(f"{name}: {source}, {words} words" for name, source, words in texts)
+            if texts else "random weights: no perplexity")
     head = (f"## Weight formats: {data['model']} ({text}); "
             f"batch-1 decode of {data['args']['tpot_tokens']} tokens after {data['args']['prompt_len']}; "
             f"{data['env']['torch_threads']} threads\n\n")
-    table = C.md_table(["method", "weights MiB", "word ppl", "ppl vs first", "ppl pass s (prefill)", "TPOT ms",
-                        "TPOT vs first"], rows)
+    ppl_headers = [h for name, *_ in texts for h in (f"{name} word ppl", f"{name} vs first")]
+    table = C.md_table(["method", "weights MiB", *ppl_headers, *(["pooled vs first"] if pooled else []),
+                        "ppl pass s (prefill)", "TPOT ms", "TPOT vs first"], rows)
     return head + table + ("\n\nTargets: int8 ppl <= first + 0.5 %; int8 TPOT <= 0.6x first on the ~1B model; "
                            "AWQ ppl <= first + 3 %. SE: the paired standard error of the difference to the first "
-                           "method in points (`paired_standard_error`).")
+                           "method in points (`paired_standard_error`); pooled: every text's NLL over all their words.")
 
 
-def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], args) -> list[dict]:
-    """Per method: weight bytes, perplexity (when `words`), TPOT runs (interleaved across methods) and median."""
-    results = {m: {"method": m, "weight_bytes": weight_bytes(llm), "tpot_runs_ms": []} for m, llm in llms.items()}
+def _vs_first(ppl: float, base_ppl: float, stats: dict) -> str:
+    return f"{(ppl / base_ppl - 1) * 100:+.2f} % (SE {stats['se_vs_first']:.2f})"
+
+
+def measure(llms: dict, texts: list[tuple[str, list[int], int]], prompt: list[int], args) -> list[dict]:
+    """Per method: weight bytes, perplexity of each (name, token ids, words) text and of all pooled, TPOT runs
+    (interleaved across methods) and median. "ppl" is the first text's (the number earlier sessions printed)."""
+    results = {m: {"method": m, "weight_bytes": weight_bytes(llm), "tpot_runs_ms": [], "texts": {}}
+               for m, llm in llms.items()}
+    first = next(iter(results))
     for m, llm in llms.items():
-        if words:
+        for name, ids, words in texts:
             t = time.perf_counter()
-            results[m]["ppl"] = word_perplexity(llm, ids, words, args.window, args.context)
-            results[m]["ppl"]["seconds"] = time.perf_counter() - t
-            print(f"[ppl] {m}: {results[m]['ppl']['word_ppl']:.3f}", flush=True)
-            first = results[next(iter(results))]["ppl"]["token_nlls"]
-            results[m]["ppl"]["se_vs_first"] = paired_standard_error(results[m]["ppl"]["token_nlls"], first, words)
+            ppl = results[m]["texts"][name] = word_perplexity(llm, ids, words, args.window, args.context)
+            ppl["seconds"] = time.perf_counter() - t
+            ppl["se_vs_first"] = paired_standard_error(ppl["token_nlls"], results[first]["texts"][name]["token_nlls"],
+                                                       words)
+            print(f"[ppl] {m} {name}: {ppl['word_ppl']:.3f}", flush=True)
+        if texts:
+            results[m]["ppl"] = results[m]["texts"][texts[0][0]]
+            results[m]["pooled"] = pooled_perplexity(results[m]["texts"], results[first]["texts"])
         decode_tpot_ms(llm, prompt, args.tpot_tokens, f"warmup-{m}")
     for r in range(args.repeats):
         for m, llm in llms.items():
@@ -376,8 +430,19 @@ def measure(llms: dict, ids: list[int], words: int | None, prompt: list[int], ar
                                                                CLOCKS[args.clock]))
     for res in results.values():
         res["tpot_ms"] = statistics.median(res["tpot_runs_ms"])
-        res.get("ppl", {}).pop("token_nlls", None)  # thousands of numbers: not kept in the results file
+        for ppl in res["texts"].values():
+            ppl.pop("token_nlls", None)  # thousands of numbers: not kept in the results file
     return list(results.values())
+
+
+def pooled_perplexity(texts: dict, base_texts: dict) -> dict:
+    """exp(NLL of every text / words of every text), and its paired SE against the first method's (each text's
+    64-token blocks, the texts laid end to end)."""
+    nlls = [x for ppl in texts.values() for x in ppl["token_nlls"]]
+    base = [x for ppl in base_texts.values() for x in ppl["token_nlls"]]
+    words = sum(ppl["words"] for ppl in texts.values())
+    return {"words": words, "word_ppl": math.exp(sum(nlls) / words),
+            "se_vs_first": paired_standard_error(nlls, base, words)}
 
 
 def main() -> None:
@@ -386,11 +451,14 @@ def main() -> None:
                     help="comma-separated: bf16, int8:<threshold>, int8-absmax[:<threshold>], int8-zp[:<threshold>], "
                          "awq[:<group>], awq+gptq[:<group>] (AWQ + GPTQ rounding), awq+gptq+search+seq[:<group>] "
                          "(+ options: gptq, search, seq, refine = AWQ_OPTIONS), awq-rtn[:<group>] "
-                         "(round-to-nearest, no calibration), or a registered "
+                         "(round-to-nearest, no calibration), dir=<checkpoint directory>, or a registered "
                          "quantization name")
     ap.add_argument("--model-size", choices=["default", "1b"], default="default")
     ap.add_argument("--model", default=None, help="a model directory instead of --model-size")
-    ap.add_argument("--max-words", type=int, default=4000)
+    ap.add_argument("--max-words", type=int, default=4000, help="words of Ecclesiastes (the kjv text)")
+    ap.add_argument("--texts", default="kjv,doc",
+                    help=f"held-out texts, comma-separated, of {', '.join(HELD_OUT_TEXTS)} (kjv: Ecclesiastes, the "
+                         "number before session 19; doc: the held-out python-doc page); several: also pooled")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -412,18 +480,23 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     C.setup_threads(args.threads)
     model = args.model or (str(random_1b_model()) if args.model_size == "1b" else None)
-    text, source = held_out_text(args.max_words)
+    text_names = [t.strip() for t in args.texts.split(",") if t.strip()]
+    if not text_names or any(t not in HELD_OUT_TEXTS for t in text_names) or len(set(text_names)) < len(text_names):
+        ap.error(f"--texts takes distinct names of {', '.join(HELD_OUT_TEXTS)}; got {args.texts!r}")
     tmp_root = Path(tempfile.mkdtemp(prefix="pagellm-quant-ppl-"))
     llms = {m: make_llm(model, m, max(args.window, args.prompt_len + args.tpot_tokens) + 16, tmp_root, args)
             for m in methods}
     random_weights = args.model is None and args.model_size == "1b"
     tok = None if random_weights else llms[methods[0]].get_tokenizer()
-    ids = [] if tok is None else ([tok.bos_token_id] if tok.bos_token_id is not None else []) + tok(
-        text, add_special_tokens=False)["input_ids"]
-    words = len(text.split()) if tok is not None else None
-    prompt = (ids or list(range(10, 10 + args.prompt_len)))[:args.prompt_len]
+    bos = [] if tok is None or tok.bos_token_id is None else [tok.bos_token_id]
+    texts = [] if tok is None else [(name, bos + tok(text, add_special_tokens=False)["input_ids"], len(text.split()),
+                                     source) for name, text, source in held_out_texts(text_names, args.max_words,
+                                                                              args.max_words if args.quick else None)]
+    prompt = (texts[0][1] if texts else list(range(10, 10 + args.prompt_len)))[:args.prompt_len]
     data = {"tag": args.tag, "env": C.env_info(), "args": vars(args), "model": model or "default (SmolLM2-135M)",
-            "text_source": source, "words": words, "methods": measure(llms, ids, words, prompt, args)}
+            "text_source": texts[0][3] if texts else None, "words": texts[0][2] if texts else None,
+            "texts": [(name, source, words) for name, _, words, source in texts],
+            "methods": measure(llms, [(name, ids, words) for name, ids, words, _ in texts], prompt, args)}
     del llms
     gc.collect()
     shutil.rmtree(tmp_root, ignore_errors=True)

@@ -6,6 +6,7 @@
     pagellm quantize --method awq --rounding gptq --group-search --true-sequential --output OUT   # +4.2 % at g32
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
+    pagellm quantize --method awq --group-size 32 --draws 3 --select draw --output OUT   # best of 3 by validation NLL
 
 The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2 --num-samples 128`
 (`--rounding rtn --no-group-search --refine-sweeps 0 --num-samples 32` is session 15's recipe, `quantize_model_awq`'s
@@ -21,7 +22,12 @@ same AutoAWQ layout; it adds well under a second of CPU per layer here (0.1 s fo
 on SmolLM2-135M brings word perplexity over bf16 from +16.7 % to +7.7 % (group 64; benchmarks/README.md session 15).
 `--scale-search rounding|none` judges AWQ's per-channel scale by the configured rounding or drops it, and
 `--gptq-damp` sets GPTQ's damping (benchmarks/README.md session 18: neither beat the defaults' perplexity
-beyond the held-out text's noise). Calibration text: calibration_data.py.
+beyond the held-out text's noise). `--draws N` calibrates N times (seeds --seed, --seed + 1, ...) and writes the
+calibration (`--select draw`) or the per-decoder-layer mix of them (`--select layer`, greedy) with the lowest NLL of
+the rounded model on `--validation-samples` windows of calibration-side text none of the draws read (awq_select.py):
+N times the calibration, plus N validation forwards (draw) or ~0.6 x (N - 1) x layers more (layer). On the default model
+a whole draw chosen so was no better on the benchmark's held-out texts; the per-layer mix of 3 draws gave +2.30 %
+against their mean +3.25 % in one run (benchmarks/README.md session 19), so it is off by default. Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
@@ -38,6 +44,7 @@ DEFAULT_NUM_SAMPLES = 32
 # the command's: 128 x 256 tokens took the mean of 3 seeds from +3.97 % to +3.25 % (group 32, session 18), ~6.5 min
 CLI_NUM_SAMPLES = 128
 DEFAULT_SEQ_LEN = 256
+DEFAULT_VALIDATION_SAMPLES = 32  # x seq_len tokens of validation text per candidate evaluation (--draws > 1)
 
 
 def check_method(method: str) -> str:
@@ -51,15 +58,20 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
                        num_samples: int = DEFAULT_NUM_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN, clip: bool = True,
                        dtype: str = "float16", seed: int = 0, overwrite: bool = False, rounding: str = "rtn",
                        group_search: bool = False, true_sequential: bool = False, refine_sweeps: int = 0,
-                       scale_search: str = "rtn", gptq_damp: float = 0.01, progress: Callable[[str], None] | None = None) -> Path:
+                       scale_search: str = "rtn", gptq_damp: float = 0.01, draws: int = 1, select: str = "draw",
+                       validation_samples: int = DEFAULT_VALIDATION_SAMPLES,
+                       progress: Callable[[str], None] | None = None) -> Path:
     """AWQ-calibrate `model` (an HF dir, a .gguf, or None for the default model) and write the checkpoint to
-    `output_dir`. Every argument is checked (ValueError) before any work; returns the output directory."""
+    `output_dir`. `draws` > 1: that many calibrations (seeds seed, seed + 1, ...), the one written chosen by
+    the rounded model's NLL on `validation_samples` windows of calibration-side text none of them saw
+    (`select` "draw": the best whole calibration; "layer": greedy per decoder layer; awq_select.py).
+    Every argument is checked (ValueError) before any work; returns the output directory."""
     from pagellm.model_loader import open_model
     from pagellm.quantization.awq_calibrate import (
-        ROUNDINGS, SCALE_SEARCHES, AWQCalibrationConfig, calibrate_model, choose_group_size, load_float_model,
+        ROUNDINGS, SCALE_SEARCHES, AWQCalibrationConfig, choose_group_size,
     )
     from pagellm.quantization.awq_export import AWQ_FLOAT_DTYPES, check_output_dir, write_awq_checkpoint
-    from pagellm.quantization.calibration_data import calibration_samples
+    from pagellm.quantization.awq_select import SELECT_MODES
 
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding {rounding!r} not supported; allowed: {', '.join(ROUNDINGS)}")
@@ -71,6 +83,12 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
         raise ValueError(f"refine_sweeps must be a non-negative integer, got {refine_sweeps!r}")
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"need num_samples >= 1 and seq_len >= 2; got {num_samples}, {seq_len}")
+    if not isinstance(draws, int) or isinstance(draws, bool) or draws < 1:
+        raise ValueError(f"draws must be a positive integer, got {draws!r}")
+    if select not in SELECT_MODES:
+        raise ValueError(f"select {select!r} not supported; allowed: {', '.join(SELECT_MODES)}")
+    if not isinstance(validation_samples, int) or isinstance(validation_samples, bool) or validation_samples < 1:
+        raise ValueError(f"validation_samples must be a positive integer, got {validation_samples!r}")
     out = check_output_dir(output_dir, overwrite)
     files = open_model(model)
     if out.resolve() == Path(files.path).resolve():
@@ -84,11 +102,41 @@ def quantize_model_awq(model: str | None, output_dir: str | Path, *, group_size:
     say(f"model {files.source} ({files.hf_config.num_hidden_layers} layers), group size {config.group_size}, "
         f"{num_samples} samples x {seq_len} tokens, clip search {'on' if clip else 'off'}, rounding {rounding}, "
         f"group search {'on' if group_search else 'off'}, true-sequential {'on' if true_sequential else 'off'}, "
-        f"refine sweeps {refine_sweeps}, scale search {scale_search}, gptq damp {gptq_damp:g}")
-    samples = calibration_samples(files.tokenizer, num_samples, seq_len, seed)
-    float_model = load_float_model(str(files.path))
-    tensors = calibrate_model(float_model, samples, config, progress=progress)
+        f"refine sweeps {refine_sweeps}, scale search {scale_search}, gptq damp {gptq_damp:g}"
+        + (f", {draws} draws chosen by {select} on {validation_samples} validation samples" if draws > 1 else ""))
+    tensors = calibrate_draws(str(files.path), files.tokenizer, config, num_samples, seq_len,
+                              [seed + k for k in range(draws)], AWQ_FLOAT_DTYPES[dtype], select, validation_samples,
+                              say)
     return write_awq_checkpoint(tensors, files.path, out, config.group_size, dtype)
+
+
+def calibrate_draws(model_dir: str, tokenizer, config, num_samples: int, seq_len: int, seeds: list[int], dtype,
+                    select: str, num_validation: int, say: Callable[[str], None]) -> dict:
+    """One calibration per seed; with several, the one (or the per-layer mix) awq_select chooses. The float
+    tensors are rounded to the checkpoint's `dtype` first, so the choice is made on what will be written."""
+    from pagellm.quantization.awq_calibrate import calibrate_model, load_float_model
+    from pagellm.quantization.awq_export import PACKED_SUFFIXES
+    from pagellm.quantization.awq_select import select_calibration
+    from pagellm.quantization.calibration_data import calibration_windows, validation_samples
+
+    candidates, seen_windows = [], []
+    for k, seed in enumerate(seeds):
+        drawn = calibration_windows(tokenizer, num_samples, seq_len, seed)
+        seen_windows += [w for _, w in drawn]
+        if len(seeds) > 1:
+            say(f"draw {k + 1}/{len(seeds)} (seed {seed})")
+        float_model = load_float_model(model_dir)
+        tensors = calibrate_model(float_model, [ids for ids, _ in drawn], config, progress=say)
+        candidates.append({n: t if n.endswith(PACKED_SUFFIXES) else t.to(dtype) for n, t in tensors.items()})
+    if len(seeds) == 1:
+        return candidates[0]
+    start = time.perf_counter()
+    val = validation_samples(tokenizer, num_validation, seq_len, exclude=seen_windows, seed=seeds[0])
+    tensors, report = select_calibration(float_model, candidates, val, config.group_size, select, progress=say)
+    draws = ", ".join(f"{x:.5f} (SE vs best {se:.5f})" for x, se in zip(report["draw_nll"], report["draw_se_vs_best"]))
+    say(f"chose {report.get('layers', report['best_draw'])} by validation NLL {report['nll']:.5f} (draws: {draws}) "
+        f"in {time.perf_counter() - start:.0f}s")
+    return tensors
 
 
 def run(a: argparse.Namespace) -> int:
@@ -98,7 +146,8 @@ def run(a: argparse.Namespace) -> int:
                              seq_len=a.seq_len, clip=not a.no_clip, dtype=a.dtype, seed=a.seed,
                              overwrite=a.overwrite, rounding=a.rounding, group_search=a.group_search,
                              true_sequential=a.true_sequential, refine_sweeps=a.refine_sweeps,
-                             scale_search=a.scale_search, gptq_damp=a.gptq_damp,
+                             scale_search=a.scale_search, gptq_damp=a.gptq_damp, draws=a.draws, select=a.select,
+                             validation_samples=a.validation_samples,
                              progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
@@ -131,6 +180,15 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
                         "alphas judged by the configured rounding | none: no AWQ scaling")
     p.add_argument("--gptq-damp", type=float, default=0.01,
                    help="GPTQ's damping: H + damp * mean(diag H) * I, in (0, 1) (default 0.01, GPTQ's)")
+    p.add_argument("--draws", type=int, default=1,
+                   help="calibrate this many times (seeds --seed, --seed + 1, ...) and write the one --select "
+                        "chooses by the rounded model's NLL on calibration-side text none of them saw (default 1)")
+    p.add_argument("--select", default="draw",
+                   help="with --draws > 1: draw: the best whole calibration | layer: greedy per decoder layer "
+                        "among the draws' layers (awq_select.py)")
+    p.add_argument("--validation-samples", type=int, default=DEFAULT_VALIDATION_SAMPLES,
+                   help=f"validation windows of --seq-len tokens for --draws > 1 "
+                        f"(default {DEFAULT_VALIDATION_SAMPLES})")
     p.add_argument("--dtype", default="float16", help="dtype of the unquantized tensors: float16 | bfloat16 | float32")
     p.add_argument("--seed", type=int, default=0, help="calibration sample choice")
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty output directory")

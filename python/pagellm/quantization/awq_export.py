@@ -19,7 +19,7 @@ AWQ_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 AWQ_FLOAT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 MODULES_NOT_CONVERTED = ["lm_head"]
-_PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales")
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales")
 _STALE_FILES = ("model.safetensors.index.json", "quant_config.json")  # would shadow or contradict what is written
 
 
@@ -55,7 +55,7 @@ def write_awq_checkpoint(tensors: dict[str, torch.Tensor], source_dir: str | Pat
     float_dtype = AWQ_FLOAT_DTYPES[dtype]
     stored = {}
     for name, t in tensors.items():
-        stored[name] = (t if name.endswith(_PACKED_SUFFIXES) else t.to(float_dtype)).contiguous()
+        stored[name] = (t if name.endswith(PACKED_SUFFIXES) else t.to(float_dtype)).contiguous()
     save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = awq_quantization_config(group_size)

@@ -8,6 +8,9 @@ the Book of Ecclesiastes, and the python3.11-doc page the benchmark falls back t
 `calibration_samples(tokenizer, num_samples, seq_len, seed)` -> `num_samples` lists of `seq_len` token ids,
 alternating between the sources (KJV first), each a window at a seeded offset of a seeded choice of document,
 starting with BOS when the tokenizer has one. Same arguments, same samples.
+`validation_samples(tokenizer, num_samples, seq_len, exclude=...)`: windows of the same calibration-side text that
+overlap none of the `exclude` windows (`calibration_windows`' (source, document, start, end)), for choosing between
+calibrations by a model-level loss (awq_select.py); drawn from their own seeded stream.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import random
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 HELD_OUT_KJV_BOOKS = ("Ecclesiastes",)  # bench_quant_ppl.py's BIBLE_PASSAGE
@@ -29,6 +33,21 @@ DOC_GLOBS = (
 )
 _CHAPTER_HEADING = re.compile(r"(\S.*) (\d+)")
 _VERSE_START = re.compile(r"\s+\d+ (.*)")
+VALIDATION_SEED_OFFSET = 1_000_003  # validation windows' rng stream: seed + this, far from calibration's seeds
+
+
+@dataclass(frozen=True)
+class TextWindow:
+    """Where a sample's body came from: tokens [start, end) of document `doc` of source `source` (the installed
+    sources in order: 0 KJV books, 1 python-doc pages when both are there)."""
+    source: int
+    doc: int
+    start: int
+    end: int
+
+    def overlaps(self, other: "TextWindow") -> bool:
+        same_doc = (self.source, self.doc) == (other.source, other.doc)
+        return same_doc and self.start < other.end and other.start < self.end
 
 
 def parse_bible_output(raw: str) -> dict[str, str]:
@@ -72,20 +91,57 @@ def doc_pages() -> list[Path]:
     return []
 
 
-def _sample_from(docs: list, rng: random.Random, tokenize, body_len: int, tries: int = 50) -> list[int] | None:
-    """`body_len` consecutive token ids from a seeded document at a seeded offset (documents that are too
-    short are skipped; None when `tries` picks found none long enough)."""
+def _sample_from(docs: list, rng: random.Random, tokenize, body_len: int, tries: int = 50,
+                 allowed=lambda _doc, _start: True) -> tuple[int, int, list[int]] | None:
+    """(document, offset, `body_len` consecutive token ids) from a seeded document at a seeded offset
+    (documents that are too short and windows `allowed` refuses are skipped; None when `tries` picks found none)."""
     for _ in range(tries):
-        ids = tokenize(rng.randrange(len(docs)), docs)
+        index = rng.randrange(len(docs))
+        ids = tokenize(index, docs)
         if len(ids) >= body_len:
             start = rng.randrange(len(ids) - body_len + 1)
-            return ids[start:start + body_len]
+            if allowed(index, start):
+                return index, start, ids[start:start + body_len]
     return None
 
 
 def calibration_samples(tokenizer, num_samples: int = 128, seq_len: int = 512, seed: int = 0) -> list[list[int]]:
     """`num_samples` token-id lists of exactly `seq_len` ids (see the module doc). FileNotFoundError when
     neither source is installed; ValueError for non-positive sizes."""
+    return [ids for ids, _ in calibration_windows(tokenizer, num_samples, seq_len, seed)]
+
+
+def calibration_windows(tokenizer, num_samples: int = 128, seq_len: int = 512,
+                        seed: int = 0) -> list[tuple[list[int], TextWindow]]:
+    """`calibration_samples` with where each sample's body came from."""
+    return _draw_windows(tokenizer, num_samples, seq_len, random.Random(seed), lambda _w: True)
+
+
+def validation_samples(tokenizer, num_samples: int, seq_len: int, exclude: list[TextWindow],
+                       seed: int = 0) -> list[list[int]]:
+    """`num_samples` windows of `seq_len` ids of the calibration-side text overlapping none of `exclude` (the
+    calibration windows of every draw being compared) nor each other, from the rng stream seed +
+    `VALIDATION_SEED_OFFSET`; ValueError when the text has no room left."""
+    return [ids for ids, _ in validation_windows(tokenizer, num_samples, seq_len, exclude, seed)]
+
+
+def validation_windows(tokenizer, num_samples: int, seq_len: int, exclude: list[TextWindow],
+                       seed: int = 0) -> list[tuple[list[int], TextWindow]]:
+    """`validation_samples` with where each came from."""
+    drawn: list[TextWindow] = []
+
+    def allowed(window: TextWindow) -> bool:  # also keeps the validation windows apart from each other
+        if any(window.overlaps(w) for w in exclude) or any(window.overlaps(w) for w in drawn):
+            return False
+        drawn.append(window)
+        return True
+
+    rng = random.Random(seed + VALIDATION_SEED_OFFSET)
+    return _draw_windows(tokenizer, num_samples, seq_len, rng, allowed)
+
+
+def _draw_windows(tokenizer, num_samples: int, seq_len: int, rng: random.Random,
+                  allowed) -> list[tuple[list[int], TextWindow]]:
     if num_samples < 1 or seq_len < 2:
         raise ValueError(f"need num_samples >= 1 and seq_len >= 2; got num_samples={num_samples}, seq_len={seq_len}")
     sources = [s for s in (kjv_documents(), doc_pages()) if s]
@@ -93,7 +149,6 @@ def calibration_samples(tokenizer, num_samples: int = 128, seq_len: int = 512, s
         raise FileNotFoundError("no calibration text: install Debian's bible-kjv or python3.11-doc "
                                 "(apt-get install bible-kjv python3.11-doc)")
     bos = [tokenizer.bos_token_id] if getattr(tokenizer, "bos_token_id", None) is not None else []
-    rng = random.Random(seed)
     cache: dict[tuple[int, int], list[int]] = {}
 
     def tokenize(index: int, docs: list) -> list[int]:  # each document tokenized once (whole books are long)
@@ -104,14 +159,19 @@ def calibration_samples(tokenizer, num_samples: int = 128, seq_len: int = 512, s
             cache[key] = tokenizer(text, add_special_tokens=False)["input_ids"]
         return cache[key]
 
+    body_len = seq_len - len(bos)
     samples = []
     for i in range(num_samples):
-        body = None
+        found = None
         for k in range(len(sources)):  # this sample's source first, the other when it has nothing that long
-            body = _sample_from(sources[(i + k) % len(sources)], rng, tokenize, seq_len - len(bos))
-            if body is not None:
+            source = (i + k) % len(sources)
+            found = _sample_from(sources[source], rng, tokenize, body_len, allowed=lambda doc, start, source=source:
+                                 allowed(TextWindow(source, doc, start, start + body_len)))
+            if found is not None:
                 break
-        if body is None:
-            raise ValueError(f"no calibration document has {seq_len} tokens; use a smaller seq_len")
-        samples.append(bos + body)
+        if found is None:
+            raise ValueError(f"no calibration document has {seq_len} tokens left (too long, or every window "
+                             f"tried overlaps an excluded one); use a smaller seq_len or fewer samples")
+        doc, start, body = found
+        samples.append((bos + body, TextWindow(source, doc, start, start + body_len)))
     return samples
