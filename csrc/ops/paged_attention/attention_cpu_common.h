@@ -4,7 +4,9 @@
 
 #include "ops/common/parallel.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 
@@ -88,5 +90,19 @@ void parallel_dynamic(int64_t n, const Body& body) {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 // Lane numbers, to mask a vector's lanes >= n without a masked store-reload (vselect_lt against n).
 alignas(64) constexpr float kLaneIndex[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+// The online softmax's running-max step over one tile's n scores: returns the new max, and in corr the factor that
+// rescales what was accumulated under the old max m: exp(m - m_new), without the libm call where its value is known
+// exactly (0 on the first tile, m = -inf; 1 while the running max holds).
+inline float running_max_update(const float* s, int64_t n, float m, float& corr) {
+  VecF mx = vset1(kNegInf);
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) mx = vmax(mx, vload(s + i));
+  float mt = vmaxall(mx);
+  for (; i < n; ++i) mt = std::max(mt, s[i]);
+  const float m_new = std::max(m, mt);
+  corr = m == kNegInf ? 0.0f : (m_new == m ? 1.0f : std::exp(m - m_new));
+  return m_new;
+}
 
 }  // namespace pagellm::cpu

@@ -17,13 +17,8 @@ namespace pagellm::cpu {
 // values that bf16 holds exactly) and l adds those rounded values, so each output row is an exactly normalised
 // average of the values weighted by what P.V multiplies (the prefill bf16 kernel's numerics).
 inline float softmax_update_bf16(float* s, int64_t n, float& m, float& l) {
-  VecF mx = vset1(kNegInf);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) mx = vmax(mx, vload(s + i));
-  float mt = vmaxall(mx);
-  for (; i < n; ++i) mt = std::max(mt, s[i]);
-  const float m_new = std::max(m, mt);
-  const float corr = m == kNegInf ? 0.0f : (m_new == m ? 1.0f : std::exp(m - m_new));
+  float corr;
+  const float m_new = running_max_update(s, n, m, corr);
   const VecF mv = vset1(m_new);
   c10::BFloat16* const bf16 = nullptr;  // vround's target type
   VecF sum = vzero();

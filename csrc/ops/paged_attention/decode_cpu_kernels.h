@@ -165,15 +165,8 @@ struct AccumK {
 
 // Online softmax on one head's tile scores (in place -> probabilities); returns the rescale factor.
 inline float softmax_update(float* s, int64_t n, float& m, float& l) {
-  VecF mx = vset1(kNegInf);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) mx = vmax(mx, vload(s + i));
-  float mt = vmaxall(mx);
-  for (; i < n; ++i) mt = std::max(mt, s[i]);
-  const float m_new = std::max(m, mt);
-  // exp(m - m_new) without the libm call where its value is known exactly: 0 on the first tile (m = -inf),
-  // 1 while the running max holds (exp(0) = 1).
-  const float corr = m == kNegInf ? 0.0f : (m_new == m ? 1.0f : std::exp(m - m_new));
+  float corr;
+  const float m_new = running_max_update(s, n, m, corr);
   const VecF mv = vset1(m_new);
   VecF sum = vzero();
   for (int64_t j = 0; j < n; j += kLanes) {
