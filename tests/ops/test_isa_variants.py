@@ -103,10 +103,11 @@ def test_this_process_loaded_the_best_library():
     assert cpu_isa.load_cpu_kernels() == expected
 
 
-def _python(code: str, isa: str | None) -> subprocess.CompletedProcess:
+def _python(code: str, isa: str | None, **extra_env: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
     if isa is not None:
         env["PAGELLM_CPU_ISA"] = isa
+    env.update(extra_env)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
 
 
@@ -210,17 +211,19 @@ print(" ".join(out_hashes))
 """
 
 
+def _hashes_under_both(script: str, **extra_env: str) -> dict[str, list[str]]:
+    """The output hashes a bit-check script prints, run under each library."""
+    hashes = {}
+    for isa in ("avx512", "avx2"):
+        proc = _python(script, isa, **extra_env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        hashes[isa] = proc.stdout.split()
+    return hashes
+
 @needs_both
 def test_libraries_same_prefill_attention_bits():
     """bf16 prefill attention, bit for bit under both libraries (AMX off: its tiles round differently)."""
-    hashes = {}
-    for isa in ("avx512", "avx2"):
-        env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
-        env.update(PAGELLM_CPU_ISA=isa, PAGELLM_PREFILL_AMX="0")
-        proc = subprocess.run([sys.executable, "-c", _PREFILL_BITS], capture_output=True, text=True, timeout=300,
-                              env=env, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        hashes[isa] = proc.stdout.split()
+    hashes = _hashes_under_both(_PREFILL_BITS, PAGELLM_PREFILL_AMX="0")
     assert len(hashes["avx512"]) == 4
     assert hashes["avx512"] == hashes["avx2"]
 
@@ -254,13 +257,6 @@ print(" ".join(out_hashes))
 @needs_both
 def test_libraries_same_decode_attention_bits():
     """bf16 decode attention (the bf16 P.V and the fp32 one), bit for bit under both libraries."""
-    hashes = {}
-    for isa in ("avx512", "avx2"):
-        env = {k: v for k, v in os.environ.items() if k != "PAGELLM_CPU_ISA"}
-        env.update(PAGELLM_CPU_ISA=isa)
-        proc = subprocess.run([sys.executable, "-c", _DECODE_BITS], capture_output=True, text=True, timeout=300,
-                              env=env, cwd=REPO)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        hashes[isa] = proc.stdout.split()
+    hashes = _hashes_under_both(_DECODE_BITS)
     assert len(hashes["avx512"]) == 4
     assert hashes["avx512"] == hashes["avx2"]
