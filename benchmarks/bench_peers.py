@@ -180,7 +180,7 @@ def offline_throughput(args, pool: list[int], vllm: System | None) -> list[dict]
 
 
 # ---------------------------------------------------------------------------------- report
-def summarize(systems: list[System], bw_gbs: float, mean_ctx: float) -> list[dict]:
+def summarize(systems: list[System], bw_gbs: float, mean_ctx: float, read_gbs: float | None = None) -> list[dict]:
     rows = []
     for s in systems:
         row = {"system": s.name, "precision": s.precision, "version": s.version, "note": s.note,
@@ -190,6 +190,8 @@ def summarize(systems: list[System], bw_gbs: float, mean_ctx: float) -> list[dic
             tpot = statistics.median(x["tpot_ms"] for x in res)
             row[f"tpot_ms_{phase}"] = tpot
             row[f"mbu_{phase}"] = row["bytes_per_decode_token"] / (tpot / 1e3) / 1e9 / bw_gbs
+            if read_gbs:
+                row[f"mbu_read_{phase}"] = row["bytes_per_decode_token"] / (tpot / 1e3) / 1e9 / read_gbs
         rows.append(row)
     for row in rows:  # ratios against pagellm at the same precision
         ref = next(r for r in rows if r["system"].startswith("pagellm") and r["precision"] == row["precision"])
@@ -201,19 +203,22 @@ def summarize(systems: list[System], bw_gbs: float, mean_ctx: float) -> list[dic
 
 def render(data: dict) -> str:
     e, a, bw = data["env"], data["args"], data["copy_bandwidth"]
+    rbw = data.get("read_bandwidth")
+    read_note = (f"; a read-only stream (torch.sum) ran at {rbw['best_gbs']:.1f} GB/s best, \"MBU read\" uses "
+                 "that" if rbw else "")
     la0, la1 = (tuple(round(x, 2) for x in data[k]) for k in ("load_at_start", "load_at_end"))
     out = [f"# Batch-1 decode vs peers ({data['tag']})", "",
            f"{e['time']}, {e['cpu']}, {e['nproc']} cores, torch {e['torch']}, {a['threads_used']} threads for every "
            f"system, git {e['git_head']}. Load average before: {la0}, after: {la1}.", "",
            f"Default model, batch 1, prompt {a['prompt_len']} tokens, {a['output_len']} new tokens, greedy; "
            f"{a['rounds']} interleaved rounds, medians. Copy bandwidth (tensor.copy_, read+write): best "
-           f"{bw['best_gbs']:.1f} GB/s; MBU uses it. \"÷ pagellm\" = TPOT / pagellm's TPOT at the same precision "
+           f"{bw['best_gbs']:.1f} GB/s; MBU uses it{read_note}. \"÷ pagellm\" = TPOT / pagellm's TPOT at the same precision "
            f"(F16 is bf16's peer; > 1 = slower than pagellm). Loaded: while {a['load_procs']} Python spin loop(s) "
            "run.", ""]
     rows = []
     for r in data["results"]:
         if "tpot_ms_quiet" not in r:
-            rows.append([r["system"], r["note"] or "no result"] + ["—"] * 7)
+            rows.append([r["system"], r["note"] or "no result"] + ["—"] * (8 if rbw else 7))
             continue
         loaded = ["—"] * 3
         if "tpot_ms_loaded" in r and "vs_pagellm_loaded" in r:
@@ -221,8 +226,10 @@ def render(data: dict) -> str:
                       f"{r['tpot_ms_loaded'] / r['tpot_ms_quiet']:.2f}x"]
         vs = f"{r['vs_pagellm_quiet']:.2f}x" if "vs_pagellm_quiet" in r else "—"
         rows.append([r["system"], f"{r['weight_bytes'] / 1e6:.0f} MB", f"{r['bytes_per_decode_token'] / 1e6:.0f} MB",
-                     r["tpot_ms_quiet"], f"{r['mbu_quiet']:.2f}", vs, *loaded])
-    out.append(C.md_table(["system", "weights as stored", "bytes/decode tok", "TPOT ms", "MBU", "÷ pagellm",
+                     r["tpot_ms_quiet"], f"{r['mbu_quiet']:.2f}",
+                     *([f"{r['mbu_read_quiet']:.2f}"] if rbw else []), vs, *loaded])
+    out.append(C.md_table(["system", "weights as stored", "bytes/decode tok", "TPOT ms", "MBU",
+                           *(["MBU read"] if rbw else []), "÷ pagellm",
                            "TPOT loaded ms", "÷ pagellm loaded", "loaded / quiet"], rows))
     notes = [f"{r['system']}: {r['note']}" for r in data["results"] if r["note"] and "tpot_ms_quiet" in r]
     out += ["", *notes] if notes else []
@@ -296,7 +303,9 @@ def main() -> None:
     if VLLM in kinds:
         systems += vllm_systems(args, prompt, systems[0], args.num_requests)
     bw = C.copy_bandwidth_gbs(256 << 20, 6)
-    print(f"[bandwidth] copy_ {bw['best_gbs']:.1f} GB/s (read+write, best)", flush=True)
+    rbw = C.read_bandwidth_gbs(256 << 20, 6)
+    print(f"[bandwidth] copy_ {bw['best_gbs']:.1f} GB/s (read+write, best), read-only {rbw['best_gbs']:.1f} GB/s",
+          flush=True)
     measure_rounds(systems, args.rounds, "quiet")
     if args.load_procs > 0:
         spinners = start_competing_load(args.load_procs)
@@ -306,7 +315,8 @@ def main() -> None:
             stop_competing_load(spinners)
     mean_ctx = args.prompt_len + (args.output_len - 1) / 2
     data = {"tag": args.tag, "env": C.env_info(), "args": vars(args), "load_at_start": load_at_start,
-            "copy_bandwidth": bw, "results": summarize(systems, bw["best_gbs"], mean_ctx)}
+            "copy_bandwidth": bw, "read_bandwidth": rbw,
+            "results": summarize(systems, bw["best_gbs"], mean_ctx, rbw["best_gbs"])}
     for s in systems[:2]:  # the batch-1 engines go before the throughput engine is built
         s.handle = s.measure = None
     gc.collect()

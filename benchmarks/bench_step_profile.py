@@ -321,11 +321,13 @@ def measure(label: str, args, prompt: list[int], bw_gbs: float) -> dict:
 
 def render(data: dict) -> str:
     res = data["results"]
+    rbw = data.get("read_bandwidth")
+    read_bw = f", read-only stream {rbw['best_gbs']:.1f} GB/s (best, torch.sum)" if rbw else ""
     out = [f"# Batch-1 decode step profile ({data['tag']})", "",
            f"{data['env']['cpu']}, {data['env']['torch_threads']} torch threads, load at start "
            f"{data['load'][0]:.2f}; prompt {data['prompt_len']}, {data['output_len']} new tokens, "
            f"{data['repeats']} runs (median); copy bandwidth {data['bandwidth']['best_gbs']:.1f} GB/s (best, "
-           f"read + write); detokenize={not data['no_detokenize']}; sampling {data.get('sampling', 'greedy')}, batch "
+           f"read + write){read_bw}; detokenize={not data['no_detokenize']}; sampling {data.get('sampling', 'greedy')}, batch "
            f"{data.get('batch', 1)}, clock {data.get('clock', 'wall')}.", "",
            f"## Per-step {'thread CPU' if data.get('clock') == 'cpu' else 'wall'} time (ms)", ""]
     headers = ["phase"] + [r["label"] for r in res]
@@ -335,6 +337,9 @@ def render(data: dict) -> str:
     rows.append(["bytes / token (MB)"] + [f"{r['bytes_per_token'] / 1e6:.1f}" for r in res])
     rows.append(["MBU forward + LM head"] + [f"{r['mbu_forward']:.2f}" for r in res])
     rows.append(["MBU step"] + [f"{r['mbu_step']:.2f}" for r in res])
+    if rbw:
+        rows.append(["MBU forward + LM head (read-only ceiling)"] + [f"{r['mbu_forward_read']:.2f}" for r in res])
+        rows.append(["MBU step (read-only ceiling)"] + [f"{r['mbu_step_read']:.2f}" for r in res])
     out += [C.md_table(headers, rows), "", "## The median step, phase by phase (ms; robust to preemption by other "
             "processes, so the phases need not add up to it)", ""]
     rows = [[p] + [f"{r['median_phases_ms'][p]:.3f}" for r in res] for p in PHASES]
@@ -440,10 +445,16 @@ def main() -> None:
     prompt = [t % 32000 for t in pool[1000:1000 + args.prompt_len]]  # valid for both vocabularies
     load = C.loadavg()
     bw = C.copy_bandwidth_gbs()
-    print(f"[bw] copy {bw['best_gbs']:.1f} GB/s best; load {load}", flush=True)
+    rbw = C.read_bandwidth_gbs()
+    print(f"[bw] copy {bw['best_gbs']:.1f} GB/s best, read-only {rbw['best_gbs']:.1f} GB/s best; load {load}",
+          flush=True)
     results = [measure(f"{args.model_size}:{d}", args, prompt, bw["best_gbs"]) for d in dtypes]
+    for r in results:  # the same bytes over the read-only ceiling
+        r["mbu_forward_read"] = r["bytes_per_token"] / (r["forward_ms"] / 1e3) / 1e9 / rbw["best_gbs"]
+        r["mbu_step_read"] = r["bytes_per_token"] / (r["tpot_ms"] / 1e3) / 1e9 / rbw["best_gbs"]
     tag = args.tag or args.model_size
-    data = {"tag": tag, "env": C.env_info(), "load": load, "bandwidth": bw, "prompt_len": args.prompt_len,
+    data = {"tag": tag, "env": C.env_info(), "load": load, "bandwidth": bw, "read_bandwidth": rbw,
+            "prompt_len": args.prompt_len,
             "output_len": args.output_len, "repeats": args.repeats, "no_detokenize": args.no_detokenize,
             "sampling": args.sampling, "batch": args.batch, "clock": args.clock,
             "results": results}

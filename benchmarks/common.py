@@ -171,6 +171,22 @@ def copy_bandwidth_gbs(nbytes: int = 512 << 20, iters: int = 8) -> dict:
     return {"bytes": nbytes, "best_gbs": 2 * nbytes / ts[0] / 1e9, "median_gbs": 2 * nbytes / ts[len(ts) // 2] / 1e9}
 
 
+def read_bandwidth_gbs(nbytes: int = 512 << 20, iters: int = 8) -> dict:
+    """A read-only stream: torch.sum over a large fp32 tensor (all torch threads), GB/s counting the bytes read;
+    best and median. Decode reads its weights and never writes them, and on some hosts a read-only stream runs well
+    above half the read + write copy rate (write-allocate traffic), so MBU against the copy alone can exceed 1."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()  # fault pages in
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        x.sum()
+        ts.append(time.perf_counter() - t)
+    ts.sort()
+    del x
+    return {"bytes": nbytes, "best_gbs": nbytes / ts[0] / 1e9, "median_gbs": nbytes / ts[len(ts) // 2] / 1e9}
+
+
 def bf16_matmul_gflops(n: int = 2048, iters: int = 6) -> dict:
     """Dense bf16 [n, n] @ [n, n] (torch.mm: oneDNN, AMX where present), GFLOP/s best and median: the
     compute ceiling MFU is measured against."""
