@@ -63,6 +63,23 @@ TORCH_LIBRARY(pagellm, m) {
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
 
+  // ---- fused (CUDA only; each is two ops above in one kernel, with their bits) ----
+  // rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox), then
+  // reshape_and_cache(key_cache, value_cache, key, value, slot_mapping) with key / value viewed as
+  // [T, num_kv_heads, head_size]: float caches.
+  m.def(
+      "rotary_embedding_and_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor value, "
+      "Tensor(c!) key_cache, Tensor(d!) value_cache, Tensor slot_mapping, int head_size, Tensor cos_sin_cache, "
+      "bool is_neox) -> ()");
+  // out = linear_gemv(rms_norm(x) * norm_weight, weight, bias, kernel, pdl); with residual (and residual_out, which
+  // must not overlap x or residual): residual_out = x + residual (rounded), and the norm of that sum, as
+  // fused_add_rms_norm computes it (x and residual are not modified). kernel: 2, 3 or 4.
+  m.def(
+      "rms_norm_linear(Tensor(a!) out, Tensor(b!)? residual_out, Tensor x, Tensor? residual, Tensor norm_weight, "
+      "float epsilon, Tensor weight, Tensor? bias, int kernel=4, bool pdl=False) -> ()");
+  // out = linear_gemv(silu_and_mul(x), weight, bias, kernel, pdl): x [M, 2K] gate | up, weight [N, K].
+  m.def("silu_and_mul_linear(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, int kernel=4, bool pdl=False) -> ()");
+
   // ---- activation ----
   m.def("silu_and_mul(Tensor(a!) out, Tensor input) -> ()");
   m.def("gelu_and_mul(Tensor(a!) out, Tensor input, str approximate=\"none\") -> ()");

@@ -11,6 +11,7 @@ from ops.op_helpers import random_block_tables, random_caches, requires_ops
 
 pytestmark = requires_ops
 OP = torch.ops.pagellm
+CUDA_ONLY = {"linear_gemv", "rotary_embedding_and_cache", "rms_norm_linear", "silu_and_mul_linear"}
 
 
 def _attn_inputs(dtype=torch.float32, chunks=((3, 9), (1, 4))):
@@ -49,6 +50,13 @@ def _cases():
     yield "gelu_and_mul", (torch.empty(5, 64), x, "tanh")
     yield "linear_small_m", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24))
     yield "linear_gemv", (torch.empty(5, 24), x, torch.randn(24, 128), torch.randn(24), 2, True)  # CUDA only
+    # the fused CUDA-only ops (ops/fused_dispatch.py)
+    yield "rotary_embedding_and_cache", (torch.tensor([1, 7, 3]), torch.randn(3, 256), torch.randn(3, 128),
+                                         torch.randn(3, 128), kc.clone(), vc.clone(), torch.tensor([0, -1, 5]), 64,
+                                         cache, True)
+    yield "rms_norm_linear", (torch.empty(5, 24), torch.empty(5, 128), x, x.flip(0), w, 1e-6, torch.randn(24, 128),
+                              torch.randn(24), 4, True)
+    yield "silu_and_mul_linear", (torch.empty(5, 24), x, torch.randn(24, 64), None, 4, False)
     yield "argmax_rows", (torch.empty(5, dtype=torch.int64), x.to(torch.bfloat16))
     yield "linear_argmax", (torch.empty(5, dtype=torch.int64), x, torch.randn(24, 128), torch.randn(24))
     yield "linear_argmax", (torch.empty(1, dtype=torch.int64), x[:1].to(torch.bfloat16), torch.randn(37, 128).to(
@@ -82,9 +90,9 @@ def _cases():
 def test_opcheck(name, args):
     if name == "linear_amx" and not ops.amx_available():
         pytest.skip("needs a CPU with AMX-BF16 (and a pagellm build that has it)")
-    if name == "linear_gemv":  # registered for CUDA only
+    if name in CUDA_ONLY:  # registered for CUDA only
         if not torch.cuda.is_available():
-            pytest.skip("linear_gemv has a CUDA kernel only: needs a CUDA GPU")
+            pytest.skip(f"{name} has a CUDA kernel only: needs a CUDA GPU")
         args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
     torch.library.opcheck(getattr(OP, name).default, args)
 

@@ -13,7 +13,8 @@ export PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export LD_LIBRARY_PATH=$PWD/python/pagellm${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 STAGES=${*:-env build ops engine bench}
 BUILD_TIMEOUT=${BUILD_TIMEOUT:-240} OPS_TIMEOUT=${OPS_TIMEOUT:-150} ENGINE_TIMEOUT=${ENGINE_TIMEOUT:-90}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-120} PYTEST_K=${PYTEST_K:-cuda}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-120} PYTEST_K=${PYTEST_K:-cuda} GRAPHS_TIMEOUT=${GRAPHS_TIMEOUT:-150}
+PROFILE_TIMEOUT=${PROFILE_TIMEOUT:-150}
 summary=()
 stage() {  # stage NAME TIMEOUT CMD...: runs CMD with its output in $OUT/NAME.log, records rc and seconds
   local name=$1 limit=$2; shift 2
@@ -36,10 +37,10 @@ for s in $STAGES; do case $s in
   ops) stage ops "$OPS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -k "$PYTEST_K" -n 8 --timeout 60 -rf tests/ops ;;
   probe) stage probe 120 python3 tools/gpu/raise_probe.py ;;
   gdb) stage gdb 150 cuda-gdb -batch -ex run -ex bt -ex "info sharedlibrary" --args python3 tools/gpu/raise_probe.py 2 ;;
-  graphs) stage graphs 150 python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_cuda_gemv_engine.py ;;
+  graphs) stage graphs "$GRAPHS_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -rf tests/engine/test_cuda_graphs.py tests/engine/test_cuda_engine.py tests/engine/test_cuda_gemv_engine.py tests/engine/test_cuda_fusions_engine.py ;;
   engine) stage engine "$ENGINE_TIMEOUT" python3 tools/gpu/engine_check.py --out "$OUT" ;;
   bench) stage bench "$BENCH_TIMEOUT" python3 tools/gpu/bench_gpu.py --out "$OUT" ;;
-  profile) stage profile "${PROFILE_TIMEOUT:-150}" python3 tools/gpu/profile_step.py --out "$OUT" ;;
+  profile) stage profile "$PROFILE_TIMEOUT" python3 tools/gpu/profile_step.py --out "$OUT" ;;
 esac; done
 # At most 8 files come back from a device call: every log and JSON also goes into logs.tgz.
 (cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz --exclude=gpu_build.tgz * 2>/dev/null && \

@@ -4,10 +4,11 @@
    kernel 1, 2, 3, 4, with and without PDL), captured in a CUDA graph over rotating weight copies (so the 50 MB L2 cache
    does not hold them): achieved GB/s against the copy bandwidth of the same run;
 2. the ~1.1B bf16 model of bench_gpu.py under `torch.profiler` for a batch-1 generation with CUDA graphs: wall time
-   per token, GPU kernel time per token, and the kernels that take it (the host loop is the difference), under the
-   environment's dispatch and again under kernel 2 + PDL;
-3. the batch-1 graph replay time under each variant, and under kernel 2 + PDL with other decode split grains
-   (PAGELLM_CUDA_DECODE_SPLIT_GRAIN): graphs recaptured per variant, variants interleaved over rounds; medians.
+   per token, GPU kernel time per token, and the kernels that take it (the host loop is the difference), with the
+   kernels per layer and us per call: under the environment's dispatch and fusions, and again with every fusion off
+   (ops/fused_dispatch.py, PAGELLM_CUDA_FUSE_DECODE_REDUCE);
+3. the batch-1 graph replay time under each STEP_VARIANTS entry (GEMV kernel, PDL, decode split grain, which
+   fusions): graphs recaptured per variant, variants interleaved over rounds; medians.
 
 Prints tables last; writes profile_step.json and the profiler tables under --out.
 """
@@ -34,10 +35,44 @@ from bench_gpu import ceilings, cuda_median_ms, make_model  # noqa: E402
 # (label, CUDA_GEMV_MAX_M, kernel, pdl): cuBLAS, then linear_gemv's kernels (docs/cuda.md)
 GEMV_VARIANTS = [("cublas", 0, 1, False), ("k1", 8, 1, False), ("k2", 8, 2, False), ("k3", 8, 3, False),
                  ("k4", 8, 4, False), ("k2_pdl", 8, 2, True), ("k3_pdl", 8, 3, True), ("k4_pdl", 8, 4, True)]
-# the batch-1 step under each GEMV variant (decode split grain: the kernel's default), then kernel 2 + PDL under
-# other PAGELLM_CUDA_DECODE_SPLIT_GRAIN values (the 190-token context: 256 makes one split, no reduction work)
-STEP_VARIANTS = [(*v, "") for v in GEMV_VARIANTS] + [
-    (f"k2_pdl_grain{g}", 8, 2, True, str(g)) for g in (16, 32, 128, 256)]
+# The fusions (ops/fused_dispatch.py; "reduce" is the C++ switch PAGELLM_CUDA_FUSE_DECODE_REDUCE).
+FUSIONS = ("reduce", "rope_cache", "norm_gemv", "act_gemv")
+ALL = frozenset(FUSIONS)
+# the batch-1 step: (label, CUDA_GEMV_MAX_M, kernel, pdl, split grain ("" = the kernel's default), fusions on)
+STEP_VARIANTS = [
+    ("cublas", 0, 4, True, "", frozenset()),
+    ("cublas+reduce+rope", 0, 4, True, "", frozenset({"reduce", "rope_cache"})),
+    ("k4_pdl", 1, 4, True, "", frozenset()),  # session 19's defaults, no fusion
+    *[(f"k4_pdl+{f}", 1, 4, True, "", frozenset({f})) for f in FUSIONS],
+    ("k4_pdl+all", 1, 4, True, "", ALL),  # this session's defaults
+    ("k2_pdl+all", 1, 2, True, "", ALL),
+    ("k4_pdl+all_grain32", 1, 4, True, "32", ALL),
+    ("k4_pdl+all_grain128", 1, 4, True, "128", ALL),
+]
+
+
+def set_variant(max_m: int, kernel: int, pdl: bool, grain: str, fusions: frozenset) -> None:
+    """The dispatch a graph captured next uses (module attributes read while capturing, env read by the C++ glue)."""
+    from pagellm.ops import fused_dispatch, linear_dispatch
+
+    linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL = max_m, kernel
+    linear_dispatch.CUDA_GEMV_PDL = pdl
+    fused_dispatch.CUDA_FUSE_ROPE_CACHE = "rope_cache" in fusions
+    fused_dispatch.CUDA_FUSE_NORM_GEMV = "norm_gemv" in fusions
+    fused_dispatch.CUDA_FUSE_ACT_GEMV = "act_gemv" in fusions
+    os.environ["PAGELLM_CUDA_FUSE_DECODE_REDUCE"] = "1" if "reduce" in fusions else "0"
+    os.environ["PAGELLM_CUDA_DECODE_SPLIT_GRAIN"] = grain
+
+
+def current_variant() -> tuple:
+    from pagellm.ops import fused_dispatch, linear_dispatch
+
+    fusions = {name for name, on in (("rope_cache", fused_dispatch.CUDA_FUSE_ROPE_CACHE),
+                                     ("norm_gemv", fused_dispatch.CUDA_FUSE_NORM_GEMV),
+                                     ("act_gemv", fused_dispatch.CUDA_FUSE_ACT_GEMV),
+                                     ("reduce", os.environ.get("PAGELLM_CUDA_FUSE_DECODE_REDUCE", "1") == "1")) if on}
+    return (linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL,
+            os.environ.get("PAGELLM_CUDA_DECODE_SPLIT_GRAIN", ""), frozenset(fusions))
 
 
 def linear_rates(shapes: dict[str, tuple[int, int]], copy_gbs: float, m: int = 1) -> list[dict]:
@@ -75,25 +110,25 @@ def linear_rates(shapes: dict[str, tuple[int, int]], copy_gbs: float, m: int = 1
 
 def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[str, dict]:
     """Batch-1 graph replay ms (median over rounds of 50-replay medians) under each STEP_VARIANTS entry: the graphs
-    are recaptured per variant (linear_dispatch and the split grain are read while capturing); variants
+    are recaptured per variant (the dispatch, the fusions and the split grain are read while capturing); variants
     interleaved in every round."""
     from pagellm import SamplingParams
-    from pagellm.ops import linear_dispatch
 
     runner = llm.llm_engine.executor.driver_worker.runner
     graphs = runner.cuda_graphs
-    saved = (linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL)
+    saved = current_variant()
     sp = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    res: dict[str, dict] = {tag: dict(replay_ms=[], wall_ms_per_token=[]) for tag, *_ in STEP_VARIANTS}
-    grain_env = os.environ.get("PAGELLM_CUDA_DECODE_SPLIT_GRAIN")
+    res: dict[str, dict] = {v[0]: dict(replay_ms=[], wall_ms_per_token=[]) for v in STEP_VARIANTS}
     for _ in range(rounds):
-        for tag, max_m, kernel, pdl, grain in STEP_VARIANTS:
-            linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL = max_m, kernel
-            linear_dispatch.CUDA_GEMV_PDL = pdl
-            os.environ["PAGELLM_CUDA_DECODE_SPLIT_GRAIN"] = grain or (grain_env or "")
+        for tag, *variant in STEP_VARIANTS:
+            set_variant(*variant)
             graphs.invalidate()
             runner.cuda_graphs = graphs  # a failed capture sets it to None: the next variant gets it back
-            llm.generate(prompt, sp, use_tqdm=False)  # captures bucket 1 under this variant
+            try:
+                llm.generate(prompt, sp, use_tqdm=False)  # captures bucket 1 under this variant
+            except Exception as e:  # one variant failing leaves the others their rows
+                res[tag]["error"] = f"{type(e).__name__}: {e}"[:200]
+                continue
             if runner.cuda_graphs is None or 1 not in graphs.captured_buckets:
                 res[tag]["error"] = "no batch-1 graph (capture failed: see the log)"
                 continue
@@ -103,11 +138,7 @@ def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[st
             torch.cuda.synchronize()
             res[tag]["wall_ms_per_token"].append((time.perf_counter() - t0) * 1e3 / tokens)
             res[tag]["replay_ms"].append(cuda_median_ms(lambda: graphs.replay(1), iters=50))
-    linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL = saved
-    if grain_env is None:
-        os.environ.pop("PAGELLM_CUDA_DECODE_SPLIT_GRAIN", None)
-    else:
-        os.environ["PAGELLM_CUDA_DECODE_SPLIT_GRAIN"] = grain_env
+    set_variant(*saved)
     runner.cuda_graphs = graphs
     graphs.invalidate()
     for r in res.values():
@@ -116,8 +147,9 @@ def replay_by_variant(llm, prompt, rounds: int = 3, tokens: int = 16) -> dict[st
     return res
 
 
-def profile_generation(llm, prompt, sp, tokens: int, out: Path, tag: str) -> dict:
-    """Wall ms/token, GPU kernel ms/token and the top kernels of one profiled generation."""
+def profile_generation(llm, prompt, sp, tokens: int, out: Path, tag: str, num_layers: int) -> dict:
+    """Wall ms/token, GPU kernel ms/token, the top kernels and every GPU kernel's launches per token / per layer and
+    us per launch of one profiled generation."""
     from torch.profiler import ProfilerActivity, profile
 
     res = {}
@@ -132,10 +164,17 @@ def profile_generation(llm, prompt, sp, tokens: int, out: Path, tag: str) -> dic
     events = prof.key_averages()
     table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
     (out / f"profile_{tag}.txt").write_text(table)
-    gpu_us = sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0]
+    gpu_us = sum(e.self_device_time_total for e in kernels)
     res["gpu_ms_per_token"] = gpu_us / 1e3 / tokens
     res["top_kernels"] = sorted(((e.key[:80], round(e.self_device_time_total / tokens, 1))
                                  for e in events if e.self_device_time_total > 0), key=lambda kv: -kv[1])[:15]
+    # GPU kernels only (device-side events): launches per token and per layer, us per launch (the prompt's prefill
+    # step is one of the `tokens` steps)
+    res["kernels"] = sorted(([e.key[:70], e.count / tokens, e.count / tokens / num_layers,
+                              e.self_device_time_total / e.count, e.self_device_time_total / tokens]
+                             for e in kernels), key=lambda r: -r[4])
+    res["kernels_per_token"] = sum(e.count for e in kernels) / tokens
     print(tag, "profiler table:\n" + table, flush=True)
     return res
 
@@ -162,7 +201,6 @@ def main() -> None:
     print_linear_table(res, shapes, cfg)
 
     from pagellm import LLM, SamplingParams
-    from pagellm.ops import linear_dispatch
 
     llm = LLM(str(tmp / "llama-1b"), device="cuda", dtype="bfloat16", max_model_len=4096, seed=0,
               kv_cache_memory_gb=16, max_num_seqs=64, enable_prefix_caching=False)
@@ -171,24 +209,26 @@ def main() -> None:
     sampled = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.tokens, ignore_eos=True)
     for sp in (greedy, sampled):  # warm-up: graphs captured, sampler kernels loaded
         llm.generate(prompt, sp, use_tqdm=False)
-    res["profiles"] = {tag: profile_generation(llm, prompt, sp, args.tokens, out, tag)
+    layers = cfg.num_hidden_layers
+    res["profiles"] = {tag: profile_generation(llm, prompt, sp, args.tokens, out, tag, layers)
                        for tag, sp in (("greedy", greedy), ("sampled", sampled))}
     graphs = llm.llm_engine.executor.driver_worker.runner.cuda_graphs
     if graphs is not None and 1 in graphs.captured_buckets:
         res["b1_replay_ms"] = cuda_median_ms(lambda: graphs.replay(1), iters=50)
-    saved = (linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL)
-    linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL = 8, 2, True
+    saved = current_variant()
+    set_variant(saved[0], saved[1], saved[2], saved[3], frozenset())  # the same dispatch, every fusion off
     if graphs is not None:
         graphs.invalidate()
     try:
         llm.generate(prompt, greedy, use_tqdm=False)
-        res["profiles"]["greedy_k2_pdl"] = profile_generation(llm, prompt, greedy, args.tokens, out, "greedy_k2_pdl")
+        res["profiles"]["greedy_unfused"] = profile_generation(llm, prompt, greedy, args.tokens, out,
+                                                               "greedy_unfused", layers)
         runner = llm.llm_engine.executor.driver_worker.runner
-        res["profiles"]["greedy_k2_pdl"]["graphs"] = runner.cuda_graphs is not None  # False: the capture failed
+        res["profiles"]["greedy_unfused"]["graphs"] = runner.cuda_graphs is not None  # False: the capture failed
         runner.cuda_graphs = graphs
     except Exception as e:  # the variants below still run
-        res["profiles"]["greedy_k2_pdl"] = dict(error=f"{type(e).__name__}: {e}"[:300])
-    linear_dispatch.CUDA_GEMV_MAX_M, linear_dispatch.CUDA_GEMV_KERNEL, linear_dispatch.CUDA_GEMV_PDL = saved
+        res["profiles"]["greedy_unfused"] = dict(error=f"{type(e).__name__}: {e}"[:300])
+    set_variant(*saved)
     if graphs is not None:
         res["b1_replay_by_variant"] = replay_by_variant(llm, prompt, rounds=args.rounds)
     (out / "profile_step.json").write_text(json.dumps(res, indent=1))
@@ -201,9 +241,17 @@ def main() -> None:
             eager = " (eager: capture failed)" if p.get("graphs") is False else ""
             print(f"| {tag}{eager} | {p['wall_ms_per_token']:.3f} | {p['gpu_ms_per_token']:.3f} |")
     print(f"batch-1 graph replay alone (environment's dispatch): {res.get('b1_replay_ms', float('nan')):.3f} ms")
+    for tag in ("greedy", "greedy_unfused"):
+        p = res["profiles"].get(tag, {})
+        if "kernels" in p:
+            print(f"{tag}: {p['kernels_per_token']:.1f} GPU kernels per token, "
+                  f"{p['kernels_per_token'] / cfg.num_hidden_layers:.2f} per layer")
+            print("| kernel | per token | per layer | us each | us per token |\n|---|---|---|---|---|")
+            for name, per_tok, per_layer, us_each, us_tok in p["kernels"][:20]:
+                print(f"| {name} | {per_tok:.2f} | {per_layer:.2f} | {us_each:.2f} | {us_tok:.1f} |")
     if "b1_replay_by_variant" in res:
-        print(f"| step variant (GEMV for M <= 8; split grain) | b1 replay ms (median of {args.rounds}) | all rounds |"
-              " wall ms/token |\n|---|---|---|---|")
+        print(f"| step variant (GEMV rows; fusions; split grain) | b1 replay ms (median of {args.rounds}) |"
+              " all rounds | wall ms/token |\n|---|---|---|---|")
         for tag, r in res["b1_replay_by_variant"].items():
             rounds = " ".join(f"{x:.3f}" for x in r["replay_ms"]) or r.get("error", "-")
             print(f"| {tag} | {r['replay_ms_median']:.3f} | {rounds} | {r['wall_ms_per_token_median']:.3f} |")

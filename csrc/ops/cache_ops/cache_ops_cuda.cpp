@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "ops/cache_ops/cache_glue_cuda.h"
 #include "ops/cache_ops/cache_launch.h"
 #include "ops/cache_ops/kv_quant_checks.h"
 #include "ops/cuda_common/torch_glue.h"
@@ -22,7 +23,8 @@ void check_cache(const at::Tensor& c, const char* name) {
               ": block_size (dim 2) must be a power of two in [1, 256], got ", bs);
 }
 
-// Checks key/value [T, H, D] against the cache and slot_mapping; fills everything of `a` but the type fields.
+}  // namespace
+
 ReshapeAndCacheArgs check_cache_write(const at::Tensor& key_cache, const at::Tensor& value_cache,
                                       const at::Tensor& key, const at::Tensor& value, const at::Tensor& slots) {
   check_cache(key_cache, "key_cache");
@@ -63,6 +65,8 @@ ReshapeAndCacheArgs check_cache_write(const at::Tensor& key_cache, const at::Ten
   a.num_blocks = key_cache.size(0);
   return a;
 }
+
+namespace {
 
 void reshape_and_cache(at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& key, const at::Tensor& value,
                        const at::Tensor& slot_mapping) {

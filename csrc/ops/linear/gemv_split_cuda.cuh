@@ -22,6 +22,7 @@
 #include "ops/cuda_common/pdl.cuh"
 #include "ops/cuda_common/vec.cuh"
 #include "ops/linear/gemv_launch.h"
+#include "ops/linear/gemv_prologue_cuda.cuh"
 
 namespace pagellm::cuda {
 
@@ -48,11 +49,16 @@ __device__ __forceinline__ Vec16<T> load16_stream(const T* p) {
   return v;
 }
 
-// grid = (ceil(N / (8 / S * NCW)), ceil(M / MR)), block = 256. See the file comment.
-template <typename T, int MR, int NCW, int U>
-__global__ void __launch_bounds__(kSplitGemvWarps * 32) linear_gemv_split_kernel(const GemvArgs a, const int S) {
+// grid = (ceil(N / (8 / S * NCW)), ceil(M / MR)), block = 256. See the file comment. P: a prologue (MR = 1; dynamic
+// shared memory K * sizeof(T)) computes the CTA's x row after pdl_wait(); the loop then reads it from shared memory.
+// Prologue kernels at U = 2 (kernel 4) are held to 64 registers, four CTAs per SM, as kernel 4 is without one.
+template <typename T, int MR, int NCW, int U, GemvPrologue P = GemvPrologue::kNone>
+__global__ void __launch_bounds__(kSplitGemvWarps * 32, P != GemvPrologue::kNone && U == 2 ? 4 : 1)
+    linear_gemv_split_kernel(const GemvArgs a, const int S, const GemvPrologueArgs pa) {
+  static_assert(P == GemvPrologue::kNone || MR == 1, "a prologue stages one row per CTA");
   constexpr int kVec = VecTraits<T>::kElems;
   __shared__ float red[kSplitGemvWarps][NCW][MR];
+  extern __shared__ __align__(16) unsigned char gemv_row_smem[];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int slice = warp % S, group = warp / S, groups = kSplitGemvWarps / S;
   const int64_t n0 = static_cast<int64_t>(blockIdx.x) * groups * NCW + static_cast<int64_t>(group) * NCW;
@@ -82,6 +88,11 @@ __global__ void __launch_bounds__(kSplitGemvWarps * 32) linear_gemv_split_kernel
       wv[c][u] = v0 + 32 * u < v_end ? load16_stream<T, true>(w_rows[c] + (v0 + 32 * u) * kVec) : zero16<T>();
   pdl_wait();  // x and out belong to the kernels around this one from here on
   pdl_launch_dependents();
+  if constexpr (P != GemvPrologue::kNone) {
+    T* xs = reinterpret_cast<T*>(gemv_row_smem);
+    gemv_stage_row<T, P>(a, pa, m0, xs);
+    x = xs;  // one row (MR = 1): the loop reads it at x + v * kVec
+  }
   for (; v0 < v_end; v0 += 32 * U) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -136,20 +147,21 @@ inline int gemv_split_slices(int64_t N, int64_t K, int elem_bytes, int64_t min_c
   return S;
 }
 
-template <typename T, int MR, int NCW, int U>
-cudaError_t gemv_split_rows(const GemvArgs& a, int S, bool pdl, cudaStream_t stream) {
+template <typename T, int MR, int NCW, int U, GemvPrologue P = GemvPrologue::kNone>
+cudaError_t gemv_split_rows(const GemvArgs& a, int S, bool pdl, cudaStream_t stream,
+                            const GemvPrologueArgs& pa = GemvPrologueArgs{}) {
   const int64_t cols = static_cast<int64_t>(kSplitGemvWarps / S) * NCW;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>((a.N + cols - 1) / cols), static_cast<unsigned>((a.M + MR - 1) / MR));
   cfg.blockDim = dim3(kSplitGemvWarps * 32);
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = P == GemvPrologue::kNone ? 0 : static_cast<size_t>(a.K) * sizeof(T);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, linear_gemv_split_kernel<T, MR, NCW, U>, a, S);
+  return cudaLaunchKernelEx(&cfg, linear_gemv_split_kernel<T, MR, NCW, U, P>, a, S, pa);
 }
 
 // MR rows of x per CTA (1, 2, 4, 8); columns per warp and vectors in flight per column by MR: NCW x U = 8
@@ -161,6 +173,20 @@ cudaError_t gemv_split_typed(const GemvArgs& a, int S, bool pdl, cudaStream_t s)
   if (a.M == 2) return gemv_split_rows<T, 2, 2, kLowRegs ? 2 : 4>(a, S, pdl, s);
   if (a.M <= 4) return gemv_split_rows<T, 4, 4, 2>(a, S, pdl, s);
   return gemv_split_rows<T, 8, 4, 2>(a, S, pdl, s);
+}
+
+// With a prologue every row takes the MR = 1 kernel (a CTA stages one row), kernel 2's or 4's vectors in flight:
+// at M = 1 the same kernel as without one, so the same bits.
+template <typename T, bool kLowRegs>
+cudaError_t gemv_prologue_typed(const GemvArgs& a, const GemvPrologueArgs& pa, int S, bool pdl, cudaStream_t s) {
+  constexpr int U = kLowRegs ? 2 : 4;
+  switch (pa.kind) {
+    case GemvPrologue::kRmsNorm: return gemv_split_rows<T, 1, 2, U, GemvPrologue::kRmsNorm>(a, S, pdl, s, pa);
+    case GemvPrologue::kAddRmsNorm: return gemv_split_rows<T, 1, 2, U, GemvPrologue::kAddRmsNorm>(a, S, pdl, s, pa);
+    case GemvPrologue::kSiluMul: return gemv_split_rows<T, 1, 2, U, GemvPrologue::kSiluMul>(a, S, pdl, s, pa);
+    case GemvPrologue::kNone: return gemv_split_typed<T, kLowRegs>(a, S, pdl, s);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace pagellm::cuda

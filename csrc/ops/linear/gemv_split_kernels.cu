@@ -26,7 +26,45 @@ cudaError_t gemv_split_regs(const GemvArgs& a, int S, bool low_regs, bool pdl, c
   return low_regs ? gemv_split_typed<T, true>(a, S, pdl, stream) : gemv_split_typed<T, false>(a, S, pdl, stream);
 }
 
+template <typename T>
+cudaError_t gemv_prologue_regs(const GemvArgs& a, const GemvPrologueArgs& pa, int S, bool low_regs, bool pdl,
+                               cudaStream_t stream) {
+  return low_regs ? gemv_prologue_typed<T, true>(a, pa, S, pdl, stream)
+                  : gemv_prologue_typed<T, false>(a, pa, S, pdl, stream);
+}
+
+// 16-byte vectors everywhere the prologue reads or writes (the norm / activation kernels' own vector condition).
+bool prologue_vectorized(const GemvArgs& a, const GemvPrologueArgs& pa, int vec) {
+  switch (pa.kind) {
+    case GemvPrologue::kNone: return true;
+    case GemvPrologue::kSiluMul: return true;  // x + K is aligned when x and K are
+    case GemvPrologue::kRmsNorm: return aligned16(pa.norm_weight);
+    case GemvPrologue::kAddRmsNorm:
+      return aligned16(pa.norm_weight) && aligned16(pa.residual) && aligned16(pa.residual_out) &&
+             pa.res_stride % vec == 0 && pa.res_out_stride % vec == 0;
+  }
+  return false;
+}
+
 }  // namespace
+
+cudaError_t launch_linear_gemv_prologue(const GemvArgs& a, const GemvPrologueArgs& pa, DType dtype, int64_t min_ctas,
+                                        int64_t min_slice_vecs, bool low_regs, bool pdl, cudaStream_t stream) {
+  const int elem = dtype == DType::kFloat32 ? 4 : 2, vec = 16 / elem;
+  const bool vectorized = a.K % vec == 0 && a.x_stride % vec == 0 && a.w_stride % vec == 0 && aligned16(a.x) &&
+                          aligned16(a.w) && prologue_vectorized(a, pa, vec);
+  if (!vectorized || a.K * elem > kGemvPrologueMaxBytes) return cudaErrorNotSupported;
+  if (a.M <= 0 || a.N <= 0) return cudaSuccess;
+  if (a.M > 65535 || a.N / 2 > 0x7fffffffLL) return cudaErrorInvalidConfiguration;
+  const int S = gemv_split_slices(a.N, a.K, elem, min_ctas, min_slice_vecs);
+  pdl = pdl && device_has_pdl();
+  switch (dtype) {
+    case DType::kFloat32: return gemv_prologue_regs<float>(a, pa, S, low_regs, pdl, stream);
+    case DType::kFloat16: return gemv_prologue_regs<__half>(a, pa, S, low_regs, pdl, stream);
+    case DType::kBFloat16: return gemv_prologue_regs<__nv_bfloat16>(a, pa, S, low_regs, pdl, stream);
+  }
+  return cudaErrorInvalidValue;
+}
 
 cudaError_t launch_linear_gemv_split(const GemvArgs& a, DType dtype, int64_t min_ctas, int64_t min_slice_vecs,
                                      bool low_regs, bool pdl, cudaStream_t stream) {

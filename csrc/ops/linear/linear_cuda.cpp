@@ -7,18 +7,12 @@
 #include <optional>
 
 #include "ops/cuda_common/torch_glue.h"
+#include "ops/linear/gemv_glue_cuda.h"
 #include "ops/linear/gemv_launch.h"
 #include "ops/linear/linear_checks.h"
 
 namespace pagellm::cuda {
-namespace {
 
-// Contiguous copies (when the inputs were not) that must outlive the launch.
-struct GemvInputs {
-  at::Tensor x, weight, bias;
-};
-
-// Checks the arguments (messages name them) and returns the launch arguments; nullopt when out is empty.
 std::optional<GemvArgs> gemv_args(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                                   const std::optional<at::Tensor>& bias, GemvInputs& held) {
   check_cuda(out, "out");
@@ -40,6 +34,8 @@ std::optional<GemvArgs> gemv_args(at::Tensor& out, const at::Tensor& x, const at
                   held.bias.defined() ? held.bias.data_ptr() : nullptr,
                   M, N, K, held.x.stride(0), held.weight.stride(0), out.stride(0)};
 }
+
+namespace {
 
 void linear_small_m(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight,
                     const std::optional<at::Tensor>& bias) {

@@ -7,7 +7,7 @@
 namespace pagellm::cuda {
 
 namespace {
-int threads_for(int64_t hidden) { return hidden >= 4096 ? 1024 : (hidden >= 1024 ? 512 : 256); }
+int threads_for(int64_t units) { return rms_norm_threads(units); }
 
 bool vec_ok(int64_t elems_per_vec, int64_t hidden, int64_t s0, int64_t s1, const void* a, const void* b,
             const void* c) {

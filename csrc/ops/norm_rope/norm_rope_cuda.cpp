@@ -5,6 +5,7 @@
 
 #include "ops/cuda_common/torch_glue.h"
 #include "ops/norm_rope/norm_launch.h"
+#include "ops/norm_rope/rotary_glue_cuda.h"
 
 namespace pagellm::cuda {
 namespace {
@@ -61,6 +62,8 @@ void fused_add_rms_norm(at::Tensor& input, at::Tensor& residual, const at::Tenso
                "fused_add_rms_norm");
 }
 
+}  // namespace
+
 // (num_heads, token stride, head stride) of a [T, H*D] or [T, H, D] query/key.
 std::tuple<int64_t, int64_t, int64_t> head_geometry(const at::Tensor& t, int64_t T, int64_t head_size,
                                                     const char* name) {
@@ -79,11 +82,11 @@ std::tuple<int64_t, int64_t, int64_t> head_geometry(const at::Tensor& t, int64_t
   return {t.size(1) / head_size, t.stride(0), head_size};
 }
 
-void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, int64_t head_size,
-                      const at::Tensor& cos_sin_cache, bool is_neox) {
+RotaryArgs check_rotary_args(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, int64_t head_size,
+                             const at::Tensor& cos_sin_cache, at::Tensor& positions_held) {
   check_cuda(positions, "positions");
   check_dtype(positions, at::kLong, "positions");
-  const DType dt = to_dtype(query, "query");
+  to_dtype(query, "query");
   check_same_dtype(key, query, "key", "query");
   check_cuda(cos_sin_cache, "cos_sin_cache");
   TORCH_CHECK(cos_sin_cache.scalar_type() == at::kFloat || cos_sin_cache.scalar_type() == query.scalar_type(),
@@ -101,14 +104,11 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   check_same_device(query, positions, "query", "positions");
   check_same_device(key, positions, "key", "positions");
   check_same_device(cos_sin_cache, positions, "cos_sin_cache", "positions");
-  if (T == 0) return;
-  const c10::cuda::CUDAGuard guard(positions.device());
-  // Positions outside [0, max_position) are not checked here (that would need a device sync); the kernel leaves
+  // Positions outside [0, max_position) are not checked here (that would need a device sync); the kernels leave
   // such tokens unrotated instead of reading out of bounds.
-  const at::Tensor pos = positions.reshape({-1}).contiguous();
-  const DType cdt = to_dtype(cos_sin_cache, "cos_sin_cache");
+  positions_held = positions.reshape({-1}).contiguous();
   RotaryArgs a{};
-  a.positions = pos.data_ptr<int64_t>();
+  a.positions = positions_held.data_ptr<int64_t>();
   a.query = query.data_ptr();
   a.key = key.data_ptr();
   a.cos_sin_cache = cos_sin_cache.data_ptr();
@@ -123,8 +123,22 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor
   a.head_size = static_cast<int>(head_size);
   a.rot_dim = static_cast<int>(rot);
   a.max_position = cos_sin_cache.size(0);
+  a.is_neox = false;
+  return a;
+}
+
+namespace {
+
+void rotary_embedding(const at::Tensor& positions, at::Tensor& query, at::Tensor& key, int64_t head_size,
+                      const at::Tensor& cos_sin_cache, bool is_neox) {
+  at::Tensor pos;
+  RotaryArgs a = check_rotary_args(positions, query, key, head_size, cos_sin_cache, pos);
+  if (a.num_tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(positions.device());
   a.is_neox = is_neox;
-  check_launch(launch_rotary_embedding(a, dt, cdt, current_stream()), "rotary_embedding");
+  check_launch(launch_rotary_embedding(a, to_dtype(query, "query"), to_dtype(cos_sin_cache, "cos_sin_cache"),
+                                       current_stream()),
+               "rotary_embedding");
 }
 
 }  // namespace

@@ -13,6 +13,24 @@
 
 namespace pagellm::cuda {
 
+// The pieces every RMSNorm on the GPU is made of (these kernels, and the norm folded into a GEMV's prologue in
+// ops/linear/gemv_prologue_cuda.cuh), with the arithmetic pinned so that both give the same bits:
+// the block size for a row of `units` loads (vectors or elements), which fixes the order of the sum of squares;
+__host__ __device__ constexpr int rms_norm_threads(int64_t units) {
+  return units >= 4096 ? 1024 : (units >= 1024 ? 512 : 256);
+}
+// one step of the sum of squares;
+__device__ __forceinline__ float rms_accumulate(float sq, float f) { return __fmaf_rn(f, f, sq); }
+// 1 / rms from the row's sum of squares;
+__device__ __forceinline__ float rms_inverse(float sum_sq, int64_t hidden, float eps) {
+  return rsqrtf(sum_sq / static_cast<float>(hidden) + eps);
+}
+// one output element: normalized and rounded to T, then times the weight and rounded (HF's order).
+template <typename T>
+__device__ __forceinline__ T rms_scale(T x, T w, float inv) {
+  return from_float<T>(to_float(from_float<T>(to_float(x) * inv)) * to_float(w));
+}
+
 template <typename T, bool kVecIO>
 __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ in, const T* __restrict__ weight,
                                 int64_t hidden, int64_t in_row_stride, int64_t out_row_stride, float eps) {
@@ -26,27 +44,21 @@ __global__ void rms_norm_kernel(T* __restrict__ out, const T* __restrict__ in, c
     if constexpr (kVecIO) {
       const Vec16<T> v = load16<T>(x + i * W);
 #pragma unroll
-      for (int e = 0; e < W; ++e) {
-        const float f = to_float(v.elem[e]);
-        sq += f * f;
-      }
+      for (int e = 0; e < W; ++e) sq = rms_accumulate(sq, to_float(v.elem[e]));
     } else {
-      const float f = to_float(x[i]);
-      sq += f * f;
+      sq = rms_accumulate(sq, to_float(x[i]));
     }
   }
-  const float inv = rsqrtf(block_reduce_sum(sq) / static_cast<float>(hidden) + eps);
+  const float inv = rms_inverse(block_reduce_sum(sq), hidden, eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     if constexpr (kVecIO) {
       const Vec16<T> v = load16<T>(x + i * W), w = load16<T>(weight + i * W);
       Vec16<T> o;
 #pragma unroll
-      for (int e = 0; e < W; ++e)
-        o.elem[e] = from_float<T>(to_float(from_float<T>(to_float(v.elem[e]) * inv)) * to_float(w.elem[e]));
+      for (int e = 0; e < W; ++e) o.elem[e] = rms_scale<T>(v.elem[e], w.elem[e], inv);
       store16<T>(y + i * W, o);
     } else {
-      const T normed = from_float<T>(to_float(x[i]) * inv);
-      y[i] = from_float<T>(to_float(normed) * to_float(weight[i]));
+      y[i] = rms_scale<T>(x[i], weight[i], inv);
     }
   }
 }
@@ -67,29 +79,25 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, T* __restrict__ res
 #pragma unroll
       for (int e = 0; e < W; ++e) {
         sum.elem[e] = from_float<T>(to_float(a.elem[e]) + to_float(b.elem[e]));
-        const float f = to_float(sum.elem[e]);
-        sq += f * f;
+        sq = rms_accumulate(sq, to_float(sum.elem[e]));
       }
       store16<T>(rr + i * W, sum);
     } else {
       const T sum = from_float<T>(to_float(xr[i]) + to_float(rr[i]));
       rr[i] = sum;
-      const float f = to_float(sum);
-      sq += f * f;
+      sq = rms_accumulate(sq, to_float(sum));
     }
   }
-  const float inv = rsqrtf(block_reduce_sum(sq) / static_cast<float>(hidden) + eps);
+  const float inv = rms_inverse(block_reduce_sum(sq), hidden, eps);
   for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
     if constexpr (kVecIO) {
       const Vec16<T> r = load16<T>(rr + i * W), w = load16<T>(weight + i * W);
       Vec16<T> o;
 #pragma unroll
-      for (int e = 0; e < W; ++e)
-        o.elem[e] = from_float<T>(to_float(from_float<T>(to_float(r.elem[e]) * inv)) * to_float(w.elem[e]));
+      for (int e = 0; e < W; ++e) o.elem[e] = rms_scale<T>(r.elem[e], w.elem[e], inv);
       store16<T>(xr + i * W, o);
     } else {
-      const T normed = from_float<T>(to_float(rr[i]) * inv);
-      xr[i] = from_float<T>(to_float(normed) * to_float(weight[i]));
+      xr[i] = rms_scale<T>(rr[i], weight[i], inv);
     }
   }
 }

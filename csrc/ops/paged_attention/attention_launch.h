@@ -45,7 +45,21 @@ struct DecodeArgs {
   // Tokens a split covers at least (the flash-decoding rule's grain); 0 = kDecodeSplitGrain (64). The glue takes
   // it from PAGELLM_CUDA_DECODE_SPLIT_GRAIN (a benchmark sweep's knob).
   int split_grain = 0;
+  // Non-null: the splits are merged inside the decode kernel, by the last CTA of each (sequence, kv head, head
+  // group) to finish, found with an atomic counter per such column: num_seqs * num_kv_heads * ceil(G / 8)
+  // int32 counters, zero before the launch and left zero after it (decode_split_counter_count). Null: a second
+  // kernel merges them. Both give the same bits.
+  int32_t* split_counters = nullptr;
 };
+
+// Query heads (of one kv head) a decode CTA serves.
+constexpr int kDecodeMaxHeads = 8;
+
+// The counters an in-kernel merge needs (DecodeArgs::split_counters): one per (sequence, kv head, head group).
+inline int64_t decode_split_counter_count(int num_seqs, int num_heads, int num_kv_heads) {
+  const int group = num_heads / num_kv_heads;
+  return static_cast<int64_t>(num_seqs) * num_kv_heads * ((group + kDecodeMaxHeads - 1) / kDecodeMaxHeads);
+}
 
 // The scratch's split capacity: the most context splits a sequence of this launch can have (1 = none, no
 // scratch). max_context is an upper bound of every seq_len (e.g. max_blocks * block_size). A sequence's splits

@@ -21,7 +21,10 @@
 //      fp32 accumulator [heads][vec] by alpha and adds p * v, loading kPvRows rows ahead of their use.
 // At the end the R token lanes are summed (shuffles inside a warp, then warps in order: deterministic). A
 // sequence with one split writes out = acc * (1 / l); otherwise each split writes its unnormalized acc, max and
-// sum to the fp32 scratch, and paged_decode_reduce_kernel merges them (grid = (num_seqs, num_heads), 128 threads).
+// sum to the fp32 scratch, and the splits are merged: with DecodeArgs::split_counters by the last CTA of the
+// (sequence, kv head, head group) to finish (an atomic counter per CTA column, reset by that CTA), else by
+// paged_decode_reduce_kernel (grid = (num_seqs, num_heads), 128 threads). Both merge with the same arithmetic
+// (decode_split_weights / decode_split_combine): the same bits.
 // DV < D (MLA over the latent cache: D = 576 for QK, DV = 512): keys are D wide, the output and the value (the
 // first DV dims of the value rows, which keep the key rows' stride) DV wide; the PV tiling follows DV.
 // Quantized caches (C = int8 / fp8): the same tiling, a lane's kVec stored elements are one kVec-byte load
@@ -34,6 +37,7 @@
 
 #include "ops/cache_ops/kv_quant.cuh"
 #include "ops/paged_attention/attention_launch.h"
+#include "ops/paged_attention/decode_merge_cuda.cuh"
 #include "ops/cuda_common/pdl.cuh"
 #include "ops/cuda_common/vec.cuh"
 
@@ -41,7 +45,6 @@ namespace pagellm::cuda {
 
 constexpr int kDecodeThreads = 128;
 constexpr int kDecodeWarps = kDecodeThreads / 32;
-constexpr int kDecodeMaxHeads = 8;          // query heads per CTA
 constexpr int kDecodeChunk = 256;           // tokens whose logits sit in shared memory at once
 constexpr int kDecodeSplitGrain = 64;       // a split covers at least this many tokens
 constexpr int kDecodeMaxSplits = 64;        // a sequence has at most this many splits
@@ -129,6 +132,7 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
   __shared__ float out_s[GC][DV];
   __shared__ int64_t off_s[kDecodeChunk];
   __shared__ float m_s[GC], l_s[GC], alpha_s[GC];
+  __shared__ int merge_s;  // this CTA merges the splits (the in-kernel reduction)
 
   const T* __restrict__ query = static_cast<const T*>(p.query);
   const C* __restrict__ key_cache = static_cast<const C*>(p.key_cache);
@@ -352,9 +356,11 @@ __global__ void __launch_bounds__(kDecodeThreads) paged_decode_kernel(const Deco
     }
     __syncthreads();  // the next split re-initialises out_s and the statistics
   }
+  if (sp.nsplit > 1 && p.split_counters != nullptr)
+    merge_splits_in_kernel<T, DV>(p, seq, sp.nsplit, h0, gc, merge_s, &logit_s[0][0], kDecodeChunk, alpha_s);
 }
 
-// Merge the splits of one (seq, head): out = sum_s w_s acc_s / sum_s w_s l_s, w_s = exp(m_s - max m).
+// Merge the splits of one (seq, head) (the reduction without split_counters), with the in-kernel merge's arithmetic.
 // grid = (num_seqs, num_heads), block = 128 threads. A sequence with one split was written by the split kernel.
 template <typename T>
 __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeArgs p) {
@@ -366,35 +372,17 @@ __global__ void __launch_bounds__(128) paged_decode_reduce_kernel(const DecodeAr
   if (S == 1) return;
   const int64_t row0 = (static_cast<int64_t>(seq) * p.num_heads + h) * p.num_splits;
   if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    float mx = -INFINITY;
-    for (int s = lane; s < S; s += 32)
-      if (p.tmp_sum[row0 + s] > 0.f) mx = fmaxf(mx, p.tmp_max[row0 + s]);
-    mx = warp_reduce_max(mx);
-    float denom = 0.f;
-    for (int s = lane; s < S; s += 32) {
-      const float l = p.tmp_sum[row0 + s];
-      const float w = l > 0.f ? __expf(p.tmp_max[row0 + s] - mx) : 0.f;
-      w_s[s] = w;
-      denom += w * l;
-    }
-    denom = warp_reduce_sum(denom);
-    if (lane == 0) inv_s = denom > 0.f ? 1.f / denom : 0.f;
+    const float inv = decode_split_weights(p, row0, S, w_s, threadIdx.x);
+    if (threadIdx.x == 0) inv_s = inv;
   }
   __syncthreads();
   T* __restrict__ out = static_cast<T*>(p.out);
-  const float inv = inv_s;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float w = w_s[s];
-      if (w > 0.f) a = fmaf(w, p.tmp_out[(row0 + s) * D + d], a);
-    }
-    out[seq * p.o_stride_tok + h * p.o_stride_head + d] = from_float<T>(a * inv);
-  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x)
+    out[seq * p.o_stride_tok + h * p.o_stride_head + d] = from_float<T>(decode_split_combine(p, row0, S, w_s, D, d, inv_s));
 }
 
-// Launch of one (T, D, C, DV) instantiation: the split kernel, then the reduction when a context may split.
+// Launch of one (T, D, C, DV) instantiation: the split kernel, then the reduction when a context may split and the
+// kernel does not merge the splits itself.
 template <typename T, int D, typename C = T, int DV = D>
 cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
   const int G = a.num_heads / a.num_kv_heads;
@@ -403,7 +391,7 @@ cudaError_t decode_typed(const DecodeArgs& a, cudaStream_t s) {
                   static_cast<unsigned>(decode_split_ctas(a.num_seqs, a.num_kv_heads * groups, a.num_splits)));
   paged_decode_kernel<T, D, C, DV><<<grid, kDecodeThreads, 0, s>>>(a);
   cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || a.num_splits == 1) return err;
+  if (err != cudaSuccess || a.num_splits == 1 || a.split_counters != nullptr) return err;  // merged in the kernel
   const dim3 rgrid(static_cast<unsigned>(a.num_seqs), static_cast<unsigned>(a.num_heads));
   paged_decode_reduce_kernel<T><<<rgrid, 128, 0, s>>>(a);
   return cudaGetLastError();

@@ -8,6 +8,7 @@
 #include "ops/cuda_common/torch_glue.h"
 #include "ops/paged_attention/attention_launch.h"
 #include "ops/paged_attention/mla_checks.h"
+#include "ops/paged_attention/split_counters_cuda.h"
 
 namespace pagellm::cuda {
 namespace {
@@ -58,6 +59,7 @@ void paged_mla_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor
   a.softcap = 0.f;
   const int64_t max_context = block_tables.size(1) * s.block_size;  // sync-free upper bound of every seq_len
   a.num_splits = decode_num_splits(a.num_seqs, a.num_heads, 1, max_context, -1);
+  const bool merge_in_kernel = decode_merge_in_kernel();
   at::Tensor tmp_out, tmp_ms;
   if (a.num_splits > 1) {
     const auto f32 = query.options().dtype(at::kFloat);
@@ -66,6 +68,8 @@ void paged_mla_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor
     a.tmp_out = tmp_out.data_ptr<float>();
     a.tmp_max = tmp_ms.data_ptr<float>();
     a.tmp_sum = a.tmp_max + s.num_seqs * s.num_heads * a.num_splits;
+    if (merge_in_kernel)
+      a.split_counters = decode_split_counters(query, decode_split_counter_count(a.num_seqs, a.num_heads, 1));
   }
   check_launch(launch_paged_mla_decode(a, dt, current_stream()), "paged_mla_decode");
 }

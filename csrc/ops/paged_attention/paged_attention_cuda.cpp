@@ -10,6 +10,7 @@
 #include "ops/cuda_common/torch_glue.h"
 #include "ops/paged_attention/attention_checks.h"
 #include "ops/paged_attention/attention_launch.h"
+#include "ops/paged_attention/split_counters_cuda.h"
 
 namespace pagellm::cuda {
 namespace {
@@ -112,6 +113,7 @@ void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
   a.softcap = static_cast<float>(softcap);
   TORCH_CHECK(aligned16(key_cache) && aligned16(value_cache), "key_cache / value_cache must be 16-byte aligned");
   a.split_grain = decode_split_grain();
+  const bool merge_in_kernel = decode_merge_in_kernel();
   a.num_splits = decode_num_splits(a.num_seqs, a.num_heads, a.num_kv_heads, max_context, window, a.split_grain);
   at::Tensor tmp_out, tmp_ms;
   if (a.num_splits > 1) {
@@ -121,6 +123,9 @@ void run_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& key_
     a.tmp_out = tmp_out.data_ptr<float>();
     a.tmp_max = tmp_ms.data_ptr<float>();
     a.tmp_sum = a.tmp_max + S * c.num_heads * a.num_splits;
+    if (merge_in_kernel)
+      a.split_counters = decode_split_counters(query, decode_split_counter_count(a.num_seqs, a.num_heads,
+                                                                                 a.num_kv_heads));
   }
   if (scales.k == nullptr) {
     check_launch(launch_paged_attention_decode(a, c.dtype, current_stream()), "paged_attention_decode");

@@ -112,6 +112,14 @@ class BaseAttentionBackend(ABC):
         """Prepare for one step (once per batch, before any layer). Default: remember the metadata."""
         self.metadata = metadata
 
+    def rope_and_write(self, layer: AttentionLayerSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       kv_cache: PagedKVCache, rotary_emb, positions: torch.Tensor) -> bool:
+        """Rotate query and key in place by `rotary_emb` (a RotaryEmbedding: `cos_sin_cache`, `head_size`,
+        `is_neox_style`) at `positions` and write key / value into `kv_cache`, both in one step, when this backend
+        can; forward() is then called with key = value = None. False (the default): the caller rotates and
+        forward() writes."""
+        return False
+
     @abstractmethod
     def forward(
         self,

@@ -15,6 +15,10 @@ import torch
 from pagellm import ops
 from pagellm.attention.registry import register_attention_backend
 from pagellm.attention.torch_backend import PagedBackendBase
+from pagellm.kv_cache import PagedKVCache
+from pagellm.ops import fused_dispatch
+
+_rope_and_cache = torch.ops.pagellm.rotary_embedding_and_cache.default if ops.ops_available()[0] else None
 
 
 def _has_cuda_kernel(op_name: str) -> bool:
@@ -42,6 +46,17 @@ class CudaAttentionBackend(PagedBackendBase):
         if not _has_cuda_kernel("paged_attention_decode"):
             return False, "pagellm._C was built without CUDA kernels (torch without CUDA or no nvcc at build time)"
         return True, ""
+
+    def rope_and_write(self, layer, query, key, value, kv_cache, rotary_emb, positions) -> bool:
+        """rotary_embedding_and_cache (one kernel) under fused_dispatch.CUDA_FUSE_ROPE_CACHE, for a float cache and a
+        step without padded tokens past the metadata's; otherwise False (the two ops)."""
+        md = self.metadata
+        if (not fused_dispatch.CUDA_FUSE_ROPE_CACHE or md is None or not isinstance(kv_cache, PagedKVCache)
+                or kv_cache.k_scale is not None or query.shape[0] != md.num_tokens):
+            return False
+        _rope_and_cache(positions, query, key, value, kv_cache.key_cache, kv_cache.value_cache, md.slot_mapping,
+                        rotary_emb.head_size, rotary_emb.cos_sin_cache, rotary_emb.is_neox_style)
+        return True
 
     _write = staticmethod(ops.reshape_and_cache)
     _decode = staticmethod(ops.paged_attention_decode)

@@ -35,16 +35,27 @@ class Attention(nn.Module):
             kv_source_layer=int(kv_source_layer) if kv_source_layer >= 0 else -1,
         )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, ctx,
+                rope: tuple[nn.Module, torch.Tensor] | None = None) -> torch.Tensor:
+        """rope: (rotary_emb, positions) to rotate q and k by (in place) before attention; the backend may do it
+        together with its K/V write (`BaseAttentionBackend.rope_and_write`: one kernel on CUDA)."""
         s = self.spec
         T = q.shape[0]
         # views (the rows may be strided slices of a merged qkv output; the heads inside a row are not)
         query = q.view(T, s.num_heads, s.head_dim)
+        backend, kv_cache = ctx.attn_backend, ctx.kv_caches[s.layer_idx]
         if s.writes_kv:
             key, value = k.view(T, s.num_kv_heads, s.head_dim), v.view(T, s.num_kv_heads, s.head_dim)
+            if rope is not None:
+                if backend.rope_and_write(s, query, key, value, kv_cache, *rope):
+                    key = value = None  # rotated and written: attention reads them from the cache
+                else:
+                    rope[0](rope[1], q, k)
         else:
             key = value = None
-        out = ctx.attn_backend.forward(s, query, key, value, ctx.kv_caches[s.layer_idx])
+            if rope is not None:
+                raise ValueError(f"layer {s.layer_idx} shares another layer's KV cache: rotate its query itself")
+        out = backend.forward(s, query, key, value, kv_cache)
         return out.view(T, s.num_heads * s.head_dim)
 
     def extra_repr(self) -> str:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pagellm.distributed.parallel_linear import LinearShardPlan, plan_linear, plan_qkv, row_parallel_apply
+from pagellm.layers.folded import FoldedRows
 from pagellm.ops.linear_dispatch import AMX_MAX_M, SMALL_M_MAX, linear  # noqa: F401 (re-exported)
 from pagellm.quantization.base import LinearMethodBase, QuantizationConfig
 from pagellm.quantization.unquantized import UnquantizedLinearMethod
@@ -86,8 +87,11 @@ class Linear(nn.Module):
         shard_loader = getattr(param, "shard_loader", load_output_slice)
         shard_loader(param, loaded_weight, self.output_shard(shard_id))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in_features] -> [..., out_features]."""
+    def forward(self, x: torch.Tensor | FoldedRows) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features]. A FoldedRows x (a norm or activation folded into this
+        layer's CUDA GEMV, layers/folded.py; only when `folds_into` allowed it) is computed by the product's kernel."""
+        if isinstance(x, FoldedRows):
+            return x.linear(self.weight, self.bias)
         if self.tp_plan is not None and self.tp_plan.mode == "row":
             return row_parallel_apply(self, x)
         return self.linear_method.apply(self, x, self.bias)

@@ -18,6 +18,7 @@ from pagellm.distributed.sharding import partition_heads
 from pagellm.layers.activation import get_act_and_mul
 from pagellm.layers.attention import Attention
 from pagellm.layers.embedding import LMHead, VocabEmbedding
+from pagellm.layers.folded import FoldedRows, fold_act, fold_norm
 from pagellm.layers.linear import Linear, MergedLinear, QKVLinear
 from pagellm.layers.norm import RMSNorm
 from pagellm.layers.rotary import get_rope_from_config
@@ -62,8 +63,13 @@ class LlamaMLP(nn.Module):
                                 prefix=f"{prefix}.down_proj", tp_mode="row")
         self.act_fn = get_act_and_mul(config.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    @property
+    def input_linear(self) -> nn.Module:
+        """The linear that reads the MLP's input (a norm before the MLP may fold into it: layers/folded.py)."""
+        return self.gate_up_proj
+
+    def forward(self, x: torch.Tensor | FoldedRows) -> torch.Tensor:
+        return self.down_proj(fold_act(self.act_fn, self.gate_up_proj(x), self.down_proj))
 
 
 class LlamaAttention(nn.Module):
@@ -106,22 +112,27 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim**-0.5, window_size=window_size, kv_source_layer=kv_source_layer)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+    @property
+    def input_linear(self) -> nn.Module:
+        """The linear that reads the layer's input (a norm before attention may fold into it: layers/folded.py)."""
+        return self.qkv_proj if self.writes_kv else self.q_proj
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor | FoldedRows, ctx) -> torch.Tensor:
         if not self.writes_kv:
             return self._forward_shared_kv(positions, hidden, ctx)
         # q, k, v are strided views of the merged output: rope, the cache write and attention take
-        # row strides, so nothing is copied.
+        # row strides, so nothing is copied. The attention layer applies the rope (with the cache write, where the
+        # backend does both in one kernel).
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        T = hidden.shape[0]
+        T = q.shape[0]
         if self.qk_norm:
             q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, self.q_size)
             k = self.k_norm(k.reshape(T * self.num_kv_heads, self.head_dim)).view(T, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, rope=(self.rotary_emb, positions)))
 
-    def _forward_shared_kv(self, positions: torch.Tensor, hidden: torch.Tensor, ctx) -> torch.Tensor:
+    def _forward_shared_kv(self, positions: torch.Tensor, hidden: torch.Tensor | FoldedRows, ctx) -> torch.Tensor:
         q = self.q_proj(hidden)
-        T = hidden.shape[0]
+        T = q.shape[0]
         if self.qk_norm:
             q = self.q_norm(q.reshape(T * self.num_heads, self.head_dim)).view(T, self.q_size)
         # the rope op rotates a query and a key together: a one-head scratch key stands in for the missing one
@@ -144,13 +155,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, dtype=dtype)
 
     def forward(self, positions, hidden, residual, ctx):
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        # each norm (and the residual add before it) is computed here, or folded into the CUDA GEMV of the linear
+        # that reads it (layers/folded.py: one kernel instead of two in a decode step); without a residual (the
+        # first layer) the residual is the layer's input
+        hidden, residual = fold_norm(self.input_layernorm, hidden, residual, self.self_attn.input_linear)
         hidden = self.self_attn(positions, hidden, ctx)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = fold_norm(self.post_attention_layernorm, hidden, residual,
+                                     getattr(self.mlp, "input_linear", None))
         return self.mlp(hidden), residual
 
 

@@ -116,14 +116,25 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """linear_gemv (kernel CUDA_GEMV_KERNEL) for a few rows, else F.linear (cuBLAS)."""
+def cuda_gemv_takes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` runs linear_gemv for rows like x (CUDA bf16 / fp16, 1..CUDA_GEMV_MAX_M rows, weight and bias
+    of x's dtype on CUDA, no autograd). x's last dim counts the rows only (a folded activation's [M, 2K] input)."""
+    dtype = x.dtype
+    if not (_CUDA_GEMV_OK and x.is_cuda and (dtype is torch.bfloat16 or dtype is torch.float16)):
+        return False
     k = x.shape[-1]
     m = x.numel() // k if k else 0
-    if (not 0 < m <= CUDA_GEMV_MAX_M or weight.dtype is not x.dtype or not weight.is_cuda
-            or (bias is not None and bias.dtype is not x.dtype)
-            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    return (0 < m <= CUDA_GEMV_MAX_M and weight.dtype is dtype and weight.is_cuda
+            and (bias is None or bias.dtype is dtype)
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def _cuda_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """linear_gemv (kernel CUDA_GEMV_KERNEL) for a few rows, else F.linear (cuBLAS)."""
+    if not cuda_gemv_takes(x, weight, bias):
         return F.linear(x, weight, bias)
+    k = x.shape[-1]
+    m = x.numel() // k
     out = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
     _linear_gemv(out.view(m, -1), x.reshape(m, k), weight, bias, CUDA_GEMV_KERNEL, CUDA_GEMV_PDL)
     return out
