@@ -220,3 +220,24 @@ def test_retain_heap_keeps_freed_blocks_mapped(restore_threading):
     info = apply_threading(ThreadingConfig(num_threads=1))
     assert info["retain_heap"] is True
     assert apply_threading(ThreadingConfig(num_threads=1, retain_heap=False))["retain_heap"] is False
+
+
+def test_pool_profile_names_the_kernel_library(restore_threading):
+    """_C.thread_pool_profile: off by default, counts a kernel's regions by body once on, with the library that
+    holds the body (what bench_batch_profile --pool-profile hands to addr2line)."""
+    assert _C.thread_pool_profile()["enabled"] is False
+    _C.configure_thread_pool(2, bind=False)
+    x, w = torch.randn(512, 256), torch.rand(256) + 0.5
+    _C.set_thread_pool_profiling(True)
+    try:
+        for _ in range(3):
+            torch.ops.pagellm.rms_norm(torch.empty_like(x), x, w, 1e-6)
+        prof = _C.thread_pool_profile()
+    finally:
+        _C.set_thread_pool_profiling(False)
+    assert prof["enabled"] is True
+    sites = [s for s in prof["sites"] if s["regions"] + s["solo_regions"] > 0]
+    assert sum(s["regions"] + s["solo_regions"] for s in sites) == 3
+    assert all(s["lib"].endswith(".so") and s["offset"] > 0 for s in sites)
+    for s in sites:
+        assert s["caller_busy_ns"] <= s["wall_ns"] and s["caller_wait_ns"] <= s["wall_ns"]
