@@ -10,7 +10,8 @@ Part 1 (the run as users see it): engine.step() wall time per step kind, with th
 the process CPU time (all threads; with PAGELLM_NUM_THREADS=1 the work itself, a steadier A/B figure on a busy
 machine than wall time), the cores that used (CPU s / wall s: ~2 when both threads of a 2-core pool work, ~1 when
 the pool ran on the caller alone), the thread pool's stalls in those steps (regions after which it ran regions on
-the caller alone for 5-200 ms: a worker was preempted) and the forward / LM head / sampler share of each
+the caller alone for 5-200 ms: a worker was preempted), the process's minor page faults (memory the allocator
+mapped afresh: PAGELLM_RETAIN_HEAP) and the forward / LM head / sampler share of each
 (instance-level timers around the runner's functions).
 With --pool-profile the timed run also keeps the thread pool's per-region accounting (`_C.set_thread_pool_profiling`):
 per step kind and region body (kernel), the regions split across the threads and those run on the caller alone,
@@ -23,6 +24,7 @@ time per op kind, separately for prefill steps and decode-only steps. Writes res
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -83,6 +85,14 @@ def kernel_name(lib: str, offset: int) -> str:
                             timeout=30).stdout.splitlines()[0]
     except (OSError, IndexError, subprocess.SubprocessError):
         return f"{lib.rsplit('/', 1)[-1]}+0x{offset:x}"
+    if fn.startswith("_Z"):  # a lambda addr2line could not demangle: the first length-prefixed name of a kernel
+        names, i = [], 0
+        while (m := re.compile(r"(\d+)([A-Za-z_])").search(fn, i)):
+            n = int(m.group(1))
+            names.append(fn[m.start(2):m.start(2) + n])
+            i = m.start(2) + n
+        kernels = [n for n in names if n.endswith("_kernel") or n.startswith("paged_attention")]
+        return kernels[0] if kernels else fn[:60]
     inner = fn.split("parallel_for<", 1)[-1]
     inner = inner.split("::{lambda", 1)[0]
     depth, cut = 0, len(inner)  # drop the trailing (argument list) of the enclosing function
@@ -167,12 +177,15 @@ def run_timed(llm, reqs: list[C.Request], pool_profile: bool = False) -> dict:
             if pool_profile:
                 _C.set_thread_pool_profiling(True)
             t, c, st = time.perf_counter(), time.process_time(), pool_stalls()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             eng.step()
             dt, dc = time.perf_counter() - t, time.process_time() - c
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             kind, n_tok, rows = seen["last"]
             if pool_profile:
                 add_pool_profile(pool_acc[kind], _C.thread_pool_profile(), dt)
             steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt, "cpu_s": dc, "stalls": pool_stalls() - st,
+                          "faults": faults,
                           **{k: secs[k] - before.get(k, 0.0) for k in ("forward", "LM head", "sampler")}})
     finally:
         if pool_profile:
@@ -194,7 +207,7 @@ def run_timed(llm, reqs: list[C.Request], pool_profile: bool = False) -> dict:
             continue
         out["kinds"][kind] = {
             "steps": len(ks), "total_s": sum(s["s"] for s in ks), "cpu_s": sum(s["cpu_s"] for s in ks),
-            "pool_stalls": sum(s["stalls"] for s in ks),
+            "pool_stalls": sum(s["stalls"] for s in ks), "minor_faults": sum(s["faults"] for s in ks),
             "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
             "tokens_per_step": statistics.median(s["tokens"] for s in ks), "rows_per_step": statistics.median(s["rows"] for s in ks),
             **{f"{k}_s": sum(s[k] for s in ks) for k in ("forward", "LM head", "sampler")}}
@@ -273,9 +286,9 @@ def main() -> None:
              f"max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}",
              "", f"Load {la0} -> {data['loadavg_after']}; {timing['elapsed_s']:.2f} s, {timing['output_tok_s']:.1f} out tok/s",
              "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "process CPU s", "cores used",
-                             "pool stalls", "median step ms", "forward s", "LM head s", "sampler s", "rest s"],
+                             "pool stalls", "minor faults", "median step ms", "forward s", "LM head s", "sampler s", "rest s"],
                             [[k, v["steps"], v["tokens_per_step"], v["rows_per_step"], round(v["total_s"], 3),
-                              round(v["cpu_s"], 3), round(v["cpu_s"] / v["total_s"], 2), v["pool_stalls"],
+                              round(v["cpu_s"], 3), round(v["cpu_s"] / v["total_s"], 2), v["pool_stalls"], v["minor_faults"],
                               round(v["median_step_ms"], 2), round(v["forward_s"], 3), round(v["LM head_s"], 3),
                               round(v["sampler_s"], 3), round(v["total_s"] - v["forward_s"] - v["LM head_s"] - v["sampler_s"], 3)]
                              for k, v in timing["kinds"].items()])]
