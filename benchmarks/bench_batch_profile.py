@@ -10,8 +10,13 @@ Part 1 (the run as users see it): engine.step() wall time per step kind, with th
 the process CPU time (all threads; with PAGELLM_NUM_THREADS=1 the work itself, a steadier A/B figure on a busy
 machine than wall time), the cores that used (CPU s / wall s: ~2 when both threads of a 2-core pool work, ~1 when
 the pool ran on the caller alone), the thread pool's stalls in those steps (regions after which it ran regions on
-the caller alone for 5-200 ms: a worker was preempted) and the forward / LM head / sampler share of each
+the caller alone for 5-200 ms: a worker was preempted), the process's minor page faults (memory the allocator
+mapped afresh: PAGELLM_RETAIN_HEAP) and the forward / LM head / sampler share of each
 (instance-level timers around the runner's functions).
+With --pool-profile the timed run also keeps the thread pool's per-region accounting (`_C.set_thread_pool_profiling`):
+per step kind and region body (kernel), the regions split across the threads and those run on the caller alone,
+their wall time, each side's busy time inside the chunks, the caller's wait for the workers' chunks and the workers'
+join delay, and the step time outside every region (the host's serial part, when the workers spin or sleep).
 Part 2 (where inside the forward): the same workload with the step graph off under torch.profiler, native self
 time per op kind, separately for prefill steps and decode-only steps. Writes results/batch_profile_<tag>.{md,json}.
 """
@@ -19,6 +24,7 @@ time per op kind, separately for prefill steps and decode-only steps. Writes res
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -61,7 +67,89 @@ def step_kinds(eng) -> tuple[str, int, int]:
     return seen
 
 
-def run_timed(llm, reqs: list[C.Request]) -> dict:
+def kernel_name(lib: str, offset: int) -> str:
+    """The kernel a region body belongs to: addr2line on the body's trampoline, shortened to the function whose
+    lambda it runs (pagellm::parallel_for<...kernel(...)::{lambda...}>)."""
+    import re
+    import subprocess
+
+    if not lib:
+        return f"0x{offset:x}"
+    from pathlib import Path
+
+    # the installed libraries are stripped: the build tree's copies (same code) keep the symbols
+    unstripped = sorted((Path(__file__).resolve().parents[1] / "build").glob(f"*/{Path(lib).name}"))
+    lib = str(unstripped[0]) if unstripped else lib
+    try:
+        fn = subprocess.run(["addr2line", "-f", "-C", "-e", lib, f"0x{offset:x}"], capture_output=True, text=True,
+                            timeout=30).stdout.splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return f"{lib.rsplit('/', 1)[-1]}+0x{offset:x}"
+    if fn.startswith("_Z"):  # a lambda addr2line could not demangle: the first length-prefixed name of a kernel
+        names, i = [], 0
+        while (m := re.compile(r"(\d+)([A-Za-z_])").search(fn, i)):
+            n = int(m.group(1))
+            names.append(fn[m.start(2):m.start(2) + n])
+            i = m.start(2) + n
+        kernels = [n for n in names if n.endswith("_kernel") or n.startswith("paged_attention")]
+        return kernels[0] if kernels else fn[:60]
+    inner = fn.split("parallel_for<", 1)[-1]
+    inner = inner.split("::{lambda", 1)[0]
+    depth, cut = 0, len(inner)  # drop the trailing (argument list) of the enclosing function
+    for i in range(len(inner) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(inner[i], 0)
+        if depth == 0 and inner[i] == "(":
+            cut = i
+            break
+    name = re.sub(r"<[^<>]*>", "", re.sub(r"<[^<>]*>", "", inner[:cut]))
+    return name.split(" ")[-1].replace("pagellm::", "").replace("(anonymous namespace)::", "")
+
+
+def add_pool_profile(acc: dict, prof: dict, step_s: float) -> None:
+    acc["steps"] += 1
+    acc["step_ns"] += step_s * 1e9
+    for k in ("worker_spin_ns", "worker_sleeps", "wakes"):
+        acc[k] += prof[k]
+    for site in prof["sites"]:
+        a = acc["sites"].setdefault((site["lib"], site["offset"]), defaultdict(int))
+        for k, v in site.items():
+            if k not in ("lib", "offset"):
+                a[k] += v
+
+
+def pool_profile_table(acc: dict) -> list[str]:
+    """Per kernel: ms a step of split-region wall, caller / worker busy, caller wait, solo wall; and the totals."""
+    n = max(acc["steps"], 1)
+    ms = lambda ns: round(ns / n / 1e6, 3)  # noqa: E731
+    named: dict[str, dict] = {}
+    for (lib, off), a in acc["sites"].items():
+        d = named.setdefault(kernel_name(lib, off), defaultdict(int))
+        for k, v in a.items():
+            d[k] += v
+    rows, tot = [], defaultdict(int)
+    for name, a in sorted(named.items(), key=lambda kv: -(kv[1]["wall_ns"] + kv[1]["solo_ns"])):
+        for k, v in a.items():
+            tot[k] += v
+        busy = a["caller_busy_ns"] + a["worker_busy_ns"]
+        rows.append([name, round(a["regions"] / n, 1), round(a["solo_regions"] / n, 1), ms(a["wall_ns"]),
+                     ms(a["caller_busy_ns"]), ms(a["worker_busy_ns"]), ms(a["caller_wait_ns"]),
+                     round(a["worker_join_ns"] / max(a["regions"] - a["worker_missed"], 1) / 1e3, 1),
+                     a["worker_missed"], f"{busy / max(2 * a['wall_ns'], 1) * 100:.0f} %", ms(a["solo_ns"])])
+    busy = tot["caller_busy_ns"] + tot["worker_busy_ns"]
+    rows.append(["**all**", round(tot["regions"] / n, 1), round(tot["solo_regions"] / n, 1), ms(tot["wall_ns"]),
+                 ms(tot["caller_busy_ns"]), ms(tot["worker_busy_ns"]), ms(tot["caller_wait_ns"]),
+                 round(tot["worker_join_ns"] / max(tot["regions"] - tot["worker_missed"], 1) / 1e3, 1),
+                 tot["worker_missed"], f"{busy / max(2 * tot['wall_ns'], 1) * 100:.0f} %", ms(tot["solo_ns"])])
+    outside = acc["step_ns"] - tot["wall_ns"] - tot["solo_ns"]
+    return [C.md_table(["kernel", "split/step", "solo/step", "split wall ms", "caller busy ms", "worker busy ms",
+                        "caller wait ms", "worker join us", "regions no worker ran", "busy / 2 wall", "solo ms"], rows),
+            "", f"Per step: {ms(acc['step_ns'])} ms wall, {ms(tot['wall_ns'])} in split regions, "
+                f"{ms(tot['solo_ns'])} in solo regions, {ms(outside)} outside every region (host); workers spun "
+                f"{ms(acc['worker_spin_ns'])} ms, slept {acc['worker_sleeps'] / n:.1f} times, woken by "
+                f"{acc['wakes'] / n:.1f} regions."]
+
+
+def run_timed(llm, reqs: list[C.Request], pool_profile: bool = False) -> dict:
     eng = llm.llm_engine
     runner = eng.runner
     secs: dict[str, float] = defaultdict(float)
@@ -79,18 +167,29 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
     def pool_stalls() -> int:  # regions after which the pool ran on the caller alone (a preempted worker)
         return _C.thread_pool_info()["num_stalls"]
     steps = []
+    pool_acc = {k: {"steps": 0, "step_ns": 0.0, "worker_spin_ns": 0, "worker_sleeps": 0, "wakes": 0, "sites": {}}
+                for k in ("prefill", "decode")}
     add_requests(eng, reqs, f"t{time.time_ns()}")
     t0 = time.perf_counter()
     try:
         while eng.has_unfinished_requests():
             before = dict(secs)
+            if pool_profile:
+                _C.set_thread_pool_profiling(True)
             t, c, st = time.perf_counter(), time.process_time(), pool_stalls()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             eng.step()
             dt, dc = time.perf_counter() - t, time.process_time() - c
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             kind, n_tok, rows = seen["last"]
+            if pool_profile:
+                add_pool_profile(pool_acc[kind], _C.thread_pool_profile(), dt)
             steps.append({"kind": kind, "tokens": n_tok, "rows": rows, "s": dt, "cpu_s": dc, "stalls": pool_stalls() - st,
+                          "faults": faults,
                           **{k: secs[k] - before.get(k, 0.0) for k in ("forward", "LM head", "sampler")}})
     finally:
+        if pool_profile:
+            _C.set_thread_pool_profiling(False)
         eng.scheduler = saved_sched
         for k in ("_decode_with_graph", "_forward"):
             runner.__dict__.pop(k, None)
@@ -100,13 +199,15 @@ def run_timed(llm, reqs: list[C.Request]) -> dict:
     total = time.perf_counter() - t0
     out = {"elapsed_s": total, "output_tok_s": sum(r.output_len for r in reqs) / total, "kinds": {},
            "step_kinds": [s["kind"] for s in steps]}
+    if pool_profile:
+        out["pool_profile"] = {k: pool_profile_table(a) for k, a in pool_acc.items() if a["steps"]}
     for kind in ("prefill", "decode"):
         ks = [s for s in steps if s["kind"] == kind]
         if not ks:
             continue
         out["kinds"][kind] = {
             "steps": len(ks), "total_s": sum(s["s"] for s in ks), "cpu_s": sum(s["cpu_s"] for s in ks),
-            "pool_stalls": sum(s["stalls"] for s in ks),
+            "pool_stalls": sum(s["stalls"] for s in ks), "minor_faults": sum(s["faults"] for s in ks),
             "median_step_ms": statistics.median(s["s"] for s in ks) * 1e3,
             "tokens_per_step": statistics.median(s["tokens"] for s in ks), "rows_per_step": statistics.median(s["rows"] for s in ks),
             **{f"{k}_s": sum(s[k] for s in ks) for k in ("forward", "LM head", "sampler")}}
@@ -161,7 +262,13 @@ def main() -> None:
     ap.add_argument("--no-ops", action="store_true", help="skip the eager torch.profiler pass")
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--tag", default="local")
+    ap.add_argument("--pagellm-src", default=None, help="import pagellm from this python/ dir (a base build, A/B)")
+    ap.add_argument("--pool-profile", action="store_true", help="the thread pool's per-region accounting, per kernel")
     args = ap.parse_args()
+    if args.pagellm_src:
+        from bench_step_profile import use_pagellm_from
+
+        use_pagellm_from(args.pagellm_src)
     from bench_throughput import warmup_pagellm
 
     tok, _ = C.load_tokenizer_for_prompts()
@@ -172,19 +279,22 @@ def main() -> None:
                      max_num_seqs=args.num_requests, kv_gb=1.0, **kw)
     warmup_pagellm(llm, pool)
     la0 = C.loadavg()
-    timing = run_timed(llm, reqs)
+    timing = run_timed(llm, reqs, args.pool_profile)
     data = {"args": vars(args), "loadavg_before": la0, "loadavg_after": C.loadavg(), "timing": timing,
             "threads": torch.get_num_threads()}
     lines = [f"# Batch profile: {args.num_requests} x ({args.prompt_len} -> {args.output_len}), bf16, "
              f"max_num_batched_tokens {llm.llm_engine.config.scheduler_config.max_num_batched_tokens}",
              "", f"Load {la0} -> {data['loadavg_after']}; {timing['elapsed_s']:.2f} s, {timing['output_tok_s']:.1f} out tok/s",
              "", C.md_table(["steps", "count", "tokens/step", "rows/step", "total s", "process CPU s", "cores used",
-                             "pool stalls", "median step ms", "forward s", "LM head s", "sampler s", "rest s"],
+                             "pool stalls", "minor faults", "median step ms", "forward s", "LM head s", "sampler s", "rest s"],
                             [[k, v["steps"], v["tokens_per_step"], v["rows_per_step"], round(v["total_s"], 3),
-                              round(v["cpu_s"], 3), round(v["cpu_s"] / v["total_s"], 2), v["pool_stalls"],
+                              round(v["cpu_s"], 3), round(v["cpu_s"] / v["total_s"], 2), v["pool_stalls"], v["minor_faults"],
                               round(v["median_step_ms"], 2), round(v["forward_s"], 3), round(v["LM head_s"], 3),
                               round(v["sampler_s"], 3), round(v["total_s"] - v["forward_s"] - v["LM head_s"] - v["sampler_s"], 3)]
                              for k, v in timing["kinds"].items()])]
+    for kind, table in timing.get("pool_profile", {}).items():
+        lines += ["", f"Thread pool, {kind} steps (per step; `busy / 2 wall`: both threads' chunk time over twice the "
+                      "regions' wall time):", "", *table]
     print("\n".join(lines), flush=True)
     if not args.no_ops:
         data["ops"] = run_profiled(llm, reqs, timing["step_kinds"], args.top)

@@ -1,10 +1,12 @@
 // The thread pool's Python face: pagellm.threading_config validates and applies the settings through it.
 #include "bindings/py_thread_pool.h"
 
+#include <dlfcn.h>
 #include <pybind11/stl.h>
 
 #include "ops/common/parallel.h"
 #include "ops/common/thread_pool.h"
+#include "ops/common/thread_pool_profile.h"
 
 namespace py = pybind11;
 
@@ -46,6 +48,49 @@ void init_thread_pool_bindings(py::module_& m) {
         return d;
       },
       "The CPU kernels' thread pool settings (and whether the kernels use it).");
+  m.def(
+      "set_thread_pool_profiling",
+      [](bool on) {
+        py::gil_scoped_release release;  // waits for a running region to end
+        set_thread_pool_profiling(on);
+      },
+      py::arg("on"),
+      "Per-region accounting of the pool (busy / wait / join time per thread, by region body); on: counters reset. "
+      "Off by default (two clock reads a chunk).");
+  m.def(
+      "thread_pool_profile",
+      [] {
+        const PoolProfile p = thread_pool_profile();
+        py::dict d;
+        d["enabled"] = p.enabled;
+        d["worker_spin_ns"] = p.worker_spin_ns;
+        d["worker_sleeps"] = p.worker_sleeps;
+        d["wakes"] = p.wakes;
+        py::list sites;
+        for (const PoolSiteProfile& s : p.sites) {
+          py::dict e;
+          Dl_info info{};
+          const bool found = dladdr(reinterpret_cast<const void*>(s.site), &info) != 0 && info.dli_fname;
+          e["lib"] = found ? std::string(info.dli_fname) : std::string();  // for addr2line: lib + offset
+          e["offset"] = found ? s.site - reinterpret_cast<uintptr_t>(info.dli_fbase) : s.site;
+          e["regions"] = s.regions;
+          e["solo_regions"] = s.solo_regions;
+          e["wall_ns"] = s.wall_ns;
+          e["solo_ns"] = s.solo_ns;
+          e["caller_busy_ns"] = s.caller_busy_ns;
+          e["worker_busy_ns"] = s.worker_busy_ns;
+          e["caller_chunks"] = s.caller_chunks;
+          e["worker_chunks"] = s.worker_chunks;
+          e["caller_wait_ns"] = s.caller_wait_ns;
+          e["worker_join_ns"] = s.worker_join_ns;
+          e["worker_missed"] = s.worker_missed;
+          sites.append(e);
+        }
+        d["sites"] = sites;
+        return d;
+      },
+      "The pool's per-region accounting since set_thread_pool_profiling(True): totals and one dict per region body "
+      "(its library and code offset, for addr2line).");
   m.def(
       "warm_ranges",
       [](const std::vector<std::pair<uintptr_t, int64_t>>& ranges) {

@@ -175,3 +175,69 @@ def test_cli_flags_are_checked_and_reach_the_worker_env(capsys):
             with pytest.raises(SystemExit):
                 build_parser().parse_args([*argv, "--num-threads", bad])
             assert "--num-threads" in capsys.readouterr().err
+
+
+def test_retain_heap_env_and_type():
+    assert ThreadingConfig.from_env({}).retain_heap is True
+    assert ThreadingConfig.from_env({"PAGELLM_RETAIN_HEAP": "0"}).retain_heap is False
+    with pytest.raises(ValueError, match="PAGELLM_RETAIN_HEAP must be '1'.*'0'"):
+        ThreadingConfig.from_env({"PAGELLM_RETAIN_HEAP": "yes"})
+    with pytest.raises(TypeError, match="retain_heap must be a bool"):
+        ThreadingConfig(retain_heap=1)
+
+
+_CHURN = """
+import resource, sys, torch
+from pagellm.threading_config import retain_heap
+if sys.argv[1] == "1":
+    assert retain_heap()
+def churn():  # a step's activations: three blocks of 24 MB at once, then all freed
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(8):
+        blocks = [torch.ones(24 << 20, dtype=torch.uint8) for _ in range(3)]
+        del blocks
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+churn()
+print(churn())
+"""
+
+
+def test_retain_heap_keeps_freed_blocks_mapped(restore_threading):
+    """With glibc's defaults the 72 MB freed at once exceed its (dynamic) trim threshold and go back to the OS,
+    so every round faults them in again as new pages; retain_heap keeps them for the next round."""
+    import subprocess
+    import sys
+
+    def faults(retain: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _CHURN, retain], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        return int(out.stdout.split()[-1])
+
+    pages = 8 * 3 * (24 << 20) // 4096
+    default, retained = faults("0"), faults("1")
+    assert default > pages // 2, "glibc's defaults should return the blocks (the churn this test is about)"
+    assert retained < pages // 50
+    info = apply_threading(ThreadingConfig(num_threads=1))
+    assert info["retain_heap"] is True
+    assert apply_threading(ThreadingConfig(num_threads=1, retain_heap=False))["retain_heap"] is False
+
+
+def test_pool_profile_names_the_kernel_library(restore_threading):
+    """_C.thread_pool_profile: off by default, counts a kernel's regions by body once on, with the library that
+    holds the body (what bench_batch_profile --pool-profile hands to addr2line)."""
+    assert _C.thread_pool_profile()["enabled"] is False
+    _C.configure_thread_pool(2, bind=False)
+    x, w = torch.randn(512, 256), torch.rand(256) + 0.5
+    _C.set_thread_pool_profiling(True)
+    try:
+        for _ in range(3):
+            torch.ops.pagellm.rms_norm(torch.empty_like(x), x, w, 1e-6)
+        prof = _C.thread_pool_profile()
+    finally:
+        _C.set_thread_pool_profiling(False)
+    assert prof["enabled"] is True
+    sites = [s for s in prof["sites"] if s["regions"] + s["solo_regions"] > 0]
+    assert sum(s["regions"] + s["solo_regions"] for s in sites) == 3
+    assert all(s["lib"].endswith(".so") and s["offset"] > 0 for s in sites)
+    for s in sites:
+        assert s["caller_busy_ns"] <= s["wall_ns"] and s["caller_wait_ns"] <= s["wall_ns"]

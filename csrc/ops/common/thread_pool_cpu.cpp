@@ -1,6 +1,7 @@
 // The thread pool behind pagellm::parallel_for (see thread_pool.h for the policy and why).
 // Named *_cpu.cpp so the extension's source glob compiles it; torch-free.
 #include "ops/common/thread_pool.h"
+#include "ops/common/thread_pool_profile.h"
 
 #include <linux/futex.h>
 #include <pthread.h>
@@ -45,6 +46,10 @@ inline uint64_t pack_claim(uint32_t epoch, uint64_t num_chunks, uint64_t next) {
 }
 
 using Clock = std::chrono::steady_clock;
+
+inline int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
 
 // One thread's home section of a region's chunks (home_sections): [epoch:32 | end:16 | next:16], chunks
 // [next, end) unclaimed. The owner claims at next, the other threads at end - 1, so while nobody has to
@@ -102,7 +107,8 @@ class ThreadPool {
   void run(int64_t begin, int64_t end, int64_t grain, detail::ChunkBody body, int chunks_per_thread) {
     const int64_t range = end - begin;
     grain = std::max<int64_t>(grain, 1);
-    if (tls_in_region || range <= grain || num_threads() <= 1) return body.fn(body.ctx, begin, end);
+    if (tls_in_region) return body.fn(body.ctx, begin, end);
+    if (range <= grain || num_threads() <= 1) return run_solo(begin, end, body, false);
     // One region at a time; a second thread arriving meanwhile runs its range inline.
     std::unique_lock<std::mutex> lk(run_mu_, std::try_to_lock);
     if (!lk.owns_lock()) return run_inline(begin, end, body);
@@ -110,10 +116,12 @@ class ThreadPool {
     const int cpt = chunks_per_thread > 0 ? std::min(chunks_per_thread, 64) : settings_.chunks_per_thread;
     const ChunkPlan plan = plan_chunks(range, grain, nthreads, cpt);
     const int64_t num_chunks = plan.num_chunks;
-    if (num_chunks <= 1) return run_inline(begin, end, body);
+    if (num_chunks <= 1) return run_solo(begin, end, body, true);
     const auto t_start = Clock::now();
-    if (t_start < solo_until_) return run_inline(begin, end, body);
+    if (t_start < solo_until_) return run_solo(begin, end, body, true);
     if (!started_) start_workers_locked();
+    profiling_ = profiling_on_.load(std::memory_order_relaxed);
+    if (profiling_) open_region_profile();
 
     body_ = body;
     begin_ = begin;
@@ -133,14 +141,40 @@ class ThreadPool {
     epoch_.store(epoch, std::memory_order_seq_cst);
     if (sleepers_.load(std::memory_order_seq_cst) > 0) {
       futex_wake(&epoch_, static_cast<int>(std::min<int64_t>(nthreads - 1, num_chunks - 1)));
+      if (profiling_) wakes_.fetch_add(1, std::memory_order_relaxed);
     }
     tls_in_region = true;
     const int64_t own_chunks = work(epoch, 0);
     tls_in_region = false;
     const auto t_own_done = Clock::now();
     wait_done(num_chunks);
-    note_stall(num_chunks, own_chunks, t_start, t_own_done, Clock::now());
+    const auto t_end = Clock::now();
+    note_stall(num_chunks, own_chunks, t_start, t_own_done, t_end);
+    if (profiling_) close_region_profile(body, own_chunks, t_own_done, t_end);
     if (error_) std::rethrow_exception(error_);
+  }
+
+  void set_profiling(bool on) {
+    if (tls_in_region) throw std::logic_error("set_thread_pool_profiling: called inside a parallel_for body");
+    std::lock_guard<std::mutex> lk(run_mu_);
+    std::lock_guard<std::mutex> plk(prof_mu_);
+    profiling_on_.store(on, std::memory_order_relaxed);
+    if (!on) return;
+    sites_.clear();
+    spin_ns_.store(0);
+    sleeps_.store(0);
+    wakes_.store(0);
+  }
+
+  PoolProfile profile() {
+    std::lock_guard<std::mutex> plk(prof_mu_);
+    PoolProfile p;
+    p.enabled = profiling_on_.load(std::memory_order_relaxed);
+    p.worker_spin_ns = spin_ns_.load();
+    p.worker_sleeps = sleeps_.load();
+    p.wakes = wakes_.load();
+    p.sites = sites_;
+    return p;
   }
 
   // How a region's range is cut. When it holds at least one grain per thread, every thread gets the same
@@ -220,6 +254,60 @@ class ThreadPool {
     tls_in_region = false;
   }
 
+  // A region run whole on the calling thread (as a region: nested parallel_for inline) or, for a range too
+  // short to split, as a plain call; timed as a solo region of its site when profiling.
+  void run_solo(int64_t begin, int64_t end, detail::ChunkBody body, bool as_region) {
+    if (!profiling_on_.load(std::memory_order_relaxed)) {
+      return as_region ? run_inline(begin, end, body) : body.fn(body.ctx, begin, end);
+    }
+    const int64_t t0 = now_ns();
+    as_region ? run_inline(begin, end, body) : body.fn(body.ctx, begin, end);
+    const int64_t t1 = now_ns();
+    std::lock_guard<std::mutex> plk(prof_mu_);
+    PoolSiteProfile& s = site_profile(body);
+    ++s.solo_regions;
+    s.solo_ns += t1 - t0;
+  }
+
+  PoolSiteProfile& site_profile(detail::ChunkBody body) {  // prof_mu_ held
+    const auto site = reinterpret_cast<uintptr_t>(body.fn);
+    for (PoolSiteProfile& s : sites_) {
+      if (s.site == site) return s;
+    }
+    sites_.push_back({});
+    sites_.back().site = site;
+    return sites_.back();
+  }
+
+  // The region's worker-side counters, written by the workers before they mark a chunk done.
+  void open_region_profile() {
+    region_open_ns_ = now_ns();
+    region_caller_busy_ns_ = 0;
+    region_worker_busy_ns_.store(0, std::memory_order_relaxed);
+    region_worker_chunks_.store(0, std::memory_order_relaxed);
+    region_first_join_ns_.store(INT64_MAX, std::memory_order_relaxed);
+  }
+
+  void close_region_profile(detail::ChunkBody body, int64_t own_chunks, Clock::time_point own_done,
+                            Clock::time_point end) {
+    const int64_t worker_chunks = region_worker_chunks_.load(std::memory_order_relaxed);
+    const int64_t join = region_first_join_ns_.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> plk(prof_mu_);
+    PoolSiteProfile& s = site_profile(body);
+    ++s.regions;
+    s.wall_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(end.time_since_epoch()).count() - region_open_ns_;
+    s.caller_busy_ns += region_caller_busy_ns_;
+    s.worker_busy_ns += region_worker_busy_ns_.load(std::memory_order_relaxed);
+    s.caller_chunks += own_chunks;
+    s.worker_chunks += worker_chunks;
+    s.caller_wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(end - own_done).count();
+    if (worker_chunks > 0) {
+      s.worker_join_ns += join - region_open_ns_;
+    } else {
+      ++s.worker_missed;
+    }
+  }
+
   // A worker the OS has preempted (or that shares its core with a busy process) makes the caller wait
   // for the chunk it holds: on a busy machine, a time slice. When the caller waited longer than doing
   // the workers' chunks itself would have taken (its own time per chunk), the workers cost more than
@@ -261,8 +349,9 @@ class ThreadPool {
 
   // Chunk i of the current region: claimed by this thread, so the caller waits for it and the fields
   // below are this region's.
-  void run_chunk(int64_t i) {
+  void run_chunk(int64_t i, bool caller) {
     const int64_t b = begin_ + plan_.start(i), e = std::min(end_, begin_ + plan_.start(i + 1));
+    const int64_t t0 = profiling_ ? now_ns() : 0;
     if (!failed_.load(std::memory_order_relaxed)) {
       try {
         body_.fn(body_.ctx, b, e);
@@ -270,6 +359,18 @@ class ThreadPool {
         std::lock_guard<std::mutex> lk(error_mu_);
         if (!error_) error_ = std::current_exception();
         failed_.store(true, std::memory_order_relaxed);
+      }
+    }
+    if (profiling_) {
+      const int64_t t1 = now_ns();
+      if (caller) {
+        region_caller_busy_ns_ += t1 - t0;
+      } else {
+        region_worker_busy_ns_.fetch_add(t1 - t0, std::memory_order_relaxed);
+        region_worker_chunks_.fetch_add(1, std::memory_order_relaxed);
+        int64_t first = region_first_join_ns_.load(std::memory_order_relaxed);
+        while (t0 < first && !region_first_join_ns_.compare_exchange_weak(first, t0, std::memory_order_relaxed)) {
+        }
       }
     }
     chunks_done_.fetch_add(1, std::memory_order_acq_rel);
@@ -280,14 +381,14 @@ class ThreadPool {
   int64_t work(uint32_t epoch, int self) {
     int64_t done = 0;
     if (!settings_.home_sections) {
-      for (int64_t i; (i = claim(claim_, epoch, false)) >= 0; ++done) run_chunk(i);
+      for (int64_t i; (i = claim(claim_, epoch, false)) >= 0; ++done) run_chunk(i, self == 0);
       return done;
     }
     const int nthreads = settings_.num_threads;
-    for (int64_t i; (i = claim(sections_[self].word, epoch, false)) >= 0; ++done) run_chunk(i);
+    for (int64_t i; (i = claim(sections_[self].word, epoch, false)) >= 0; ++done) run_chunk(i, self == 0);
     for (int d = 1; d < nthreads; ++d) {  // then help the others, from their sections' ends
       std::atomic<uint64_t>& word = sections_[(self + d) % nthreads].word;
-      for (int64_t i; (i = claim(word, epoch, true)) >= 0; ++done) run_chunk(i);
+      for (int64_t i; (i = claim(word, epoch, true)) >= 0; ++done) run_chunk(i, self == 0);
     }
     return done;
   }
@@ -413,19 +514,31 @@ class ThreadPool {
     for (;;) {
       if (prefetch) prefetch_share(seen, index, cursor);
       warm_share(seen, index, warm);
-      const auto deadline = std::chrono::steady_clock::now() + spin;
+      const auto spin_start = std::chrono::steady_clock::now();
+      const auto deadline = spin_start + spin;
+      const bool profiling = profiling_on_.load(std::memory_order_relaxed);
+      bool slept = false;
       int polls = 0;
       while (epoch_.load(std::memory_order_acquire) == seen) {
         cpu_relax();
         if (++polls % 64 != 0 || std::chrono::steady_clock::now() < deadline) continue;
+        if (profiling && !slept) note_spin(spin_start, true);
+        slept = true;
         sleepers_.fetch_add(1, std::memory_order_seq_cst);
         if (epoch_.load(std::memory_order_seq_cst) == seen) futex_wait(&epoch_, seen);
         sleepers_.fetch_sub(1, std::memory_order_seq_cst);
       }
+      if (profiling && !slept) note_spin(spin_start, false);
       seen = epoch_.load(std::memory_order_acquire);
       if (stop_.load(std::memory_order_acquire)) return;
       work(seen, index);
     }
+  }
+
+  void note_spin(std::chrono::steady_clock::time_point start, bool sleeping) {
+    spin_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(),
+                       std::memory_order_relaxed);
+    if (sleeping) sleeps_.fetch_add(1, std::memory_order_relaxed);
   }
 
   void start_workers_locked() {
@@ -488,6 +601,15 @@ class ThreadPool {
   detail::ChunkBody body_{};
   int64_t begin_ = 0, end_ = 0;
   ChunkPlan plan_{};
+  // set_thread_pool_profiling: the switch, this region's snapshot of it (read by the workers after the epoch),
+  // the region's counters, and per-site totals (prof_mu_).
+  std::atomic<bool> profiling_on_{false};
+  bool profiling_ = false;
+  int64_t region_open_ns_ = 0, region_caller_busy_ns_ = 0;
+  std::atomic<int64_t> region_worker_busy_ns_{0}, region_worker_chunks_{0}, region_first_join_ns_{0};
+  std::atomic<int64_t> spin_ns_{0}, sleeps_{0}, wakes_{0};
+  std::mutex prof_mu_;
+  std::vector<PoolSiteProfile> sites_;
 };
 
 }  // namespace
@@ -538,6 +660,10 @@ void warm_ranges(const std::vector<std::pair<const void*, int64_t>>& ranges) {
 }
 
 int64_t thread_pool_warmed_bytes() { return ThreadPool::instance().warmed_bytes(); }
+
+void set_thread_pool_profiling(bool on) { ThreadPool::instance().set_profiling(on); }
+
+PoolProfile thread_pool_profile() { return ThreadPool::instance().profile(); }
 
 namespace detail {
 void run_parallel(int64_t begin, int64_t end, int64_t grain, ChunkBody body, int chunks_per_thread) {

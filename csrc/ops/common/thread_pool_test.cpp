@@ -1,5 +1,6 @@
 // The CPU kernels' thread pool: every index exactly once, chunk sizes, nesting, exceptions, settings.
 #include "ops/common/thread_pool.h"
+#include "ops/common/thread_pool_profile.h"
 
 #include <gtest/gtest.h>
 
@@ -357,6 +358,37 @@ TEST_F(ThreadPoolTest, ConfigureInsideABodyIsRefused) {
   });
   EXPECT_GE(refused.load(), 1);
   EXPECT_EQ(thread_pool_settings().num_threads, 2);
+}
+
+// The accounting: split regions and solo ones counted by body, each chunk's time on the thread that ran it, the
+// counters reset when turned on, nothing counted while off.
+TEST_F(ThreadPoolTest, ProfilingCountsRegionsByBody) {
+  configure_thread_pool({2, false, 1000, 4, 0, true});
+  set_thread_pool_profiling(true);
+  auto sleepy = [](int64_t, int64_t) { std::this_thread::sleep_for(std::chrono::microseconds(300)); };
+  for (int i = 0; i < 5; ++i) parallel_for(0, 8, 1, sleepy);
+  int64_t short_calls = 0;
+  parallel_for(0, 3, 10, [&](int64_t, int64_t) { ++short_calls; });  // shorter than a grain: solo
+  const PoolProfile p = thread_pool_profile();
+  EXPECT_TRUE(p.enabled);
+  ASSERT_EQ(p.sites.size(), 2u);
+  const PoolSiteProfile& split = p.sites[0];
+  EXPECT_EQ(split.regions, 5);
+  EXPECT_EQ(split.solo_regions, 0);
+  EXPECT_EQ(split.caller_chunks + split.worker_chunks, 5 * 8);
+  EXPECT_GE(split.caller_busy_ns + split.worker_busy_ns, 5 * 8 * 300'000);
+  EXPECT_GE(split.wall_ns, (split.caller_busy_ns + split.worker_busy_ns) / 2);
+  EXPECT_LE(split.caller_busy_ns, split.wall_ns);
+  EXPECT_LE(split.caller_wait_ns, split.wall_ns);
+  EXPECT_EQ(p.sites[1].regions, 0);
+  EXPECT_EQ(p.sites[1].solo_regions, 1);
+  EXPECT_EQ(short_calls, 1);
+  set_thread_pool_profiling(false);
+  parallel_for(0, 8, 1, sleepy);
+  EXPECT_EQ(thread_pool_profile().sites[0].regions, 5) << "off: nothing counted";
+  set_thread_pool_profiling(true);
+  EXPECT_TRUE(thread_pool_profile().sites.empty()) << "on again: reset";
+  set_thread_pool_profiling(false);
 }
 
 }  // namespace
