@@ -13,6 +13,8 @@ clamping by max_tokens: session 19 found 1.646 here against 1.63 served for /wor
 (bench_spec_paired / bench_spec_decode). Beside it, the trainer's held-out walk of the same tree: the gap between the
 two is the prompts, not the serving path. Per-prompt lengths show the spread of 8 prompts. Costs ~30 s of CPU; the
 bench's prompts are for evaluation only (never fit a tree or train on them).
+`--held-out FILE`: the same walks along a trainer's held-out answers (a `--shard-size` data cache's
+medusa-heldout-*.pt), over all of them and over the open-chat ones (the closer predictor of the chat benchmark).
 Writes benchmarks/results/medusa_walk_<tag>.{md,json}.
 """
 
@@ -71,12 +73,53 @@ def walk_answers(heads, lm_head, to_ids, answers) -> tuple[dict[str, float], lis
     return out, per_answer
 
 
+def held_out_walks(heads, lm_head, to_ids, held: tuple, is_chat: list[bool]) -> dict[str, dict[str, float]]:
+    """The stored trees and chain walked along a trainer's held-out answers (a data cache's held-out tuple: ids,
+    states, positions, answers laid end to end in prompt order), over all answers and over the open-chat ones
+    (`is_chat`, per prompt): {"all" | "chat": {size: mean accepted length}}. Unlike the trainer's stored walk
+    (its first 6000 positions) every position counts."""
+    from pagellm.spec_decode.medusa_tree import MedusaTree
+    from pagellm.spec_decode.medusa_tree_fit import full_tree, path_hits, tree_runs, walk
+
+    ids, hidden, flat = held[0], held[1], held[2]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), torch.nonzero(flat[1:] - flat[:-1] > 1).flatten() + 1])
+    if len(starts) != len(is_chat):
+        raise ValueError(f"{len(starts)} held-out answers with positions, {len(is_chat)} prompts: cannot tell kinds")
+    answer_of = torch.zeros(len(flat), dtype=torch.long)
+    answer_of[starts[1:]] = 1
+    chat = torch.tensor(is_chat)[answer_of.cumsum(0)]
+    full = full_tree(4, heads.num_heads)
+    hits = path_hits(heads, lm_head, hidden.to(torch.bfloat16), ids, flat, full, to_ids)
+    out: dict[str, dict[str, float]] = {"all": {}, "chat": {}}
+    for n, tree in heads.training_info.get("trees", {}).items():
+        if n not in SIZES:
+            continue
+        sub = MedusaTree.from_spec([tuple(p) for p in tree["paths"]])
+        runs = tree_runs(sub, hits[:, [full.paths.index(p) for p in sub.paths]])
+        out["all"][n] = walk(flat, runs.tolist())["accepted_len"]
+        out["chat"][n] = walk(flat[chat], runs[chat].tolist())["accepted_len"]
+    return out
+
+
+def held_out_set(path: str, num_prompts: int, seed: int) -> tuple[tuple, list[bool]]:
+    """(a data cache's held-out tuple, whether each of its prompts is open chat): medusa_prompts' held-out list."""
+    from pagellm.spec_decode.medusa_prompts import chat_prompts, distill_prompts
+
+    chat = set(chat_prompts(True))
+    return torch.load(path), [p in chat for p in distill_prompts(num_prompts, True, seed)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--medusa-heads", required=True, help="comma-separated heads directories (train-medusa outputs)")
     ap.add_argument("--num-prompts", type=int, default=8)
     ap.add_argument("--output-len", type=int, default=48)
     ap.add_argument("--tag", default="medusa")
+    ap.add_argument("--held-out", default=None,
+                    help="a data cache's medusa-heldout-*.pt (train-medusa --shard-size): also walk every heads' "
+                         "trees along it, all answers and open chat only")
+    ap.add_argument("--held-out-prompts", type=int, default=160, help="--held-out: the set's --num-eval-seqs")
+    ap.add_argument("--held-out-seed", type=int, default=0, help="--held-out: the set's --seed")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from pagellm.spec_decode.hydra_heads import HydraHeads, load_draft_heads
@@ -87,7 +130,8 @@ def main() -> None:
     answers = record(prompts, args.output_len)
     _, base = load_base(None)  # the default model's HF weights: its LM head and token embedding (fp32)
     lm_weight = base.get_output_embeddings().weight.detach().float()
-    rows, results = [], []
+    held_set = held_out_set(args.held_out, args.held_out_prompts, args.held_out_seed) if args.held_out else None
+    rows, results, held_rows = [], [], []
     for d in [x for x in args.medusa_heads.split(",") if x]:
         heads = load_draft_heads(d, dtype=torch.float32)
         if isinstance(heads, HydraHeads):
@@ -97,6 +141,12 @@ def main() -> None:
                                          None if vocab is None else (lambda i, v=vocab: v[i]), answers)
         held = {n: t["accepted_len"] for n, t in heads.training_info.get("trees", {}).items() if n in SIZES}
         results.append({"heads": d, "bench_walk": bench, "held_out_walk": held, "per_answer_tree6": per_answer})
+        if held_set is not None:
+            walks = held_out_walks(heads, served_lm_head(heads, lm_weight),
+                                   None if vocab is None else (lambda i, v=vocab: v[i]), *held_set)
+            results[-1]["held_out_cache_walk"] = walks
+            held_rows.append([d] + [f"{walks['all'][n]:.3f} / {walks['chat'][n]:.3f}" if n in walks["all"] else "-"
+                                    for n in SIZES])
         rows.append([d] + [f"{bench[n]:.3f} ({held[n]:.3f})" if n in bench and n in held else "-" for n in SIZES]
                     + [" / ".join(f"{x:.2f}" for x in per_answer)])
     md = "\n".join([f"# Heads walked along the chat benchmark's answers ({args.tag})", "",
@@ -104,6 +154,11 @@ def main() -> None:
                     f"states; mean accepted length with every step drafting (the trainer's held-out walk)", "",
                     C.md_table(["heads"] + [f"{'chain' if n == 'chain' else 'tree heads:' + n}" for n in SIZES]
                                + ["heads:6 per prompt"], rows)])
+    if held_rows:
+        md += "\n\n" + "\n".join([f"Walked along {args.held_out} (all {args.held_out_prompts} held-out answers / "
+                                   "open chat only, every position):", "",
+                                   C.md_table(["heads"] + [f"{'chain' if n == 'chain' else 'tree heads:' + n}"
+                                                           for n in SIZES], held_rows)])
     print("\n" + md, flush=True)
     C.save_results(f"medusa_walk_{args.tag}", md, {"tag": args.tag, "env": C.env_info(), "args": vars(args),
                                                     "results": results})

@@ -17,7 +17,7 @@ from pagellm.spec_decode.medusa import MedusaTreeProposer
 from pagellm.spec_decode.medusa_heads import CONFIG_NAME, MedusaHeads, draft_vocab_lm_head
 from pagellm.spec_decode.medusa_tree import MedusaTree
 from pagellm.spec_decode.medusa_train import (LR_FLOOR, MedusaTrainConfig, head_inputs, head_targets, init_heads_from,
-                                               lr_factor, medusa_loss, train_heads)
+                                               lr_factor, medusa_loss, stored_draft_vocab, train_heads)
 
 H, V, K, LAYERS = 37, 53, 3, 2  # odd sizes
 
@@ -238,6 +238,9 @@ def test_lr_schedule_and_continued_training(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), stored.state_dict().values()))
     with pytest.raises(ValueError, match="another draft vocabulary"):
         init_heads_from(HydraHeads(H, V, num_heads=K, num_layers=1), str(tmp_path / "stored"))
+    # continuing on other data keeps the stored rows when the size asked is theirs (train_medusa)
+    assert torch.equal(stored_draft_vocab(str(tmp_path / "stored"), (V + 1) // 2), torch.arange(0, V, 2))
+    assert stored_draft_vocab(str(tmp_path / "stored"), (V + 1) // 2 + 1) is None
     with pytest.raises(ValueError, match=r"\(kind, hidden, vocab, heads, layers\)"):
         init_heads_from(HydraHeads(H, V, num_heads=K, num_layers=2), str(tmp_path / "stored"))
 

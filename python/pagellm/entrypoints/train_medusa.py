@@ -5,6 +5,8 @@
     pagellm train-medusa --output DIR --data chat --num-train-seqs 256 --steps 1000   # heads for chat serving
     pagellm train-medusa --output DIR --data chat --head-type hydra                  # heads that read their drafts
     pagellm train-medusa --output DIR --data distill --num-train-seqs 2400 --head-type hydra  # many varied prompts
+    pagellm train-medusa --output DIR --data distill --num-train-seqs 13400 --shard-size 400 --data-cache C \
+        --answer-shards 0-9 --data-only       # answer 10 shards into C (rerun / other processes: other shards)
 
 The heads load with LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 3,
 "model": DIR}). Layout of DIR: spec_decode/medusa_heads.py.
@@ -28,14 +30,18 @@ def run(a: argparse.Namespace) -> int:
                                draft_vocab_size=a.draft_vocab_size, eval_every=a.eval_every,
                                head_type=a.head_type, sampled_fraction=a.sampled_fraction,
                                sample_temperature=a.sample_temperature, tree_row_cost=a.tree_row_cost,
-                               lr_schedule=a.lr_schedule, init_from=a.init_from, kl_weight=a.kl_weight)
+                               lr_schedule=a.lr_schedule, init_from=a.init_from, kl_weight=a.kl_weight,
+                               shard_size=a.shard_size)
     start = time.perf_counter()
     answer_fn = engine_answers(a.model, a.answer_dtype) if a.data == "chat" else None
     say = lambda msg: print(f"[medusa] {msg}", flush=True)  # noqa: E731
-    record_fn = engine_recorder(a.model, a.answer_dtype, a.answer_batch, say) if a.data == "distill" else None
-    out, _ = train_medusa(a.output, a.model, config, progress=say, answer_fn=answer_fn, data_cache=a.data_cache,
-                          record_fn=record_fn)
-    print(f"[medusa] wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    record_fn = engine_recorder(a.model, a.answer_dtype, a.answer_batch, say, a.answer_kv_gb) \
+        if a.data == "distill" else None
+    caches = [c for c in (a.data_cache or "").split(",") if c]
+    out, _ = train_medusa(a.output, a.model, config, progress=say, answer_fn=answer_fn, data_cache=caches,
+                          record_fn=record_fn, answer_shards=a.answer_shards, data_only=a.data_only)
+    done = f"wrote {out}" if out is not None else "answered the shards"
+    print(f"[medusa] {done} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
     return 0
 
 
@@ -57,7 +63,7 @@ def engine_answers(model: str | None, dtype: str):
     return answer
 
 
-def engine_recorder(model: str | None, dtype: str, max_num_seqs: int, say):
+def engine_recorder(model: str | None, dtype: str, max_num_seqs: int, say, kv_gb: float | None = None):
     """`--data distill`'s answers and hidden states, recorded while pagellm answers (spec_decode/medusa_distill.py);
     an engine per call, shut down after it (the heads train with its memory free)."""
 
@@ -65,7 +71,7 @@ def engine_recorder(model: str | None, dtype: str, max_num_seqs: int, say):
         from pagellm import LLM  # noqa: PLC0415
         from pagellm.spec_decode.medusa_distill import record_answers  # noqa: PLC0415
 
-        llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs)
+        llm = LLM(model, dtype=dtype, max_num_seqs=max_num_seqs, kv_cache_memory_gb=kv_gb)
         try:
             return record_answers(llm, prompts, answer_len, temperature, say=say)
         finally:
@@ -100,7 +106,8 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--lr-schedule", default=d.lr_schedule, choices=LR_SCHEDULES,
                    help="after the warm-up: constant, or a half cosine down to 5 %% of --lr at the last step")
     p.add_argument("--init-from", default=None,
-                   help="start from these heads (a train-medusa output of the same kind, sizes and data): continue")
+                   help="start from these heads (a train-medusa output of the same kind and sizes): continue; their "
+                        "draft vocabulary is kept when it has --draft-vocab-size tokens")
     p.add_argument("--weight-decay", type=float, default=d.weight_decay,
                    help="AdamW weight decay (hydra heads on a few hundred answers overfit: 0.1 helped)")
     p.add_argument("--data", default=d.data, choices=DATA_SOURCES,
@@ -128,8 +135,19 @@ def add_train_medusa_parser(subparsers) -> argparse.ArgumentParser:
                         "product per step instead of the whole vocabulary's)")
     p.add_argument("--eval-every", type=int, default=d.eval_every,
                    help="evaluate on the held-out set every N steps and keep the best heads (0: keep the last)")
+    p.add_argument("--answer-kv-gb", type=float, default=None,
+                   help="--data distill: the answering engine's KV-cache budget in GiB (default: the engine's)")
     p.add_argument("--data-cache", default=None,
                    help="directory keeping the answers' token ids and hidden states: a rerun with other training "
-                        "settings (steps, lr, draft vocabulary) skips generating them")
+                        "settings (steps, lr, draft vocabulary) skips generating them; with --shard-size a "
+                        "comma-separated list (shards are answered into the first, read from all)")
+    p.add_argument("--shard-size", type=int, default=d.shard_size,
+                   help="--data distill: answer and cache the training prompts in shards of this many "
+                        "(spec_decode/medusa_data_shards.py): piece by piece, in parallel processes, resumable")
+    p.add_argument("--answer-shards", default="all",
+                   help="--shard-size: the shards this run answers where no cache holds them: all | none | 0-4,7 "
+                        "(training reads every shard found)")
+    p.add_argument("--data-only", action="store_true",
+                   help="--shard-size: answer the shards and the held-out set, train nothing")
     p.set_defaults(func=run)
     return p

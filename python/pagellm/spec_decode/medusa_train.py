@@ -70,7 +70,7 @@ from pagellm.spec_decode.hydra_heads import HEAD_TYPES, HydraHeads, load_draft_h
 from pagellm.spec_decode.medusa_heads import MedusaHeads, base_model_hash, draft_vocab_lm_head
 from pagellm.spec_decode.medusa_tree_fit import fit_trees
 from pagellm.spec_decode.medusa_train_data import (AnswerFn, MedusaTrainConfig, RecordFn, cached_training_data,
-                                                   training_data)
+                                                   sharded_training_data, training_data)
 
 MEDUSA_DECAY = 0.8  # Medusa's medusa_decay_coefficient: later heads weigh less
 
@@ -281,6 +281,12 @@ def init_heads_from(heads: MedusaHeads, directory: str) -> None:
     heads.load_state_dict(src.state_dict())
 
 
+def stored_draft_vocab(directory: str, size: int) -> torch.Tensor | None:
+    """The draft vocabulary of stored heads if it has `size` tokens, else None."""
+    vocab = load_draft_heads(directory, dtype=torch.float32).draft_vocab
+    return vocab if vocab is not None and vocab.numel() == size else None
+
+
 def frequent_tokens(labels: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` token ids that occur most often among the labels (ties: the lower id)."""
     counts = torch.bincount(labels.reshape(-1), minlength=size)
@@ -314,24 +320,42 @@ def frozen_lm_head(base) -> Callable[[torch.Tensor], torch.Tensor]:
 def train_medusa(output: str | Path, model: str | None = None, config: MedusaTrainConfig | None = None,
                  progress: Callable[[str], None] | None = None,
                  answer_fn: AnswerFn | None = None,
-                 data_cache: str | Path | None = None,
-                 record_fn: RecordFn | None = None) -> tuple[Path, dict[str, float]]:
+                 data_cache: str | Path | list | None = None,
+                 record_fn: RecordFn | None = None, answer_shards: str | None = None,
+                 data_only: bool = False) -> tuple[Path | None, dict[str, float]]:
     """The whole recipe (module doc); writes the heads to `output`. Returns it and the held-out accuracies
     (the served way: draft vocabulary, bf16 hidden states and LM-head rows). `answer_fn`: see
     chat_training_data (`--data chat` only); `record_fn`: see distill_training_data (`--data distill` only).
     `data_cache`: a directory keeping the token ids and hidden states
-    (per model and data settings), so that another run with other training settings skips the answers."""
+    (per model and data settings), so that another run with other training settings skips the answers; with
+    `config.shard_size` a list of directories (medusa_data_shards.py): `answer_shards` (parse_shards' spec) are
+    answered into the first where none holds them, and training reads every shard found in any; `data_only`: stop
+    after answering (returns (None, {}))."""
     config = config or MedusaTrainConfig()
     config.check()
     say = progress or (lambda _msg: None)
     torch.manual_seed(config.seed)
     t0 = time.perf_counter()
-    files, base = load_base(model)
+    if data_only:  # answering needs the tokenizer, not the HF float32 model
+        from pagellm.model_loader import open_model  # noqa: PLC0415
+
+        files, base = open_model(model), None
+    else:
+        files, base = load_base(model)
     hf = files.hf_config
-    data = cached_training_data(data_cache, model, config,
-                        lambda: {held_out: training_data(base, files.tokenizer, config, held_out, say, answer_fn,
-                                                         record_fn)
-                                 for held_out in (True, False)})  # the short held-out set first
+    caches = list(data_cache) if isinstance(data_cache, (list, tuple)) else [data_cache] if data_cache else []
+    if config.shard_size:
+        data = sharded_training_data(caches, model, config, files.tokenizer, say, record_fn, answer_shards,
+                                     load=not data_only)
+        if data_only:
+            return None, {}
+    else:
+        if len(caches) > 1:
+            raise ValueError("several data caches need answers in shards (shard_size > 0)")
+        data = cached_training_data(caches[0] if caches else None, model, config,
+                                    lambda: {held_out: training_data(base, files.tokenizer, config, held_out, say,
+                                                                     answer_fn, record_fn)
+                                             for held_out in (True, False)})  # the short held-out set first
     say(f"hidden states of {data[False][0].numel()} train / {data[True][0].numel()} held-out tokens "
         f"in {time.perf_counter() - t0:.0f}s")
     heads = HEAD_TYPES[config.head_type](int(hf.hidden_size), int(hf.vocab_size), config.num_heads, config.num_layers,
@@ -347,9 +371,11 @@ def train_medusa(output: str | Path, model: str | None = None, config: MedusaTra
     train_hidden = train_hidden.to(torch.bfloat16)  # what the engine hands the heads: bf16 states
     vocab = None
     if config.draft_vocab_size:  # chosen first: the heads train over the rows the proposer will score
-        vocab = frequent_tokens(head_targets(train_ids if train_labels is None else train_labels, config.num_heads,
-                                             train_pos)[1],
-                                min(config.draft_vocab_size, int(hf.vocab_size)))
+        size = min(config.draft_vocab_size, int(hf.vocab_size))
+        vocab = stored_draft_vocab(config.init_from, size) if config.init_from else None
+        if vocab is None:  # continuing keeps the stored heads' rows: more data may rank a few tokens otherwise
+            vocab = frequent_tokens(head_targets(train_ids if train_labels is None else train_labels,
+                                                 config.num_heads, train_pos)[1], size)
         heads.set_draft_vocab(vocab)
         vocab = heads.draft_vocab
     if config.init_from:

@@ -63,6 +63,8 @@ class MedusaTrainConfig:
     # > 0: each head's loss mixes in KL(target || head) against the target's whole distribution at the position
     # it guesses, (1 - w) * CE + w * KL (medusa_train.medusa_loss): distillation beyond the argmax labels
     kl_weight: float = 0.0
+    # --data distill, > 0: the training prompts answered and cached in shards of this many (medusa_data_shards.py)
+    shard_size: int = 0
 
     def check(self) -> None:
         if self.data not in DATA_SOURCES:
@@ -90,6 +92,8 @@ class MedusaTrainConfig:
         if not 0.0 <= self.sampled_fraction <= 1.0 or not self.sample_temperature > 0:
             raise ValueError(f"sampled_fraction must be in [0, 1] and sample_temperature > 0, got "
                              f"{self.sampled_fraction}, {self.sample_temperature}")
+        if self.shard_size < 0 or (self.shard_size and self.data != "distill"):
+            raise ValueError(f"shard_size must be >= 0 (> 0 with data 'distill' only), got {self.shard_size}")
         if self.draft_vocab_size < 0 or (self.draft_vocab_size and not self.share_lm_head):
             raise ValueError(f"draft_vocab_size must be >= 0 and needs a shared LM head, got {self.draft_vocab_size}")
 
@@ -229,7 +233,23 @@ def distill_training_data(tokenizer, config: MedusaTrainConfig, held_out: bool, 
     if record_fn is None:
         raise ValueError("--data distill needs the engine's answers (record_fn, entrypoints/train_medusa.py)")
     count = config.num_eval_seqs if held_out else config.num_train_seqs
-    prompts = chat_prompt_ids(tokenizer, distill_prompts(count, held_out, config.seed))
+    return answer_distill_prompts(chat_prompt_ids(tokenizer, distill_prompts(count, held_out, config.seed)), config,
+                                  held_out, say, record_fn)
+
+
+def distill_prompt_ids(tokenizer, config: MedusaTrainConfig) -> list[list[int]]:
+    """The training prompts of `--data distill`, chat-templated token ids (the list medusa_data_shards cuts)."""
+    from pagellm.spec_decode.medusa_chat_data import chat_prompt_ids  # noqa: PLC0415
+    from pagellm.spec_decode.medusa_prompts import distill_prompts  # noqa: PLC0415
+
+    return chat_prompt_ids(tokenizer, distill_prompts(config.num_train_seqs, False, config.seed))
+
+
+def answer_distill_prompts(prompts: list[list[int]], config: MedusaTrainConfig, held_out: bool,
+                           say: Callable[[str], None], record_fn: RecordFn | None) -> tuple[torch.Tensor, ...]:
+    """distill_training_data's tuple for these prompts: training, the first `sampled_fraction` of them sampled."""
+    if record_fn is None:
+        raise ValueError("--data distill needs the engine's answers (record_fn, entrypoints/train_medusa.py)")
     num_sampled = 0 if held_out else int(round(len(prompts) * config.sampled_fraction))
     say(f"distillation: the engine answers {len(prompts)} {'held-out ' if held_out else ''}prompts "
         f"({num_sampled} sampled at temperature {config.sample_temperature}, up to {config.seq_len} tokens each)")
@@ -256,6 +276,23 @@ def training_data(base, tokenizer, config: MedusaTrainConfig, held_out: bool, sa
         say(f"self-distillation: continuing {len(ids)} prompts to {config.seq_len} tokens")
         ids = greedy_continuations(base, ids, config.seq_len)
     return ids, final_hidden_states(base, ids), None
+
+
+def sharded_training_data(caches: list, model: str | None, config: MedusaTrainConfig, tokenizer,
+                          say: Callable[[str], None], record_fn: RecordFn | None, shards: str | None,
+                          load: bool = True) -> dict | None:
+    """`--shard-size`: answer the listed shards (`shards`: medusa_data_shards.parse_shards' spec) and the held-out
+    set where no cache holds them, then (`load`) the held-out set and every shard found in `caches`."""
+    from pagellm.spec_decode import medusa_data_shards as S  # noqa: PLC0415
+
+    def answer(prompts: list[list[int]] | None, held_out: bool) -> tuple:
+        if held_out:
+            return distill_training_data(tokenizer, config, True, say, record_fn)
+        return answer_distill_prompts(prompts, config, False, say, record_fn)
+
+    S.answer_shards(caches, model, config, S.parse_shards(shards, S.num_shards(config)), answer,
+                    lambda: distill_prompt_ids(tokenizer, config), say)
+    return S.load_shards(caches, model, config, say) if load else None
 
 
 def cached_training_data(cache: str | Path | None, model: str | None, config: MedusaTrainConfig, compute: Callable) -> dict:
