@@ -7,6 +7,7 @@
     pagellm quantize --method awq --rounding gptq --group-search --refine-sweeps 2 --num-samples 128 \
         --group-size 32 --output OUT                                            # +3.25 % (session 17)
     pagellm quantize --method awq --group-size 32 --draws 3 --select draw --output OUT   # best of 3 by validation NLL
+    pagellm quantize --method awq --group-size 32 --e2e-steps 24 --e2e-batch-size 2 --output OUT   # + scales tuned E2E
 
 The command's defaults since session 18 are `--rounding gptq --group-search --refine-sweeps 2 --num-samples 128`
 (`--rounding rtn --no-group-search --refine-sweeps 0 --num-samples 32` is session 15's recipe, `quantize_model_awq`'s
@@ -27,7 +28,10 @@ calibration (`--select draw`) or the per-decoder-layer mix of them (`--select la
 the rounded model on `--validation-samples` windows of calibration-side text none of the draws read (awq_select.py):
 N times the calibration, plus N validation forwards (draw) or ~0.6 x (N - 1) x layers more (layer). On the default model
 a whole draw chosen so was no better on the benchmark's held-out texts; the per-layer mix of 3 draws gave +2.30 %
-against their mean +3.25 % in one run (benchmarks/README.md session 19), so it is off by default. Calibration text: calibration_data.py.
+against their mean +3.25 % in one run (benchmarks/README.md session 19), so it is off by default. `--e2e-steps N`
+then trains the group scales (`--e2e-norms`: and the layer norms) end to end against the float model's next-token
+distributions on the calibration windows, the integers fixed, early-stopped on `--validation-samples` windows
+(awq_e2e.py; benchmarks/README.md session 20). Calibration text: calibration_data.py.
 The result loads with `LLM(DIR)` (quantization_config says "awq") and with HF transformers' AWQ support.
 """
 
