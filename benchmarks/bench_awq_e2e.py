@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--validation-samples", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=8)
     ap.add_argument("--patience", type=int, default=4)
     ap.add_argument("--norms", action="store_true", help="also train the decoder layers' RMSNorm weights")
