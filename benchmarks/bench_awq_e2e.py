@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--draws", type=int, default=1, help="the calibration's --draws (its windows are all used)")
     ap.add_argument("--validation-samples", type=int, default=32)
     ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--lr", type=float, default=2e-4)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--eval-every", type=int, default=8)
     ap.add_argument("--patience", type=int, default=4)
