@@ -10,6 +10,7 @@
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+seq:32   # + --group-search --true-sequential
     python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+refine:64   # + --refine-sweeps 2 (refine8: 8)
     python benchmarks/bench_quant_ppl.py --model-size 1b               # random TinyLlama-1.1B-shaped bf16 model
+    python benchmarks/bench_quant_ppl.py --methods bf16,awq+gptq+search+refine+e2e24:32   # + --e2e-steps 24
     python benchmarks/bench_quant_ppl.py --methods bf16,dir=/tmp/my-awq        # an existing checkpoint directory
     python benchmarks/bench_quant_ppl.py --quick                       # 800 words, 16 decode tokens, 1 repeat
 
@@ -175,8 +176,9 @@ AWQ_SEARCH_VERSION = "v2"  # in the cache names: v2 = AutoAWQ's duo scaling and 
 AWQ_OPTIONS = {"gptq": "--rounding gptq", "search": "--group-search", "seq": "--true-sequential",
                "refine": "--refine-sweeps 2", "refine<N>": "--refine-sweeps N",
                "noscale": "--scale-search none", "rscale": "--scale-search rounding",
-               "draws<N>": "--draws N (--select draw)", "lsel": "--select layer (with draws<N>)"}
-_NUMBERED_OPTIONS = re.compile(r"(refine|draws)[1-9]\d*")
+               "draws<N>": "--draws N (--select draw)", "lsel": "--select layer (with draws<N>)",
+               "e2e<N>": "--e2e-steps N (awq_e2e's defaults)", "e2enorm": "--e2e-norms (with e2e<N>)"}
+_NUMBERED_OPTIONS = re.compile(r"(refine|draws|e2e)[1-9]\d*")
 
 
 def awq_options(name: str) -> tuple[str, ...] | None:
@@ -197,6 +199,12 @@ def num_draws(options: tuple[str, ...]) -> int:
     """--draws of an option set: "draws<N>" -> N, none -> 1."""
     found = [o for o in options if o.startswith("draws")]
     return int(found[0][len("draws"):]) if found else 1
+
+
+def e2e_steps(options: tuple[str, ...]) -> int:
+    """--e2e-steps of an option set: "e2e<N>" -> N, none -> 0."""
+    found = [o for o in options if _NUMBERED_OPTIONS.fullmatch(o) and o.startswith("e2e")]
+    return int(found[0][len("e2e"):]) if found else 0
 
 
 def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: int, group: int | None = None,
@@ -220,7 +228,8 @@ def awq_checkpoint(model: str | None, cache: Path, num_samples: int, seq_len: in
     quantize_model_awq(model, out, group_size=group, num_samples=num_samples, seq_len=seq_len, overwrite=True,
                        rounding=rounding, group_search="search" in options, true_sequential="seq" in options,
                        refine_sweeps=refine_sweeps(options), seed=seed, draws=num_draws(options),
-                       select="layer" if "lsel" in options else "draw",
+                       select="layer" if "lsel" in options else "draw", e2e_steps=e2e_steps(options),
+                       e2e_norms="e2enorm" in options,
                        scale_search="none" if "noscale" in options else "rounding" if "rscale" in options else "rtn",
                        progress=lambda msg: print(f"[awq] {msg}", flush=True))
     print(f"[awq] {src.name} calibrated into {out} in {time.perf_counter() - t:.0f}s", flush=True)
